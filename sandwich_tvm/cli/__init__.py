@@ -1,0 +1,1 @@
+"""Thin argparse front-ends; `python -m sandwich_tvm.<verb>` runs each."""

@@ -1,0 +1,78 @@
+"""`python -m sandwich_tvm.tune`: the main job.
+
+Stage 1 (this release) plans: it reads this machine's topology, microbenchmarks its roofs
+(cached per CPU), explores TopoTrees and writes the ranked Sandwich plans to
+``<out>/plans.json``. The kernel and model stages join it in later releases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..model.config import ModelConfigError
+from ..topology.hwobj import TopologyError
+from ..topology.profile import ProfileError, save_atomic
+from ..topology.search import search_plans
+from .common import (add_machine_args, plans_table, print_search, resolve_machine,
+                     resolve_model_and_trace)
+from .topo import profile_lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sandwich_tvm.tune",
+        description="Tune Sandwich for a model on this machine (default: the llama-160m preset). "
+                    "Stage 'plan': topology -> ranked prefill/decode plans.")
+    parser.add_argument("stage", nargs="?", default="plan", choices=["plan"],
+                        help="what to tune (default: plan)")
+    add_machine_args(parser)
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="directory for plans.json (default ./out)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(width=max(Console().width, 150))
+    try:
+        console.rule("[bold]sandwich-tvm tune: plan stage")
+        tree, source, profile = resolve_machine(args, log=console.print)
+        console.print(f"machine: {source}, {tree.summary()}")
+        console.print("\n".join(profile_lines(profile)))
+        model, trace = resolve_model_and_trace(args)
+        console.print(f"model: {model.name} ({model.num_params() / 1e6:.0f}M parameters), "
+                      f"{len(trace.prompt)} requests")
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as bar:
+            task = bar.add_task("exploring grouped TopoTrees", total=None)
+            result = search_plans(
+                tree, model, profile, trace, top_k=args.top_k, patience=args.patience,
+                max_group_levels=args.max_group_levels,
+                progress=lambda _stage, done, total: bar.update(task, completed=done, total=total))
+    except (TopologyError, ModelConfigError, ProfileError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    print_search(console, result)
+    console.print(plans_table(result, f"Sandwich plans for {model.name}"))
+    out = args.out / "plans.json"
+    save_atomic(out, json.dumps({
+        "machine": source, "tree": tree.summary(), "profile": json.loads(profile.to_json()),
+        "model": model.to_dict(), "plans": [p.to_dict() for p in result.plans]}, indent=2))
+    best = result.plans[0] if result.plans else None
+    if best:
+        console.print(f"best plan: prefill {best.plan.prefill} -> decode {best.plan.decode}; "
+                      f"predicted TTFT {best.prediction.ttft_ms:.1f} ms, "
+                      f"TPOT {best.prediction.tpot_ms:.2f} ms")
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

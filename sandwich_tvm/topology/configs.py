@@ -1,0 +1,102 @@
+"""Interpretation: horizontal cross-sections of a TopoTree become service configurations.
+
+Cutting a tree at depth c makes every node at that depth one process; its leaves are the
+process's cores and the NUMA nodes they sit in are its memory domains. The number of
+processes is the tensor-parallel degree. A Sandwich plan pairs two configurations over one
+partition: prefill on every core of each process, decode on the cores a `remove` kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tree import TopoTree, format_cpus
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Processes (OS CPU ids each) and the NUMA nodes each process uses."""
+
+    processes: tuple[tuple[int, ...], ...]
+    domains: tuple[tuple[int, ...], ...]
+
+    @property
+    def tp(self) -> int:
+        return len(self.processes)
+
+    @property
+    def threads(self) -> int:
+        """Threads per process (one per PU)."""
+        return len(self.processes[0])
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], ...]:
+        """Canonical form: equal for configurations that use the same CPU sets."""
+        return tuple(sorted(tuple(sorted(p)) for p in self.processes))
+
+    @property
+    def group_key(self) -> tuple:
+        """Process count and memory domains: the unit of early stopping."""
+        return (self.tp, tuple(sorted(self.domains)))
+
+    def cpus(self) -> list[int]:
+        return sorted(c for p in self.processes for c in p)
+
+    def describe(self) -> str:
+        return f"{self.tp}x{self.threads}"
+
+    def to_dict(self) -> dict:
+        return {"processes": self.tp, "threads": self.threads,
+                "cpus": [list(p) for p in self.processes],
+                "numa": [list(d) for d in self.domains]}
+
+    def __str__(self) -> str:
+        shown = "; ".join(format_cpus(p) for p in self.processes[:4])
+        more = " ..." if self.tp > 4 else ""
+        return f"{self.describe()} [{shown}{more}]"
+
+
+def cross_section(tree: TopoTree, depth: int) -> ServiceConfig:
+    """The configuration that cuts `tree` at `depth`."""
+    return ServiceConfig(tuple(tree.nodes(depth)), tuple(tree.node_domains(depth)))
+
+
+def cross_sections(tree: TopoTree, max_depth: int | None = None) -> list[tuple[int, ServiceConfig]]:
+    """Every (depth, configuration) from the root down, equivalent ones hashed away.
+
+    `max_depth` keeps the cuts that a remove below them does not change: after
+    remove(n, d) only cuts at depth < d keep the partition of the tree it came from.
+    """
+    last = tree.height if max_depth is None else min(max_depth, tree.height)
+    out, seen = [], set()
+    for depth in range(last + 1):
+        config = cross_section(tree, depth)
+        if config.key not in seen:
+            seen.add(config.key)
+            out.append((depth, config))
+    return out
+
+
+@dataclass(frozen=True)
+class SandwichPlan:
+    """One model partition; prefill on all of each process's cores, decode on a subset."""
+
+    prefill: ServiceConfig
+    decode: ServiceConfig
+    transforms: tuple[str, ...] = ()
+
+    @property
+    def tp(self) -> int:
+        return self.prefill.tp
+
+    def to_dict(self) -> dict:
+        return {
+            "processes": self.tp,
+            "tp": self.tp,
+            "prefill_threads": self.prefill.threads,
+            "decode_threads": self.decode.threads,
+            "prefill_cpus": [list(p) for p in self.prefill.processes],
+            "decode_cpus": [list(p) for p in self.decode.processes],
+            "numa": [list(d) for d in self.prefill.domains],
+            "transforms": list(self.transforms),
+        }

@@ -1,0 +1,218 @@
+"""ctypes bindings to Debian's libhwloc 2.x: the real machine, a synthetic string, or XML.
+
+Only the handful of exported functions we need are bound. `struct hwloc_obj` is declared
+field by field in the 2.x order; the `static inline` helpers of hwloc.h are not exported,
+so the tree is walked from `hwloc_get_obj_by_depth(topo, 0, 0)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from pathlib import Path
+
+from .hwobj import Discovery, HwObject, TopologyError
+
+# Types that are shared resources worth a tree level. L1 caches, memory-side caches,
+# I/O and Misc objects are dropped; NUMA nodes become colours of their parent.
+KEPT_TYPES = ("Machine", "Package", "Die", "Group", "L4Cache", "L3Cache", "L2Cache", "Core", "PU")
+
+
+class _Info(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+class _Obj(ctypes.Structure):
+    pass
+
+
+_ObjP = ctypes.POINTER(_Obj)
+_Obj._fields_ = [
+    ("type", ctypes.c_int),
+    ("subtype", ctypes.c_char_p),
+    ("os_index", ctypes.c_uint),
+    ("name", ctypes.c_char_p),
+    ("total_memory", ctypes.c_uint64),
+    ("attr", ctypes.POINTER(ctypes.c_uint64)),  # union; caches and NUMA start with a size
+    ("depth", ctypes.c_int),
+    ("logical_index", ctypes.c_uint),
+    ("next_cousin", _ObjP),
+    ("prev_cousin", _ObjP),
+    ("parent", _ObjP),
+    ("sibling_rank", ctypes.c_uint),
+    ("next_sibling", _ObjP),
+    ("prev_sibling", _ObjP),
+    ("arity", ctypes.c_uint),
+    ("children", ctypes.POINTER(_ObjP)),
+    ("first_child", _ObjP),
+    ("last_child", _ObjP),
+    ("symmetric_subtree", ctypes.c_int),
+    ("memory_arity", ctypes.c_uint),
+    ("memory_first_child", _ObjP),
+    ("io_arity", ctypes.c_uint),
+    ("io_first_child", _ObjP),
+    ("misc_arity", ctypes.c_uint),
+    ("misc_first_child", _ObjP),
+    ("cpuset", ctypes.c_void_p),
+    ("complete_cpuset", ctypes.c_void_p),
+    ("nodeset", ctypes.c_void_p),
+    ("complete_nodeset", ctypes.c_void_p),
+    ("infos", ctypes.POINTER(_Info)),
+    ("infos_count", ctypes.c_uint),
+    ("userdata", ctypes.c_void_p),
+    ("gp_index", ctypes.c_uint64),
+]
+
+_NO_INDEX = 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """libhwloc 2.x, or None when it is not installed (callers fall back to sysfs)."""
+    for name in ("libhwloc.so.15", ctypes.util.find_library("hwloc")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.hwloc_get_api_version.restype = ctypes.c_uint
+        if lib.hwloc_get_api_version() >> 16 != 2:
+            continue
+        _declare(lib)
+        return lib
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp = ctypes.c_void_p
+    lib.hwloc_topology_init.argtypes = [ctypes.POINTER(vp)]
+    lib.hwloc_topology_set_synthetic.argtypes = [vp, ctypes.c_char_p]
+    lib.hwloc_topology_set_xml.argtypes = [vp, ctypes.c_char_p]
+    lib.hwloc_topology_load.argtypes = [vp]
+    lib.hwloc_topology_destroy.argtypes = [vp]
+    lib.hwloc_get_obj_by_depth.argtypes = [vp, ctypes.c_int, ctypes.c_uint]
+    lib.hwloc_get_obj_by_depth.restype = _ObjP
+    lib.hwloc_obj_type_string.argtypes = [ctypes.c_int]
+    lib.hwloc_obj_type_string.restype = ctypes.c_char_p
+    lib.hwloc_cpukinds_get_nr.argtypes = [vp, ctypes.c_ulong]
+    lib.hwloc_cpukinds_get_info.argtypes = [
+        vp, ctypes.c_uint, vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(ctypes.POINTER(_Info)), ctypes.c_ulong,
+    ]
+    lib.hwloc_bitmap_alloc.restype = vp
+    lib.hwloc_bitmap_free.argtypes = [vp]
+    lib.hwloc_bitmap_next.argtypes = [vp, ctypes.c_int]
+
+
+def discover(*, synthetic: str | None = None, xml: str | os.PathLike | None = None) -> Discovery:
+    """Load a topology through hwloc: synthetic string, XML file, or (neither) this machine."""
+    lib = load_library()
+    if lib is None:
+        raise TopologyError(
+            "libhwloc 2.x is not installed: run `bash scripts/setup.sh` (as root it installs "
+            "Debian's libhwloc15), or use the real machine, which falls back to Linux sysfs"
+        )
+    topo = ctypes.c_void_p()
+    if lib.hwloc_topology_init(ctypes.byref(topo)) != 0:
+        raise TopologyError("hwloc_topology_init failed")
+    try:
+        source = _configure(lib, topo, synthetic, xml)
+        if lib.hwloc_topology_load(topo) != 0:
+            raise TopologyError(f"hwloc could not load {source}")
+        root = lib.hwloc_get_obj_by_depth(topo, 0, 0)
+        return Discovery(
+            root=_convert(lib, root.contents),
+            source=source,
+            cpu_model=_cpu_model(root.contents),
+            cpukinds=_cpukinds(lib, topo),
+        )
+    finally:
+        lib.hwloc_topology_destroy(topo)
+
+
+def _configure(lib: ctypes.CDLL, topo: ctypes.c_void_p, synthetic: str | None, xml) -> str:
+    if synthetic is not None:
+        if lib.hwloc_topology_set_synthetic(topo, synthetic.encode()) != 0:
+            raise TopologyError(
+                f"hwloc rejected the synthetic description {synthetic!r}. Write levels as "
+                "`type:count` from the top, e.g. 'package:2 [numa] l3:4 core:8 pu:1' "
+                "(see `man hwloc-synthetic` or lstopo --of synthetic)"
+            )
+        return f"synthetic:{synthetic}"
+    if xml is not None:
+        path = Path(xml)
+        if not path.is_file():
+            raise TopologyError(f"topology XML file {str(path)!r} does not exist")
+        if lib.hwloc_topology_set_xml(topo, str(path).encode()) != 0:
+            raise TopologyError(
+                f"hwloc could not parse the XML file {str(path)!r}; export one with "
+                "`lstopo-no-graphics --of xml > machine.xml`"
+            )
+        return f"xml:{path.name}"
+    return "hwloc:this-machine"
+
+
+def _convert(lib: ctypes.CDLL, obj: _Obj) -> HwObject:
+    type_name = lib.hwloc_obj_type_string(obj.type).decode()
+    numa, child = [], obj.memory_first_child
+    while child:
+        numa.extend(_numa_indexes(lib, child.contents))
+        child = child.contents.next_sibling
+    cache = obj.attr.contents.value if type_name.endswith("Cache") and obj.attr else None
+    node = HwObject(
+        type=type_name,
+        os_index=None if obj.os_index == _NO_INDEX else obj.os_index,
+        subtype=obj.subtype.decode() if obj.subtype else None,
+        cache_size=cache,
+        numa=tuple(numa),
+    )
+    for i in range(obj.arity):
+        sub = _convert(lib, obj.children[i].contents)
+        if sub.type in KEPT_TYPES:
+            node.children.append(sub)
+        else:  # an L1 cache or a memory-side cache: splice its children in
+            node.children.extend(sub.children)
+            node.numa += sub.numa
+    return node
+
+
+def _numa_indexes(lib: ctypes.CDLL, obj: _Obj) -> list[int]:
+    """NUMA nodes below a memory child (memory-side caches sit above them)."""
+    if lib.hwloc_obj_type_string(obj.type).decode() == "NUMANode":
+        return [obj.os_index]
+    out, child = [], obj.memory_first_child
+    while child:
+        out.extend(_numa_indexes(lib, child.contents))
+        child = child.contents.next_sibling
+    return out
+
+
+def _cpu_model(root: _Obj) -> str:
+    """The CPUModel info hwloc puts on Package (x86) or on the root."""
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        for i in range(obj.infos_count):
+            if obj.infos[i].name == b"CPUModel" and obj.infos[i].value:
+                return obj.infos[i].value.decode().strip()
+        stack.extend(obj.children[i].contents for i in range(obj.arity))
+    return ""
+
+
+def _cpukinds(lib: ctypes.CDLL, topo: ctypes.c_void_p) -> tuple[tuple[int, ...], ...]:
+    kinds = []
+    for k in range(max(lib.hwloc_cpukinds_get_nr(topo, 0), 0)):
+        bitmap = lib.hwloc_bitmap_alloc()
+        try:
+            lib.hwloc_cpukinds_get_info(topo, k, bitmap, None, None, None, 0)
+            cpus, cpu = [], lib.hwloc_bitmap_next(bitmap, -1)
+            while cpu >= 0:
+                cpus.append(cpu)
+                cpu = lib.hwloc_bitmap_next(bitmap, cpu)
+            kinds.append(tuple(cpus))
+        finally:
+            lib.hwloc_bitmap_free(bitmap)
+    return tuple(kinds)

@@ -1,0 +1,121 @@
+"""Short microbenchmarks that turn this machine into a MachineProfile (cached per CPU).
+
+* compute: single-threaded OpenBLAS SGEMM (numpy, pinned to one core) -- the achievable
+  fp32 GEMM roof per core;
+* memory: a TVM-compiled streaming read of a 1 GiB buffer with 1..n threads pinned to the
+  cores of one NUMA node, giving that node's bandwidth curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .profile import MachineProfile, Resource, cache_dir, save_atomic
+from .tree import TopoTree
+
+READ_BYTES = 1 << 30
+
+
+def sgemm_gflops(cpu: int, n: int = 1536, repeats: int = 5) -> float:
+    """Median single-core SGEMM GFLOPS on `cpu` (numpy/OpenBLAS, one thread)."""
+    from threadpoolctl import threadpool_limits
+
+    before = os.sched_getaffinity(0)
+    rng = np.random.default_rng(0)
+    a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
+    try:
+        os.sched_setaffinity(0, {cpu})
+        with threadpool_limits(1):
+            a @ b
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - start)
+    finally:
+        os.sched_setaffinity(0, before)
+    return 2 * n**3 / float(np.median(times)) / 1e9
+
+
+def _read_kernel(rows: int, k: int):
+    from ..tvm_compat import T
+
+    @T.prim_func
+    def read_sum(a: T.Buffer((rows, k, 4, 8), "float32"), out: T.Buffer((rows, 4, 8), "float32")):
+        for r in T.parallel(rows):
+            for j in T.unroll(4):
+                for lane in T.vectorized(8):
+                    out[r, j, lane] = T.float32(0)
+            for kk in range(k):
+                for j in T.unroll(4):
+                    for lane in T.vectorized(8):
+                        out[r, j, lane] = out[r, j, lane] + a[r, kk, j, lane]
+
+    return read_sum
+
+
+def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) -> list[float]:
+    """GB/s of a streaming read with the first 1..len(cpus) of `cpus` (TVM threads, pinned)."""
+    from ..tvm_compat import host_target, tvm
+
+    k = 2048
+    rows = max(nbytes // (k * 32 * 4), 64)
+    exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
+    dev = tvm.cpu()
+    data = tvm.runtime.tensor(np.ones((rows, k, 4, 8), np.float32), dev)  # touched: real pages
+    out = tvm.runtime.empty((rows, 4, 8), "float32", dev)
+    config = tvm.get_global_func("runtime.config_threadpool")
+    max_threads = int(os.environ.get("TVM_NUM_THREADS", len(cpus)))
+    before = os.sched_getaffinity(0)
+    curve = []
+    try:
+        for n in range(1, min(len(cpus), max_threads) + 1):
+            config(-2, n, [str(c) for c in cpus[:n]])  # worker i on cpus[i]
+            timer = exe.mod.time_evaluator("read_sum", dev, number=1, repeat=repeats)
+            curve.append(data.numpy().nbytes / float(np.median(timer(data, out).results)) / 1e9)
+    finally:
+        config(-2, max_threads, [str(c) for c in sorted(before)][:max_threads])
+        os.sched_setaffinity(0, before)
+    return curve
+
+
+def profile_key(tree: TopoTree, cpu_model: str) -> str:
+    text = json.dumps([cpu_model, tree.summary(), tree.pus])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
+                    log: Callable[[str], None] = lambda msg: None) -> MachineProfile:
+    """Microbenchmark this machine (or reuse the cached result for this CPU and tree)."""
+    from ..tvm_compat import host_isa
+
+    path = cache_dir() / "profiles" / f"{profile_key(tree, cpu_model)}.json"
+    if path.is_file() and not refresh:
+        log(f"machine profile: cached {path}")
+        return MachineProfile.from_dict(json.loads(path.read_text()), where=str(path))
+    first_domain = tree.domains[0]
+    cpus = [pu for pu, dom in zip(tree.pus, tree.domains, strict=True) if dom == first_domain]
+    log("microbenchmark: single-core SGEMM ...")
+    gflops = sgemm_gflops(cpus[0])
+    log(f"microbenchmark: streaming read with 1..{len(cpus)} cores ...")
+    curve = read_bandwidth(cpus)
+    profile = MachineProfile(
+        name="this-machine",
+        gflops_per_core=round(gflops, 2),
+        resources=(Resource("NUMANode", "numa", tuple(round(b, 2) for b in curve)),),
+        cpu_model=cpu_model,
+        isa=host_isa(),
+        pu_count=len(tree.pus),
+        source="measured",
+        allreduce_gbs=round(curve[-1] / 2, 2),
+        notes=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
+    )
+    save_atomic(path, profile.to_json())
+    log(f"machine profile: saved {path}")
+    return profile

@@ -1,0 +1,196 @@
+"""The configuration search: fundamental tree -> groups -> removes -> ranked Sandwich plans.
+
+1. `explore_groups` enumerates latent structures (Merkle de-duplicated).
+2. For each grouped tree G, every cross-section whose TP degree the model allows is a
+   prefill partition. A transformation tree of `remove`s grows from G; each removed tree R
+   offers decode configurations at the cuts above its shallowest remove (same partition).
+   A removed tree that improves no cut over its parent is not expanded further; trees
+   already seen (same Merkle hash) are skipped.
+3. Decode configurations are grouped by (process count, NUMA nodes); a group stops being
+   evaluated after `patience` consecutive configurations that do not beat its best.
+4. Pairs (prefill, decode) are ranked by predicted mean request latency over the trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..model.config import LlamaConfig
+from .configs import SandwichPlan, ServiceConfig, cross_section, cross_sections
+from .hwobj import TopologyError
+from .profile import MachineProfile
+from .simulator import LatencySimulator, Prediction, Trace
+from .transforms import explore_groups, remove, remove_candidates
+from .tree import TopoTree
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    plan: SandwichPlan
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        return {
+            **self.plan.to_dict(),
+            "predicted_ttft_ms": round(self.prediction.ttft_ms, 3),
+            "predicted_tpot_ms": round(self.prediction.tpot_ms, 3),
+            "predicted_latency_ms": round(self.prediction.latency_ms, 3),
+        }
+
+
+@dataclass
+class SearchStats:
+    group_trees_generated: int = 0
+    group_trees_unique: int = 0
+    remove_trees_generated: int = 0
+    remove_trees_unique: int = 0
+    remove_trees_pruned: int = 0
+    configs_evaluated: int = 0
+    configs_skipped_early_stop: int = 0
+    cuts_rejected_tp: int = 0
+    groups_early_stopped: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class SearchResult:
+    tree: TopoTree
+    plans: list[RankedPlan]
+    stats: SearchStats
+    simulator: LatencySimulator = field(repr=False)
+
+
+@dataclass
+class _EarlyStop:
+    """Patience per process group (same process count and NUMA nodes)."""
+
+    patience: int
+    best: dict[tuple, float] = field(default_factory=dict)
+    misses: dict[tuple, int] = field(default_factory=dict)
+    stopped: set[tuple] = field(default_factory=set)
+
+    def allows(self, group: tuple) -> bool:
+        return group not in self.stopped
+
+    def report(self, group: tuple, cost: float) -> None:
+        if cost < self.best.get(group, float("inf")):
+            self.best[group], self.misses[group] = cost, 0
+            return
+        self.misses[group] = self.misses.get(group, 0) + 1
+        if self.misses[group] >= self.patience:
+            self.stopped.add(group)
+
+
+def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, trace: Trace, *,
+                 top_k: int = 10, patience: int = 32, max_group_levels: int = 2,
+                 power_of_two: bool = True, progress: Progress | None = None) -> SearchResult:
+    """Explore `tree` and return the top-k Sandwich plans by predicted request latency."""
+    start = time.perf_counter()
+    stats = SearchStats()
+    sim = LatencySimulator(tree, profile, model, trace)
+    grouped, stats.group_trees_generated = explore_groups(
+        tree, max_new_levels=max_group_levels, power_of_two=power_of_two)
+    stats.group_trees_unique = len(grouped)
+    stop = _EarlyStop(patience)
+    decode_cost: dict[tuple, float] = {}
+    pairs: dict[tuple, SandwichPlan] = {}
+    seen: set[str] = set()
+
+    def evaluate(decode: ServiceConfig) -> float | None:
+        if decode.key in decode_cost:
+            return decode_cost[decode.key]
+        if not stop.allows(decode.group_key):
+            stats.configs_skipped_early_stop += 1
+            return None
+        cost = decode_cost[decode.key] = sim.decode_cost(decode)
+        stats.configs_evaluated += 1
+        stop.report(decode.group_key, cost)
+        return cost
+
+    for done, g_tree in enumerate(grouped):
+        if progress:
+            progress("trees", done, len(grouped))
+        cuts = {}
+        for depth in range(g_tree.height + 1):
+            config = cross_section(g_tree, depth)
+            if model.tp_degrees_ok(config.tp):
+                cuts[depth] = config
+            else:
+                stats.cuts_rejected_tp += 1
+        if not cuts or g_tree.merkle in seen:
+            continue
+        seen.add(g_tree.merkle)
+        shallowest = min(cuts)
+        queue: deque[tuple[TopoTree, dict[int, float] | None]] = deque([(g_tree, None)])
+        while queue:
+            r_tree, parent_scores = queue.popleft()
+            stats.remove_trees_unique += 1
+            limit = r_tree.height if r_tree.removed_at is None else r_tree.removed_at - 1
+            scores = {}
+            for depth, prefill in cuts.items():
+                if depth > limit:
+                    continue
+                decode = cross_section(r_tree, depth)
+                cost = evaluate(decode)
+                if cost is None:
+                    continue
+                scores[depth] = cost
+                pairs.setdefault((prefill.key, decode.key),
+                                 SandwichPlan(prefill, decode, r_tree.history))
+            improved = parent_scores is None or any(
+                cost < parent_scores.get(d, float("inf")) for d, cost in scores.items())
+            if not improved:
+                stats.remove_trees_pruned += 1
+                continue
+            for n, d in remove_candidates(r_tree):
+                if d <= shallowest:  # would leave no cut with the prefill partition
+                    continue
+                child = remove(r_tree, n, d)
+                stats.remove_trees_generated += 1
+                if child.merkle not in seen:
+                    seen.add(child.merkle)
+                    queue.append((child, scores))
+    if progress:
+        progress("trees", len(grouped), len(grouped))
+    stats.groups_early_stopped = len(stop.stopped)
+    ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode))
+                     for plan in pairs.values()), key=lambda rp: (round(rp.prediction.latency_ms, 6), len(rp.plan.transforms)))
+    stats.seconds = time.perf_counter() - start
+    return SearchResult(tree=tree, plans=ranked[:top_k], stats=stats, simulator=sim)
+
+
+def parse_config(tree: TopoTree, spec: str) -> ServiceConfig:
+    """A configuration the user names: 'PxC' (P processes of C cores) or CPU lists.
+
+    'PxC' cuts the tree (or one of its grouped variants) where it has P nodes and keeps
+    the first C PUs of each; '0-15;16-31' lists each process's CPUs.
+    """
+    spec = spec.strip()
+    if "x" in spec and ";" not in spec:
+        try:
+            procs, cores = (int(v) for v in spec.lower().split("x"))
+        except ValueError as err:
+            raise TopologyError(f"configuration {spec!r}: write PxC, e.g. 8x16") from err
+        for candidate in explore_groups(tree, max_new_levels=1)[0]:
+            for depth, config in cross_sections(candidate):
+                if config.tp == procs and 1 <= cores <= config.threads:
+                    kept = tuple(p[:cores] for p in config.processes)
+                    doms = tuple(tuple(sorted({candidate.domains[candidate.pus.index(c)] for c in p}))
+                                 for p in kept)
+                    return ServiceConfig(kept, doms)
+        counts = sorted({c.tp for _, c in cross_sections(tree)})
+        raise TopologyError(f"configuration {spec!r}: no cut of the tree has {procs} processes "
+                            f"of at least {cores} cores (process counts: {counts})")
+    from .sysfs import parse_cpulist
+
+    procs = tuple(parse_cpulist(part) for part in spec.split(";"))
+    unknown = sorted(set(c for p in procs for c in p) - set(tree.pus))
+    if unknown or not all(procs):
+        raise TopologyError(f"configuration {spec!r}: CPUs {unknown} are not in this machine")
+    where = dict(zip(tree.pus, tree.domains, strict=True))
+    return ServiceConfig(procs, tuple(tuple(sorted({where[c] for c in p})) for p in procs))

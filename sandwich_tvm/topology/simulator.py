@@ -1,0 +1,189 @@
+"""Trace-driven latency simulator: predicted TTFT and TPOT of a service configuration.
+
+Per decoder layer and process, a roofline: GEMM/GEMV time is the larger of FLOPs over the
+process's compute and bytes over its memory bandwidth; attention adds its FLOPs (prefill)
+or its KV-cache bytes (decode). Bandwidth comes from the machine's shared resources: every
+resource instance (NUMA node, L3, latent cluster) splits what it delivers with k active
+cores among them, so all processes running at once contend. Tensor parallelism adds two
+all-reduces per layer over shared memory, slower when processes span NUMA nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.config import LlamaConfig
+from .configs import ServiceConfig
+from .profile import MachineProfile, Resource
+from .tree import TopoTree
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Request lengths (tokens) the simulator replays."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.prompt) == 0 or len(self.prompt) != len(self.output):
+            raise ValueError("a trace needs as many prompt lengths as output lengths, at least one")
+
+    def __hash__(self) -> int:
+        return hash((self.prompt.tobytes(), self.output.tobytes()))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float  # mean over the trace
+    tpot_ms: float  # token-weighted mean over the trace
+    prefill_ms: float  # mean per request (= ttft_ms)
+    decode_ms: float  # mean per request: output tokens x TPOT
+
+    @property
+    def latency_ms(self) -> float:
+        return self.prefill_ms + self.decode_ms
+
+
+class LatencySimulator:
+    """Predicts TTFT/TPOT for configurations on one machine, model and trace."""
+
+    def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace):
+        self.profile, self.model, self.trace = profile, model, trace
+        self._instance = {r.name: _instances(tree, r) for r in profile.resources}
+        core_depth = tree.depth_of("Core")
+        self._core_of = _by_node(tree, core_depth) if core_depth is not None else {}
+        l3_depth = tree.depth_of("L3Cache")
+        self._l3_of = _by_node(tree, l3_depth) if l3_depth is not None else {}
+        self._l3_size = tree.levels[l3_depth].cache_size or 0 if l3_depth is not None else 0
+        self._memo: dict[tuple, np.ndarray] = {}
+
+    # ---- roofs of one configuration -------------------------------------------------
+    def compute_gflops(self, config: ServiceConfig) -> float:
+        """Peak GFLOPS of one process (SMT siblings share a core)."""
+        proc = config.processes[0]
+        per_core: dict[int, int] = {}
+        for pu in proc:
+            core = self._core_of.get(pu, pu)
+            per_core[core] = per_core.get(core, 0) + 1
+        gain = sum(self.profile.smt_gain if n > 1 else 1.0 for n in per_core.values())
+        return gain * self.profile.gflops_per_core
+
+    def bandwidth_gbs(self, config: ServiceConfig) -> float:
+        """Memory bandwidth of the slowest process while all processes stream."""
+        active: dict[tuple[str, int], int] = {}
+        for pu in config.cpus():
+            for name, inst in self._instance.items():
+                active[name, inst[pu]] = active.get((name, inst[pu]), 0) + 1
+        resources = {r.name: r for r in self.profile.resources}
+        worst = float("inf")
+        for proc, domains in zip(config.processes, config.domains, strict=True):
+            bw = 0.0
+            for pu in proc:
+                shares = []
+                for name, inst in self._instance.items():
+                    k = active[name, inst[pu]]
+                    shares.append(resources[name].bandwidth(k) / k)
+                bw += min(shares)
+            if len(domains) > 1:  # weights spread over k nodes: (k-1)/k of reads are remote
+                local = 1 / len(domains)
+                bw /= local + (1 - local) / self.profile.remote_factor
+            worst = min(worst, bw)
+        weights = self.model.num_params() * self.model.dtype_bytes / config.tp
+        if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
+            worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
+        return worst
+
+    def _llc_bytes(self, config: ServiceConfig) -> float:
+        proc = config.processes[0]
+        l3s = {self._l3_of.get(pu) for pu in proc}
+        sharers = {inst: sum(1 for p in config.processes
+                             if any(self._l3_of.get(pu) == inst for pu in p)) for inst in l3s}
+        return sum(self._l3_size / sharers[inst] for inst in l3s)
+
+    def _allreduce_ms(self, config: ServiceConfig, nbytes: np.ndarray | float) -> np.ndarray:
+        p = config.tp
+        if p == 1:
+            return np.zeros_like(np.asarray(nbytes, dtype=float))
+        one_node = len({d for ds in config.domains for d in ds}) == 1
+        latency = self.profile.allreduce_latency_us if one_node else self.profile.allreduce_cross_numa_us
+        gbs = self.profile.allreduce_gbs * (1.0 if one_node else self.profile.remote_factor)
+        return latency / 1e3 + 2 * (p - 1) / p * np.asarray(nbytes, float) / (gbs * 1e6)
+
+    # ---- phases ---------------------------------------------------------------------
+    def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
+        """Prefill time of prompts of the given lengths."""
+        m, tp, b = self.model, config.tp, self.model.dtype_bytes
+        s = np.asarray(prompt, dtype=float)
+        peak = self.compute_gflops(config) * 1e6  # FLOP per ms
+        gemm, attn = peak * self.profile.gemm_efficiency, peak * self.profile.attention_efficiency
+        bw = self.bandwidth_gbs(config) * 1e6  # bytes per ms
+        weights = m.layer_params() * b / tp
+        layer = np.maximum(2 * s * m.layer_params() / tp / gemm, weights / bw)
+        layer += 2 * s * s * m.num_attention_heads * m.head_dim / tp / attn
+        layer += 2 * self._allreduce_ms(config, s * m.hidden_size * b)
+        layer += self.profile.layer_overhead_us / 1e3
+        head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
+        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * b / tp)
+
+    def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
+        """Time of one decode step at the given context lengths (batch 1)."""
+        m, tp, b = self.model, config.tp, self.model.dtype_bytes
+        ctx = np.asarray(context, dtype=float)
+        gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
+        bw = self.bandwidth_gbs(config) * 1e6
+        kv = 2 * ctx * m.num_key_value_heads * m.head_dim * b / tp
+        flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
+        layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
+        layer += 2 * self._allreduce_ms(config, m.hidden_size * b)
+        layer += self.profile.layer_overhead_us / 1e3
+        head = m.hidden_size * m.vocab_size * b / tp / bw
+        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * b / tp)
+
+    # ---- over the trace -------------------------------------------------------------
+    def prefill_cost(self, config: ServiceConfig) -> float:
+        """Mean TTFT over the trace (memoised per configuration)."""
+        key = ("p", config.key)
+        if key not in self._memo:
+            self._memo[key] = self.ttft_ms(config, self.trace.prompt)
+        return float(self._memo[key].mean())
+
+    def decode_cost(self, config: ServiceConfig) -> float:
+        """Mean decode time per request: output tokens x TPOT at the mid context."""
+        return float((self.trace.output * self._tpot(config)).mean())
+
+    def _tpot(self, config: ServiceConfig) -> np.ndarray:
+        key = ("d", config.key)
+        if key not in self._memo:
+            mid = self.trace.prompt + self.trace.output / 2  # TPOT is linear in context
+            self._memo[key] = self.tpot_ms(config, mid)
+        return self._memo[key]
+
+    def predict(self, prefill: ServiceConfig, decode: ServiceConfig) -> Prediction:
+        tpot = self._tpot(decode)
+        out = self.trace.output
+        return Prediction(
+            ttft_ms=self.prefill_cost(prefill),
+            tpot_ms=float((out * tpot).sum() / out.sum()),
+            prefill_ms=self.prefill_cost(prefill),
+            decode_ms=self.decode_cost(decode),
+        )
+
+
+def _by_node(tree: TopoTree, depth: int) -> dict[int, int]:
+    return {pu: i for i, node in enumerate(tree.nodes(depth)) for pu in node}
+
+
+def _instances(tree: TopoTree, resource: Resource) -> dict[int, int]:
+    """PU -> instance number of `resource` on the machine `tree` describes."""
+    if resource.scope == "numa":
+        return dict(zip(tree.pus, tree.domains, strict=True))
+    if resource.scope == "latent":
+        group = resource.size * resource.stride
+        return {pu: (i // group) * resource.stride + i % resource.stride
+                for i, pu in enumerate(sorted(tree.pus))}
+    kind = {"package": "Package", "l3": "L3Cache", "core": "Core"}[resource.scope]
+    depth = tree.depth_of(kind)
+    return _by_node(tree, depth) if depth is not None else {pu: 0 for pu in tree.pus}

@@ -1,0 +1,59 @@
+"""Every TVM import and host-target decision in one place (names moved between versions).
+
+Importing this module sets ``TVM_NUM_THREADS`` to the CPUs this process may use before
+TVM's thread pool starts: on x86 TVM otherwise assumes SMT and starts half as many.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+
+import tvm  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402,F401
+
+__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags"]
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty off Linux)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_isa() -> str:
+    """'avx512', 'avx2', 'neon' or 'generic'."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    if "asimd" in flags:
+        return "neon"
+    return "generic"
+
+
+def _mcpu() -> str:
+    # LLVM names this Zen3 VM "znver4" and would emit AVX-512 it does not have, so the
+    # CPU name is trusted only when its ISA matches the flags the kernel reports.
+    system = tvm.target.codegen.llvm_get_system_cpu()
+    isa = host_isa()
+    if isa == "avx512" or isa == "neon":
+        return system
+    if isa == "avx2":
+        return "znver3" if system.startswith("znver") else "x86-64-v3"
+    return "x86-64"
+
+
+def host_target(num_cores: int | None = None) -> tvm.target.Target:
+    """An llvm target for this machine (dict form; MetaSchedule needs num-cores)."""
+    cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
+    return tvm.target.Target({"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores})

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install everything sandwich-tvm needs into .venv at the repo root.
+#   bash scripts/setup.sh          # runtime dependencies
+#   bash scripts/setup.sh test     # plus the test extras (pytest, torch CPU, transformers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System: Debian's libhwloc (ctypes bindings) and hwloc-nox (lstopo, for XML export).
+if ! ldconfig -p 2>/dev/null | grep -q 'libhwloc\.so\.15'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing libhwloc15 hwloc-nox with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libhwloc15 hwloc-nox >/dev/null
+  else
+    echo "[setup] warning: libhwloc.so.15 not found and apt-get unavailable as root;" \
+         "topology discovery will fall back to Linux sysfs" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "${1:-}" = "test" ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+echo "[setup] ready: .venv/bin/python -m sandwich_tvm.tune --help"

