@@ -21,9 +21,10 @@ __all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags"]
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of /proc/cpuinfo (empty off Linux)."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
     return frozenset()

@@ -12,8 +12,13 @@ from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
 from ..topology.profile import MachineProfile, ProfileError
 from ..topology.search import parse_config, search_plans
-from .common import (add_machine_args, plans_table, print_search, resolve_machine,
-                     resolve_model_and_trace)
+from .common import (
+    add_machine_args,
+    plans_table,
+    print_search,
+    resolve_machine,
+    resolve_model_and_trace,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

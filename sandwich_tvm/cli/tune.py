@@ -19,8 +19,13 @@ from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
 from ..topology.profile import ProfileError, save_atomic
 from ..topology.search import search_plans
-from .common import (add_machine_args, plans_table, print_search, resolve_machine,
-                     resolve_model_and_trace)
+from .common import (
+    add_machine_args,
+    plans_table,
+    print_search,
+    resolve_machine,
+    resolve_model_and_trace,
+)
 from .topo import profile_lines
 
 

@@ -121,7 +121,9 @@ def discover(*, synthetic: str | None = None, xml: str | os.PathLike | None = No
     try:
         source = _configure(lib, topo, synthetic, xml)
         if lib.hwloc_topology_load(topo) != 0:
-            raise TopologyError(f"hwloc could not load {source}")
+            hint = (" (could not parse it: malformed or truncated XML; export a fresh one with "
+                    "`lstopo-no-graphics --of xml > machine.xml`)" if xml is not None else "")
+            raise TopologyError(f"hwloc could not load {source}{hint}")
         root = lib.hwloc_get_obj_by_depth(topo, 0, 0)
         return Discovery(
             root=_convert(lib, root.contents),

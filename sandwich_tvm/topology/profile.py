@@ -105,10 +105,9 @@ def shipped_profiles() -> dict[str, MachineProfile]:
 def match_profile(cpu_model: str, pu_count: int) -> MachineProfile | None:
     """The shipped profile whose CPU model and PU count match a modelled machine."""
     for profile in shipped_profiles().values():
-        if profile.cpu_model:
-            same_cpu = profile.cpu_model.lower() in cpu_model.lower()
-        else:  # hwloc gives ARM CPUs and synthetic machines no model string
-            same_cpu = not cpu_model
+        # hwloc gives ARM CPUs and synthetic machines no model string
+        same_cpu = (profile.cpu_model.lower() in cpu_model.lower() if profile.cpu_model
+                    else not cpu_model)
         if profile.pu_count == pu_count and same_cpu:
             return profile
     return None

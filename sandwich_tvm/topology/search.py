@@ -158,8 +158,8 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
     if progress:
         progress("trees", len(grouped), len(grouped))
     stats.groups_early_stopped = len(stop.stopped)
-    ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode))
-                     for plan in pairs.values()), key=lambda rp: (round(rp.prediction.latency_ms, 6), len(rp.plan.transforms)))
+    ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode)) for plan in pairs.values()),
+                    key=lambda rp: (round(rp.prediction.latency_ms, 6), len(rp.plan.transforms)))
     stats.seconds = time.perf_counter() - start
     return SearchResult(tree=tree, plans=ranked[:top_k], stats=stats, simulator=sim)
 
@@ -177,11 +177,11 @@ def parse_config(tree: TopoTree, spec: str) -> ServiceConfig:
         except ValueError as err:
             raise TopologyError(f"configuration {spec!r}: write PxC, e.g. 8x16") from err
         for candidate in explore_groups(tree, max_new_levels=1)[0]:
-            for depth, config in cross_sections(candidate):
+            where = dict(zip(candidate.pus, candidate.domains, strict=True))
+            for _, config in cross_sections(candidate):
                 if config.tp == procs and 1 <= cores <= config.threads:
                     kept = tuple(p[:cores] for p in config.processes)
-                    doms = tuple(tuple(sorted({candidate.domains[candidate.pus.index(c)] for c in p}))
-                                 for p in kept)
+                    doms = tuple(tuple(sorted({where[c] for c in p})) for p in kept)
                     return ServiceConfig(kept, doms)
         counts = sorted({c.tp for _, c in cross_sections(tree)})
         raise TopologyError(f"configuration {spec!r}: no cut of the tree has {procs} processes "

@@ -16,7 +16,6 @@ from .hwobj import TopologyError
 from .tree import Level, TopoTree
 
 
-
 def group(tree: TopoTree, n: int, t: int, d: int) -> TopoTree:
     """Group every n siblings at depth d, taken with stride t, under a new latent level."""
     if not 1 <= d <= tree.height:

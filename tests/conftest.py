@@ -1,0 +1,29 @@
+"""Shared fixtures: topology files, a tiny trace, and an isolated cache directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.topology.simulator import Trace
+
+TOPOLOGIES = Path(__file__).parent / "fixtures" / "topologies"
+KUNPENG_192 = ("package:4 l3:2(size=24MiB) [numa] l2:24(size=512KiB) l1d:1(size=64KiB) "
+               "l1i:1(size=64KiB) core:1 pu:1")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Keep caches (profiles, trace lengths) out of the user's home, shared per session."""
+    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def trace() -> Trace:
+    return Trace(prompt=np.array([32.0, 256.0, 900.0]), output=np.array([64.0, 128.0, 16.0]))
+
+
+def topology(name: str) -> Path:
+    return TOPOLOGIES / f"{name}.xml"
