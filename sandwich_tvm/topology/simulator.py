@@ -57,7 +57,7 @@ class LatencySimulator:
         self._core_of = _by_node(tree, core_depth) if core_depth is not None else {}
         l3_depth = tree.depth_of("L3Cache")
         self._l3_of = _by_node(tree, l3_depth) if l3_depth is not None else {}
-        self._l3_size = tree.levels[l3_depth].cache_size or 0 if l3_depth is not None else 0
+        self._l3_size = (tree.levels[l3_depth].cache_size or 0) if l3_depth is not None else 0
         self._memo: dict[tuple, np.ndarray] = {}
 
     # ---- roofs of one configuration -------------------------------------------------
