@@ -121,3 +121,15 @@ def test_sysfs_fallback_builds_the_same_shape(tmp_path):
 
 def test_sysfs_parse_cpulist():
     assert sysfs.parse_cpulist("0-3,8,10-11") == (0, 1, 2, 3, 8, 10, 11)
+
+
+def test_real_machine_falls_back_to_sysfs_with_a_warning(monkeypatch):
+    from sandwich_tvm import topology
+
+    monkeypatch.setattr(topology.hwloc, "load_library", lambda: None)
+    with pytest.warns(UserWarning, match="sysfs"):
+        tree, found = topology.load_tree()
+    assert found.source == "sysfs:this-machine"
+    assert set(os.sched_getaffinity(0)) <= set(tree.pus)
+    with pytest.raises(TopologyError, match="libhwloc"):
+        topology.hwloc.discover(synthetic="package:1 core:2 pu:1")
