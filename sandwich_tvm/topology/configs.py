@@ -61,15 +61,10 @@ def cross_section(tree: TopoTree, depth: int) -> ServiceConfig:
     return ServiceConfig(tuple(tree.nodes(depth)), tuple(tree.node_domains(depth)))
 
 
-def cross_sections(tree: TopoTree, max_depth: int | None = None) -> list[tuple[int, ServiceConfig]]:
-    """Every (depth, configuration) from the root down, equivalent ones hashed away.
-
-    `max_depth` keeps the cuts that a remove below them does not change: after
-    remove(n, d) only cuts at depth < d keep the partition of the tree it came from.
-    """
-    last = tree.height if max_depth is None else min(max_depth, tree.height)
+def cross_sections(tree: TopoTree) -> list[tuple[int, ServiceConfig]]:
+    """Every (depth, configuration) from the root down, equivalent ones hashed away."""
     out, seen = [], set()
-    for depth in range(last + 1):
+    for depth in range(tree.height + 1):
         config = cross_section(tree, depth)
         if config.key not in seen:
             seen.add(config.key)
