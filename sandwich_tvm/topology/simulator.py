@@ -39,12 +39,11 @@ class Trace:
 class Prediction:
     ttft_ms: float  # mean over the trace
     tpot_ms: float  # token-weighted mean over the trace
-    prefill_ms: float  # mean per request (= ttft_ms)
     decode_ms: float  # mean per request: output tokens x TPOT
 
     @property
     def latency_ms(self) -> float:
-        return self.prefill_ms + self.decode_ms
+        return self.ttft_ms + self.decode_ms
 
 
 class LatencySimulator:
@@ -167,7 +166,6 @@ class LatencySimulator:
         return Prediction(
             ttft_ms=self.prefill_cost(prefill),
             tpot_ms=float((out * tpot).sum() / out.sum()),
-            prefill_ms=self.prefill_cost(prefill),
             decode_ms=self.decode_cost(decode),
         )
 
