@@ -1,0 +1,24 @@
+"""Dynamic-shape GEMM generation (paper §6): micro-kernels, TensorIR generation, search.
+
+Public entry points for other TVM flows:
+
+- ``SandwichGemmRule`` / ``SandwichSearchStrategy``: MetaSchedule schedule rule and search
+  strategy for the Linear pattern on a packed weight (``metaschedule``).
+- ``tune_gemm(n, k, threads=...)``: tune every sequence length of one GEMM (``tuner``).
+- ``linear_primfunc(shape, buckets)``: the generated dynamic-m kernel (``codegen``);
+  ``pack_weight`` puts a weight in the layout it reads.
+"""
+
+from .codegen import Bucket, KernelError, linear_primfunc, linear_source, pack_weight, packed_panels
+from .database import KernelRecord, ScheduleDbError, find_record, load_record, save_record
+from .microkernel import ISAS, REGISTRY, MicroKernel, enumerate_microkernels
+from .schedule import GemmSchedule, GemmShape, Polymerization, Slice, polymerizations
+from .search import Problem, SequenceTuner, fast_start, finetune, run_search, slice_search
+
+__all__ = [
+    "Bucket", "KernelError", "linear_primfunc", "linear_source", "pack_weight", "packed_panels",
+    "KernelRecord", "ScheduleDbError", "find_record", "load_record", "save_record",
+    "ISAS", "REGISTRY", "MicroKernel", "enumerate_microkernels",
+    "GemmSchedule", "GemmShape", "Polymerization", "Slice", "polymerizations",
+    "Problem", "SequenceTuner", "fast_start", "finetune", "run_search", "slice_search",
+]

@@ -1,0 +1,241 @@
+"""TensorIR generation for the Linear pattern ``Y[m, n] = X[m, k] @ W[n, k].T`` with symbolic m.
+
+The generated PrimFunc follows BLIS: X is packed into MR-row panels (zero rows past m, so
+every tile is full and the hot loop has no predicate), W arrives prepacked in ``lanes``-wide
+panels ``Wp[n_pad / L, k, L]``; each thread of the polymerization grid walks its block with
+the loops JC (NC) -> PC (KC) -> IC (MC) -> JR (NR) -> IR (MR) and runs the register tile.
+Tails are explicit: rows past m are never stored, the last column tile stores only n % NR
+columns, the last KC block has its own static length. Split-K threads write partial sums
+that a final parallel pass adds up.
+
+Trap (notes §2): the accumulator must be a small *global*-scope block buffer: TVM then puts
+it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
+allocation whose stores stay in the hot loop (3x slower).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..tvm_compat import T, tvm
+from .microkernel import ISAS
+from .schedule import GemmSchedule, GemmShape, cdiv
+
+
+class KernelError(ValueError):
+    """A schedule or shape the generator cannot turn into a kernel."""
+
+
+def packed_panels(n: int, isa: str) -> int:
+    """Panels of the packed weight: n padded to the widest NR so every column tile is in bounds."""
+    spec = ISAS[isa]
+    return cdiv(n, spec.max_nr) * spec.max_nr // spec.lanes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Rows ``m <= m_max`` (the last bucket: every larger m) run ``schedule``."""
+
+    m_max: int
+    schedule: GemmSchedule
+
+
+def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
+    mk, s = sch.mk, sch.slice
+    if shape.dtype != "float32" or mk.dtype != "float32":
+        raise KernelError(f"only float32 GEMMs are generated, not {shape.dtype}")
+    if s.mc % mk.mr or s.nc % mk.nr or s.mc <= 0 or s.nc <= 0 or s.kc <= 0:
+        raise KernelError(f"slice {s} is not a whole number of {mk.mr}x{mk.nr} tiles")
+    if mk.nr % mk.lanes:
+        raise KernelError(f"NR={mk.nr} is not a multiple of {mk.lanes} lanes")
+
+
+def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear") -> str:
+    """TVMScript text of one dynamic-m kernel that dispatches on m over ``buckets``."""
+    if not buckets:
+        raise KernelError("a kernel needs at least one bucket")
+    isas = {b.schedule.mk.isa for b in buckets}
+    if len(isas) != 1:
+        raise KernelError(f"buckets mix ISAs {sorted(isas)}")
+    isa = ISAS[isas.pop()]
+    for b in buckets:
+        check_schedule(shape, b.schedule)
+    n, k, lanes = shape.n, shape.k, isa.lanes
+    panels = packed_panels(n, isa.name)
+    head = f'''
+    @T.prim_func(s_tir=True)
+    def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k}, {lanes}), "float32"),
+             var_Y: T.handle):
+        T.func_attr({{"global_symbol": "{name}", "tir.noalias": True}})
+        m = T.int64()
+        A = T.match_buffer(var_A, (m, {k}), "float32")
+        Y = T.match_buffer(var_Y, (m, {n}), "float32")
+        with T.sblock("root"):
+    '''
+    lines = textwrap.dedent(head).strip("\n").split("\n")
+    ordered = sorted(buckets, key=lambda b: b.m_max)
+    for i, b in enumerate(ordered):
+        body = _variant(shape, b.schedule, i)
+        if len(ordered) == 1:
+            lines += _indent(body, 3)
+            break
+        if i == len(ordered) - 1:
+            lines.append("            " + ("else:" if i else "if True:"))
+        else:
+            lines.append("            " + ("elif" if i else "if") + f" m <= T.int64({b.m_max}):")
+        lines += _indent(body, 4)
+    return "\n".join(lines) + "\n"
+
+
+def _indent(lines: list[str], level: int) -> list[str]:
+    return ["    " * level + ln for ln in lines]
+
+
+def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
+    """The statements computing Y with one schedule (names suffixed by ``v``)."""
+    n, k = shape.n, shape.k
+    mk, s, p = sch.mk, sch.slice, sch.poly
+    mr, nr, lanes = mk.mr, mk.nr, mk.lanes
+    nv = nr // lanes
+    kc = min(s.kc, k)
+    mct, nct = s.mc // mr, s.nc // nr
+    kb, ktail = cdiv(k, kc), k - (cdiv(k, kc) - 1) * kc
+    nt, full_nt = cdiv(n, nr), n // nr
+    nchunk = cdiv(nt, p.pn)
+    kchunk = cdiv(kb, p.pk)
+    threads = p.threads
+    mt = f"((m + T.int64({mr - 1})) // T.int64({mr}))"
+    mchunk = f"(({mt} + T.int64({p.pm - 1})) // T.int64({p.pm}))"
+    a, b, c = f"(t // {p.pn * p.pk})", f"(t // {p.pk} % {p.pn})", f"(t % {p.pk})"
+    it = f"({a} * {mchunk} + ic * {mct} + ir)"
+    jt = f"({b} * {nchunk} + jc * {nct} + jr)"
+    pc = f"({c} * {kchunk} + pcl)"
+    ap, part = f"Ap{v}", f"P{v}"
+
+    conds = [f"{it} < T.min({mt}, ({a} + 1) * {mchunk})", f"jc * {nct} + jr < {nchunk}"]
+    if nchunk * p.pn != nt or nct * cdiv(nchunk, nct) != nchunk:
+        conds.append(f"{jt} < {nt}")
+    if kchunk * p.pk != kb:
+        conds.append(f"{pc} < {kb}")
+
+    out = [f'with T.sblock("v{v}"):']
+    out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "float32")')
+    if p.pk > 1:
+        out.append(f'    {part} = T.sblock_alloc_buffer(({p.pk - 1}, m, {n}), "float32")')
+    out += [
+        f"    for it in T.parallel({mt}):",
+        f"        for kk, ii in T.grid({k}, {mr}):",
+        f"            {ap}[it, kk, ii] = T.if_then_else(it * {mr} + ii < m, "
+        f"A[T.min(it * {mr} + ii, m - T.int64(1)), kk], T.float32(0))",
+        f"    for t in T.parallel({threads}):",
+        f"        for jc in range({cdiv(nchunk, nct)}):",
+        f"            for pcl in range({kchunk}):",
+        f"                for ic in range(({mchunk} + T.int64({mct - 1})) // T.int64({mct})):",
+        f"                    for jr in range({nct}):",
+        f"                        for ir in range({mct}):",
+        f"                            if {' and '.join(conds)}:",
+        '                                with T.sblock("tile"):',
+    ]
+    ku = mk.k_partials
+    tile = [f'acc = T.sblock_alloc_buffer(({ku}, {mr}, {nr}), "float32", scope="global")']
+    tile += [
+        f"for u, ii in T.grid({ku}, {mr}):",
+        f"    for jj in T.vectorized({nr}):",
+        "        acc[u, ii, jj] = T.float32(0)",
+    ]
+
+    def fma(kidx: str, u: str) -> list[str]:
+        return [
+            f"for ii in T.unroll({mr}):",
+            f"    for q in T.unroll({nv}):",
+            f"        for w in T.vectorized({lanes}):",
+            f"            acc[{u}, ii, q * {lanes} + w] = acc[{u}, ii, q * {lanes} + w] + "
+            f"{ap}[{it}, {kidx}, ii] * Wp[{jt} * {nv} + q, {kidx}, w]",
+        ]
+
+    def kloop(length: int) -> list[str]:
+        lines = []
+        if length // ku:
+            lines += [f"for kq in range({length // ku}):", f"    for u in T.unroll({ku}):"]
+            lines += _indent(fma(f"{pc} * {kc} + kq * {ku} + u", "u"), 2)
+        if length % ku:
+            lines += [f"for kr in range({length % ku}):"]
+            lines += _indent(fma(f"{pc} * {kc} + {length - length % ku} + kr", "0"), 1)
+        return lines
+
+    if ktail == kc:
+        tile += kloop(kc)
+    else:
+        tile += [f"if {pc} < {kb - 1}:"] + _indent(kloop(kc), 1) + ["else:"] + _indent(kloop(ktail), 1)
+
+    def store(target: str) -> list[str]:
+        row, col = f"{it} * {mr} + ii", f"{jt} * {nr} + jj"
+        dst = f"{target}[{row}, {col}]"
+
+        def body(vector: bool) -> list[str]:
+            loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
+            guard = [] if vector else [f"if {col} < {n}:"]
+            total = " + ".join(f"acc[{u}, ii, jj]" for u in range(ku))
+            first = [loop] + _indent(guard + _indent([f"{dst} = {total}"], len(guard)), 1)
+            rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
+            if kchunk == 1:
+                return first
+            return ["if pcl == 0:"] + _indent(first, 1) + ["else:"] + _indent(rest, 1)
+
+        lines = [f"for ii in T.unroll({mr}):", f"    if {row} < m:"]
+        if full_nt == nt:
+            lines += _indent(body(True), 2)
+        else:
+            split = [f"if {jt} < {full_nt}:", *_indent(body(True), 1), "else:", *_indent(body(False), 1)]
+            lines += _indent(split, 2)
+        return lines
+
+    if p.pk == 1:
+        tile += store("Y")
+    else:
+        tile += [f"if {c} == 0:"] + _indent(store("Y"), 1)
+        for cc in range(1, p.pk):
+            tile += [f"elif {c} == {cc}:"] + _indent(store(f"{part}[{cc - 1}]").copy(), 1)
+    out += _indent(tile, 9)
+
+    if p.pk > 1:
+        nch = cdiv(n, threads)
+        parts = " + ".join(f"{part}[{cc}, i, t * {nch} + j]" for cc in range(p.pk - 1))
+        out += [
+            f"    for t in T.parallel({threads}):",
+            "        for i in range(m):",
+            f"            for j in range({nch}):",
+            f"                if t * {nch} + j < {n}:",
+            f"                    Y[i, t * {nch} + j] = Y[i, t * {nch} + j] + {parts}",
+        ]
+    return out
+
+
+def _fix_partial_store(src: str) -> str:
+    # ``P[c][row, col]`` is written as ``P[c, row, col]`` in TVMScript.
+    import re
+
+    return re.sub(r"(P\d+)\[(\d+)\]\[", r"\1[\2, ", src)
+
+
+def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear") -> tvm.tirx.PrimFunc:
+    """Parse the generated kernel into a PrimFunc."""
+    src = _fix_partial_store(linear_source(shape, buckets, name))
+    try:
+        return tvm.script.from_source(src, extra_vars={"T": T})
+    except Exception as err:  # the generator's bug, not the user's: keep the source for the report
+        raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
+
+
+def pack_weight(w, isa: str):
+    """``W[n, k]`` -> ``Wp[n_pad / L, k, L]`` (numpy), zero-padded to the widest NR."""
+    import numpy as np
+
+    n, k = w.shape
+    lanes = ISAS[isa].lanes
+    panels = packed_panels(n, isa)
+    padded = np.zeros((panels * lanes, k), dtype=w.dtype)
+    padded[:n] = w
+    return np.ascontiguousarray(padded.reshape(panels, lanes, k).transpose(0, 2, 1))

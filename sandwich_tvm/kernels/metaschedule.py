@@ -1,0 +1,274 @@
+"""Sandwich's kernel search plugged into MetaSchedule's own hooks.
+
+- ``SandwichGemmRule`` (a ``PyScheduleRule``) recognises the Linear pattern on a packed
+  weight and annotates its block with a ``GemmSchedule`` (``sandwich.gemm``), one design
+  space per micro-kernel. The annotation is an ordinary trace instruction, so tuning
+  records replay and live in any MetaSchedule database.
+- ``SandwichSearchStrategy`` (a ``PySearchStrategy``) runs ``slice_search`` (fast start,
+  then finetune over every polymerization) by emitting annotated candidates.
+- ``materialize`` turns an annotated workload into the generated micro-kernel program;
+  ``InProcessBuilder``/``InProcessRunner`` (``PyBuilder``/``PyRunner``) build and time
+  candidates in this process. A generated kernel is symbolic in m, so one build serves
+  every sequence length: builds are cached by schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from tvm.ir.utils import derived_object  # noqa: E402,I001
+from tvm.s_tir import meta_schedule as ms  # noqa: E402
+
+from ..tvm_compat import T, tvm
+from .codegen import Bucket, linear_primfunc, packed_panels
+from .microkernel import ISAS, MicroKernel
+from .schedule import GemmSchedule, GemmShape, Polymerization
+from .search import Problem, Search, seed, slice_search
+
+ANNOTATION = "sandwich.gemm"
+BLOCK = "linear"
+
+
+def linear_workload(m: int, n: int, k: int, isa: str) -> tvm.IRModule:
+    """The Linear pattern with static m on a packed weight: what the rule schedules."""
+    lanes, panels = ISAS[isa].lanes, packed_panels(n, isa)
+
+    @T.prim_func(s_tir=True)
+    def linear(
+        A: T.Buffer((m, k), "float32"),
+        Wp: T.Buffer((panels, k, lanes), "float32"),
+        Y: T.Buffer((m, n), "float32"),
+    ):
+        T.func_attr({"global_symbol": "main", "tir.noalias": True})
+        for i, j, r in T.grid(m, n, k):
+            with T.sblock(BLOCK):
+                vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+                with T.init():
+                    Y[vi, vj] = T.float32(0)
+                Y[vi, vj] = Y[vi, vj] + A[vi, vr] * Wp[vj // lanes, vr, vj % lanes]
+
+    return tvm.IRModule({"main": linear})
+
+
+def workload_shape(mod: tvm.IRModule) -> tuple[int, GemmShape]:
+    """(m, shape) of a Linear workload, read from its buffers."""
+    func = mod["main"]
+    a, _, y = (p for p in func.params)
+    m, k = (int(d) for d in a.shape)
+    n = int(y.shape[1])
+    return m, GemmShape(n, k)
+
+
+def _linear_block(sch: tvm.s_tir.Schedule) -> tvm.s_tir.schedule.SBlockRV | None:
+    try:
+        return sch.get_sblock(BLOCK, func_name="main")
+    except Exception:  # noqa: BLE001 - not our pattern
+        return None
+
+
+def annotate(mod: tvm.IRModule, schedule: GemmSchedule) -> tvm.s_tir.Schedule:
+    sch = tvm.s_tir.Schedule(mod)
+    block = _linear_block(sch)
+    if block is None:
+        raise ValueError("workload has no Linear block")
+    sch.annotate(block, ANNOTATION, schedule.dumps())
+    return sch
+
+
+def schedule_of(mod: tvm.IRModule) -> GemmSchedule | None:
+    """The GemmSchedule annotated on a workload, if any."""
+    sch = tvm.s_tir.Schedule(mod)
+    block = _linear_block(sch)
+    if block is None:
+        return None
+    annotations = sch.get(block).annotations
+    return GemmSchedule.loads(str(annotations[ANNOTATION])) if ANNOTATION in annotations else None
+
+
+def materialize(mod: tvm.IRModule) -> tvm.IRModule:
+    """Replace an annotated Linear workload by its generated micro-kernel program."""
+    schedule = schedule_of(mod)
+    if schedule is None:
+        return mod
+    _, shape = workload_shape(mod)
+    return tvm.IRModule({"main": linear_primfunc(shape, [Bucket(1 << 62, schedule)], name="main")})
+
+
+@derived_object
+class SandwichGemmRule(ms.schedule_rule.PyScheduleRule):
+    """Design spaces for the Linear pattern: one seed schedule per micro-kernel."""
+
+    def __init__(self, mks: Sequence[MicroKernel], threads: int) -> None:
+        super().__init__()
+        self.mks = list(mks)
+        self.threads = threads
+
+    def _initialize_with_tune_context(self, context) -> None:
+        pass
+
+    def apply(self, sch, block):
+        if sch.get(block).name_hint != BLOCK:
+            return [sch]
+        m, shape = workload_shape(sch.mod)
+        problem = Problem(m, shape.n, shape.k, self.threads)
+        out = []
+        for mk in self.mks:
+            s = sch.copy()
+            start = seed(problem, mk, Polymerization(1, self.threads, 1))
+            s.annotate(block, ANNOTATION, start.dumps())
+            out.append(s)
+        return out
+
+    def clone(self):
+        return SandwichGemmRule(self.mks, self.threads)
+
+
+@derived_object
+class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
+    """Fast start then finetune (``slice_search``) over the micro-kernels of the design spaces."""
+
+    def __init__(self, threads: int, finetune_top: int = 2) -> None:
+        super().__init__()
+        self.threads = threads
+        self.finetune_top = finetune_top
+        self.best: tuple[GemmSchedule, float] | None = None
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.mod = context.mod
+
+    def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None):
+        mks = [schedule_of(s.mod).mk for s in design_spaces if schedule_of(s.mod) is not None]
+        m, shape = workload_shape(self.mod)
+        self.trials_left = max_trials
+        problem = Problem(m, shape.n, shape.k, self.threads)
+        self._search: Search = slice_search(problem, mks, self.finetune_top)
+        self._pending: list[GemmSchedule] | None = next(self._search)
+        self.best = None
+
+    def post_tuning(self) -> None:
+        self._pending = None
+
+    def generate_measure_candidates(self):
+        if self._pending is None or self.trials_left <= 0:
+            return None
+        args = ms.arg_info.ArgInfo.from_prim_func(self.mod["main"])
+        return [ms.MeasureCandidate(annotate(self.mod, s), args) for s in self._pending]
+
+    def notify_runner_results(self, measure_candidates, results) -> None:
+        m, shape = workload_shape(self.mod)
+        gflops = []
+        for res in results:
+            secs = [float(x) for x in res.run_secs] if res.run_secs else []
+            ok = res.error_msg is None and secs
+            gflops.append(shape.flops(m) / float(np.median(secs)) / 1e9 if ok else 0.0)
+        self.trials_left -= len(results)
+        for s, g in zip(self._pending or [], gflops, strict=False):
+            if self.best is None or g > self.best[1]:
+                self.best = (s, g)
+        try:
+            self._pending = self._search.send(gflops)
+        except StopIteration:
+            self._pending = None
+
+    def clone(self):
+        return SandwichSearchStrategy(self.threads, self.finetune_top)
+
+
+class KernelCache:
+    """Compiled dynamic-m kernels keyed by (shape, schedule): built once, timed at any m."""
+
+    def __init__(self, target: tvm.target.Target) -> None:
+        self.target = target
+        self.modules: dict[str, tvm.runtime.Module] = {}
+        self.builds = 0
+        self.build_seconds = 0.0
+
+    def get(self, shape: GemmShape, schedule: GemmSchedule):
+        key = f"{shape.name}:{schedule.key}"
+        if key not in self.modules:
+            import time
+
+            t0 = time.perf_counter()
+            func = linear_primfunc(shape, [Bucket(1 << 62, schedule)], name="main")
+            self.modules[key] = tvm.compile(tvm.IRModule({"main": func}), target=self.target).mod
+            self.builds += 1
+            self.build_seconds += time.perf_counter() - t0
+        return key, self.modules[key]
+
+
+@derived_object
+class InProcessBuilder(ms.builder.PyBuilder):
+    """Builds annotated candidates through the kernel cache; the artifact is the cache key."""
+
+    def __init__(self, cache: KernelCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def build(self, build_inputs):
+        out = []
+        for inp in build_inputs:
+            schedule = schedule_of(inp.mod)
+            if schedule is None:
+                out.append(ms.builder.BuilderResult(None, "not a Sandwich GEMM candidate"))
+                continue
+            _, shape = workload_shape(inp.mod)
+            try:
+                key, _ = self.cache.get(shape, schedule)
+                out.append(ms.builder.BuilderResult(key, None))
+            except Exception as err:  # noqa: BLE001 - reported per candidate, like LocalBuilder
+                out.append(ms.builder.BuilderResult(None, str(err)))
+        return out
+
+
+@derived_object
+class InProcessRunner(ms.runner.PyRunner):
+    """Times cached kernels with ``time_evaluator`` (warm-up, then the median of repeats)."""
+
+    def __init__(self, cache: KernelCache, min_repeat_ms: float = 20.0, repeat: int = 3) -> None:
+        super().__init__()
+        self.cache = cache
+        self.min_repeat_ms = min_repeat_ms
+        self.repeat = repeat
+        self._args: dict[tuple, list] = {}
+
+    def _tensors(self, args_info) -> list:
+        key = tuple((tuple(int(d) for d in a.shape), str(a.dtype)) for a in args_info)
+        if key not in self._args:
+            rng = np.random.default_rng(0)
+            self._args.clear()  # keep one shape's tensors alive, not every m's
+            self._args[key] = [
+                tvm.runtime.tensor(rng.standard_normal(shape).astype(dtype)) for shape, dtype in key
+            ]
+        return self._args[key]
+
+    def run(self, runner_inputs):
+        futures = []
+        for inp in runner_inputs:
+            mod = self.cache.modules.get(inp.artifact_path)
+            if mod is None:
+                futures.append(_Done(ms.runner.RunnerResult(None, f"no artifact {inp.artifact_path}")))
+                continue
+            args = self._tensors(inp.args_info)
+            fn = mod["main"]
+            fn(*args)  # warm-up: first-touch pages, wake the pool
+            one = tvm.runtime.Module.time_evaluator(mod, "main", tvm.cpu(), number=1, repeat=1)(*args).mean
+            number = max(1, math.ceil(self.min_repeat_ms / 1e3 / max(one, 1e-6)))
+            res = mod.time_evaluator("main", tvm.cpu(), number=number, repeat=self.repeat)(*args)
+            futures.append(_Done(ms.runner.RunnerResult([float(x) for x in res.results], None)))
+        return futures
+
+
+@derived_object
+class _Done(ms.runner.PyRunnerFuture):
+    def __init__(self, result) -> None:
+        super().__init__()
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self._result
+

@@ -1,0 +1,117 @@
+"""Register micro-kernels: the MR x NR tiles a GEMM is built from, enumerated per ISA.
+
+A micro-kernel keeps an MR x NR block of C in vector registers while it walks the reduction
+axis: per k step it loads NR/lanes vectors of B, broadcasts MR scalars of A and issues
+MR * NR/lanes FMAs. It fits when accumulators + B vectors + one broadcast register stay
+within the register file (BLIS's rule; spilling costs more than a smaller tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Isa:
+    """What a micro-kernel needs to know about a vector ISA."""
+
+    name: str
+    lanes: int  # fp32 lanes per vector register
+    registers: int  # architectural vector registers
+    cache_line: int = 64  # bytes
+
+    @property
+    def max_nr(self) -> int:
+        return 4 * self.lanes
+
+    @property
+    def kc_align(self) -> int:
+        """KC is a multiple of one cache line of fp32 values."""
+        return self.cache_line // 4
+
+
+ISAS: dict[str, Isa] = {
+    "avx2": Isa("avx2", lanes=8, registers=16),
+    "avx512": Isa("avx512", lanes=16, registers=32),
+    "neon": Isa("neon", lanes=4, registers=32),
+}
+
+
+@dataclass(frozen=True, order=True)
+class MicroKernel:
+    """An MR x NR fp32 register tile on one ISA (a value: hashable, JSON-able)."""
+
+    isa: str
+    mr: int
+    nr: int
+    dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        return f"gemm_{_short(self.dtype)}_{self.isa}_{self.mr}x{self.nr}"
+
+    @property
+    def lanes(self) -> int:
+        return ISAS[self.isa].lanes
+
+    @property
+    def registers_used(self) -> int:
+        vectors = self.nr // self.lanes
+        return self.mr * vectors + vectors + 1
+
+    @property
+    def k_partials(self) -> int:
+        """Independent partial sums along k, so a thin tile still has enough FMA chains.
+
+        An FMA unit needs latency x pipes (4 x 2 on current x86 and Arm cores) independent
+        accumulators to stay busy; a 1x16 tile has only 2, so it keeps 4 k-partials.
+        """
+        spec, vectors = ISAS[self.isa], self.nr // self.lanes
+        ku = 1
+        while ku * 2 * self.mr * vectors <= 8 and (ku * 2 * self.mr + 1) * vectors + 1 <= spec.registers:
+            ku *= 2
+        return ku
+
+    @property
+    def intensity(self) -> float:
+        """FMAs per register loaded in one k step (higher = more reuse)."""
+        return self.mr * self.nr / (self.mr + self.nr)
+
+    def to_json(self) -> dict:
+        return {"isa": self.isa, "mr": self.mr, "nr": self.nr, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> MicroKernel:
+        return cls(isa=d["isa"], mr=int(d["mr"]), nr=int(d["nr"]), dtype=d.get("dtype", "float32"))
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
+
+
+def enumerate_microkernels(isa: str) -> tuple[MicroKernel, ...]:
+    """Every tile whose accumulators, B vectors and broadcast fit the register file."""
+    if isa not in ISAS:
+        raise ValueError(f"no micro-kernels for ISA {isa!r}; known: {sorted(ISAS)}")
+    spec = ISAS[isa]
+    kernels = []
+    for vectors in range(1, 5):
+        nr = vectors * spec.lanes
+        for mr in range(1, 33):
+            mk = MicroKernel(isa, mr, nr)
+            if mk.registers_used > spec.registers:
+                break
+            kernels.append(mk)
+    return tuple(kernels)
+
+
+REGISTRY: dict[str, tuple[MicroKernel, ...]] = {isa: enumerate_microkernels(isa) for isa in ISAS}
+
+
+def by_name(name: str) -> MicroKernel:
+    """Look a micro-kernel up by its name, e.g. ``gemm_f32_avx2_6x16``."""
+    for kernels in REGISTRY.values():
+        for mk in kernels:
+            if mk.name == name:
+                return mk
+    raise KeyError(f"unknown micro-kernel {name!r}")

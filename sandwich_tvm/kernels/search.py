@@ -1,0 +1,234 @@
+"""The Sandwich kernel search, free of TVM so it runs on fake timings in tests (paper §6).
+
+``slice_search`` is a generator: it yields batches of schedules to measure and receives
+their GFLOPS, so MetaSchedule's strategy (``strategy.py``), the benchmark and the unit tests
+drive the same logic. ``SequenceTuner`` walks the sequence lengths of one (n, k) group with
+the micro-kernel sliding window and schedule reuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field, replace
+
+from .microkernel import ISAS, MicroKernel
+from .schedule import GemmSchedule, Polymerization, Slice, cdiv, polymerizations
+
+Measure = Callable[[Sequence[GemmSchedule]], Sequence[float]]
+Search = Generator[list[GemmSchedule], list[float], tuple[GemmSchedule, float]]
+
+GAIN = 1.01  # a step must beat the best by 1% to count as a gain (timing noise)
+KC_START = 64
+
+
+@dataclass(frozen=True)
+class Problem:
+    m: int
+    n: int
+    k: int
+    threads: int
+
+
+def caps(p: Problem, mk: MicroKernel, poly: Polymerization) -> Slice:
+    """Largest slice that still leaves every thread of ``poly`` a block (the paper's cap)."""
+    mc = max(mk.mr, cdiv(cdiv(p.m, poly.pm), mk.mr) * mk.mr)
+    nc = max(mk.nr, cdiv(cdiv(p.n, poly.pn), mk.nr) * mk.nr)
+    align = ISAS[mk.isa].kc_align
+    kc = max(align, cdiv(cdiv(p.k, poly.pk), align) * align)
+    return Slice(mc, nc, kc)
+
+
+def seed(p: Problem, mk: MicroKernel, poly: Polymerization) -> GemmSchedule:
+    cap = caps(p, mk, poly)
+    return GemmSchedule(mk, Slice(mk.mr, mk.nr, min(KC_START, cap.kc)), poly)
+
+
+def _grow(s: Slice, dim: str, step: int, cap: Slice) -> Slice | None:
+    new = replace(s, **{dim: getattr(s, dim) + step})
+    return None if getattr(new, dim) > getattr(cap, dim) else new
+
+
+def _tile(mk: MicroKernel, dim: str) -> int:
+    return {"mc": mk.mr, "nc": mk.nr, "kc": ISAS[mk.isa].kc_align}[dim]
+
+
+def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization) -> Search:
+    """Grow each dimension by 2^t x tile while GFLOPS rise; roll a dimension back when they do not."""
+    best = seed(p, mk, poly)
+    (best_g,) = yield [best]
+    cap = caps(p, mk, poly)
+    steps = {"mc": 0, "nc": 0, "kc": 0}
+    active = [d for d in ("mc", "nc", "kc")]
+    while active:
+        for dim in list(active):
+            step = (2 ** steps[dim]) * _tile(mk, dim)
+            if dim == "kc":  # KC starts above one tile: double it
+                step = best.slice.kc
+            grown = _grow(best.slice, dim, step, cap)
+            if grown is None:
+                active.remove(dim)
+                continue
+            cand = replace(best, slice=grown)
+            (g,) = yield [cand]
+            if g > best_g * GAIN:
+                best, best_g = cand, g
+                steps[dim] += 1
+            else:  # roll back: keep ``best`` and stop growing this dimension
+                active.remove(dim)
+    return best, best_g
+
+
+def finetune(p: Problem, start: GemmSchedule, start_g: float) -> Search:
+    """Under every thread polymerization, grow the slice one tile at a time along the best dimension."""
+    best, best_g = start, start_g
+    for poly in polymerizations(p.threads):
+        cap = caps(p, start.mk, poly)
+        clipped = Slice(*(min(a, b) for a, b in zip(_t(start.slice), _t(cap), strict=True)))
+        cur = GemmSchedule(start.mk, clipped, poly)
+        if poly == start.poly:
+            cur_g = start_g
+        else:
+            (cur_g,) = yield [cur]
+        while True:
+            cands = []
+            for dim in ("mc", "nc", "kc"):
+                tile = _tile(cur.mk, dim)  # linear steps, a quarter of the size at most
+                grown = _grow(cur.slice, dim, tile * max(1, getattr(cur.slice, dim) // (4 * tile)), cap)
+                if grown is not None:
+                    cands.append(replace(cur, slice=grown))
+            if not cands:
+                break
+            gs = yield cands
+            i = max(range(len(cands)), key=lambda j: gs[j])
+            if gs[i] <= cur_g * GAIN:
+                break
+            cur, cur_g = cands[i], gs[i]
+        if cur_g > best_g:
+            best, best_g = cur, cur_g
+    return best, best_g
+
+
+def _t(s: Slice) -> tuple[int, int, int]:
+    return (s.mc, s.nc, s.kc)
+
+
+def slice_search(p: Problem, mks: Sequence[MicroKernel], finetune_top: int = 2) -> Search:
+    """Fast start for every micro-kernel, then finetune the best few; the global best wins."""
+    default = Polymerization(1, p.threads, 1)
+    started: list[tuple[float, GemmSchedule]] = []
+    for mk in mks:
+        sch, g = yield from fast_start(p, mk, default)
+        started.append((g, sch))
+    started.sort(key=lambda x: -x[0])
+    best_g, best = started[0]
+    for g, sch in started[:finetune_top]:
+        tuned, tg = yield from finetune(p, sch, g)
+        if tg > best_g:
+            best, best_g = tuned, tg
+    return best, best_g
+
+
+def run_search(search: Search, measure: Measure) -> tuple[GemmSchedule, float]:
+    """Drive a search generator with a measure callable to its result."""
+    try:
+        batch = next(search)
+        while True:
+            batch = search.send(list(measure(batch)))
+    except StopIteration as done:
+        return done.value
+
+
+def model_score(mk: MicroKernel, m: int) -> float:
+    """Analytic prior (Triton-style pruning): useful rows x FMA share x FMA-chain occupancy."""
+    useful = m / (cdiv(m, mk.mr) * mk.mr)
+    vectors = mk.nr // mk.lanes
+    fma = mk.mr * vectors
+    share = fma / (fma + vectors + mk.mr)
+    chains = min(1.0, fma * mk.k_partials / 8)
+    return useful * share * chains
+
+
+@dataclass
+class Tuned:
+    """One tuned sequence length."""
+
+    m: int
+    schedule: GemmSchedule
+    gflops: float
+    searched: bool  # False: reused without search
+
+
+@dataclass
+class SequenceTuner:
+    """Tune one (n, k) GEMM for every m in [1, max_m] (paper §6, sliding window and reuse)."""
+
+    n: int
+    k: int
+    threads: int
+    mks: Sequence[MicroKernel]
+    max_m: int = 2048
+    window: int = 16  # σ
+    prune: int = 6  # micro-kernels kept per m by the analytic prior
+    patience: int = 3  # stable winners in a row before the schedule is reused
+    tolerance: float = 0.05  # "stable": GFLOPS within 5% of the previous winners' average
+    chosen: list[MicroKernel] = field(default_factory=list)
+
+    def ladder(self) -> list[int]:
+        """Every m up to 16, then 4 points per octave; m in between inherit the lower point."""
+        ms = list(range(1, min(16, self.max_m) + 1))
+        x = 16.0
+        while True:
+            x *= 2 ** 0.25
+            m = int(round(x))
+            if m > self.max_m:
+                break
+            if m > ms[-1]:
+                ms.append(m)
+        if ms[-1] != self.max_m:
+            ms.append(self.max_m)
+        return ms
+
+    def candidates(self, m: int) -> list[MicroKernel]:
+        """The window: every micro-kernel for the first σ shapes, then the σ last chosen ones."""
+        pool = list(self.mks)
+        if len(self.chosen) >= self.window:
+            recent: list[MicroKernel] = []
+            for mk in reversed(self.chosen):
+                if mk not in recent:
+                    recent.append(mk)
+                if len(recent) == self.window:
+                    break
+            pool = recent
+        fitting = [mk for mk in pool if mk.mr <= m] or sorted(pool, key=lambda mk: mk.mr)[:1]
+        fitting.sort(key=lambda mk: -model_score(mk, m))
+        return fitting[: self.prune]
+
+    def tune(
+        self,
+        search_one: Callable[[Problem, list[MicroKernel]], tuple[GemmSchedule, float]],
+        progress: Callable[[Tuned], None] | None = None,
+    ) -> list[Tuned]:
+        """Search each m of the ladder until the winner is stable, then reuse it for the rest."""
+        out: list[Tuned] = []
+        streak = 0
+        for m in self.ladder():
+            if streak >= self.patience:
+                t = Tuned(m, out[-1].schedule, math.nan, searched=False)
+            else:
+                sch, g = search_one(Problem(m, self.n, self.k, self.threads), self.candidates(m))
+                self.chosen.append(sch.mk)
+                recent = [t.gflops for t in out[-self.patience:] if t.searched]
+                stable = len(recent) == self.patience and _stable(recent, g, self.tolerance)
+                streak = streak + 1 if stable or (out and out[-1].schedule == sch) else 0
+                t = Tuned(m, sch, g, searched=True)
+            out.append(t)
+            if progress:
+                progress(t)
+        return out
+
+
+def _stable(recent: list[float], g: float, tolerance: float) -> bool:
+    """The paper's early stop: the new best is within ``tolerance`` of the recent average."""
+    avg = sum(recent) / len(recent)
+    return abs(g - avg) <= tolerance * avg

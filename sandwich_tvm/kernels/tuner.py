@@ -1,0 +1,123 @@
+"""``tune_gemm``: one tuning of a (n, k) GEMM that covers every sequence length.
+
+Each m of the ladder is a MetaSchedule task: the workload is the Linear pattern with that
+static m, the design spaces come from ``SandwichGemmRule``, the search from
+``SandwichSearchStrategy``; candidates are built and timed by the in-process builder and
+runner, and every measurement is committed to a MetaSchedule database when one is given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
+
+from ..tvm_compat import host_isa, host_target, tvm
+from .database import KernelRecord, host_cpu_model, load_record, record_path, save_record
+from .metaschedule import (
+    InProcessBuilder,
+    InProcessRunner,
+    KernelCache,
+    SandwichGemmRule,
+    SandwichSearchStrategy,
+    linear_workload,
+)
+from .microkernel import REGISTRY, MicroKernel
+from .schedule import GemmSchedule, GemmShape
+from .search import Problem, SequenceTuner, Tuned
+
+
+class MetaScheduleSearch:
+    """``search_one`` for ``SequenceTuner``: one MetaSchedule task per tuned m."""
+
+    def __init__(self, target: tvm.target.Target, isa: str, database: ms.database.Database | None = None,
+                 max_trials: int = 400) -> None:
+        self.target, self.isa, self.database, self.max_trials = target, isa, database, max_trials
+        self.cache = KernelCache(target)
+        self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)
+        self.trials = 0
+
+    def __call__(self, p: Problem, mks: list[MicroKernel]) -> tuple[GemmSchedule, float]:
+        mod = linear_workload(p.m, p.n, p.k, self.isa)
+        strategy = SandwichSearchStrategy(p.threads)
+        ctx = ms.TuneContext(
+            mod, target=self.target, task_name=f"linear_m{p.m}_n{p.n}_k{p.k}", num_threads=1,
+            space_generator=ms.space_generator.PostOrderApply(
+                sch_rules=[SandwichGemmRule(mks, p.threads)], postprocs=[], mutator_probs={}),
+            search_strategy=strategy,
+        )
+        spaces = ctx.generate_design_space()
+        ctx.pre_tuning(max_trials=self.max_trials, num_trials_per_iter=8, design_spaces=spaces,
+                       database=self.database, cost_model=None)
+        workload = self.database.commit_workload(mod) if self.database is not None else None
+        while (cands := ctx.generate_measure_candidates()) is not None:
+            built = self.builder.build([ms.builder.BuilderInput(c.sch.mod, self.target) for c in cands])
+            futures = self.runner.run([
+                ms.runner.RunnerInput(b.artifact_path, "llvm", c.args_info)
+                for b, c in zip(built, cands, strict=True)])
+            results = [f.result() for f in futures]
+            ctx.notify_runner_results(cands, results)
+            self.trials += len(cands)
+            if workload is not None:
+                for c, r in zip(cands, results, strict=False):
+                    if r.run_secs:
+                        self.database.commit_tuning_record(ms.database.TuningRecord(
+                            c.sch.trace, workload, r.run_secs, self.target, c.args_info))
+        ctx.post_tuning()
+        if strategy.best is None:
+            raise RuntimeError(f"no candidate of m={p.m} n={p.n} k={p.k} built and ran")
+        return strategy.best
+
+
+def tune_gemm(
+    n: int,
+    k: int,
+    *,
+    threads: int,
+    max_m: int = 2048,
+    window: int = 16,
+    root: Path | None = None,
+    work_dir: Path | None = None,
+    progress: Callable[[Tuned], None] | None = None,
+    search_one: Callable | None = None,
+) -> KernelRecord:
+    """Tune ``Y = X @ W.T`` (W: n x k) for every m in [1, max_m]; resume from a saved record.
+
+    The result is saved (atomically, after every m) under ``schedules/`` or ``root``.
+    """
+    shape, isa = GemmShape(n, k), host_isa()
+    if isa not in REGISTRY:
+        raise ValueError(f"no micro-kernels for this CPU's ISA ({isa})")
+    path = record_path(shape, threads, root)
+    rec = load_record(path) if path.exists() else KernelRecord(shape, threads, host_cpu_model(), isa)
+    done = {t.m: t for t in rec.tuned}
+    tuner = SequenceTuner(n, k, threads, REGISTRY[isa], max_m=max_m, window=window)
+    for t in sorted(done.values(), key=lambda t: t.m):  # resume: replay the window history
+        if t.searched:
+            tuner.chosen.append(t.schedule.mk)
+    if search_one is None:
+        db = ms.database.JSONDatabase(work_dir=str(work_dir)) if work_dir else None
+        search_one = MetaScheduleSearch(host_target(threads), isa, db)
+
+    def cached(p: Problem, mks: list[MicroKernel]) -> tuple[GemmSchedule, float]:
+        if p.m in done and done[p.m].searched:
+            return done[p.m].schedule, done[p.m].gflops
+        return search_one(p, mks)
+
+    t0 = time.perf_counter()
+
+    def on_tuned(t: Tuned) -> None:
+        if t.m not in done:
+            rec.tuned = sorted([*rec.tuned, t], key=lambda x: x.m)
+            rec.seconds += time.perf_counter() - t0 - rec_seconds_mark[0]
+            rec_seconds_mark[0] = time.perf_counter() - t0
+            save_record(rec, root)
+        if progress:
+            progress(t)
+
+    rec_seconds_mark = [0.0]
+    tuner.chosen = [t.schedule.mk for t in sorted(done.values(), key=lambda t: t.m) if t.searched]
+    tuner.tune(cached, on_tuned)
+    return rec

@@ -1,0 +1,103 @@
+"""Search logic on fake timings (no hardware): fast start, finetune, window, reuse."""
+
+from __future__ import annotations
+
+from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels
+from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice, polymerizations
+from sandwich_tvm.kernels.search import (
+    Problem,
+    SequenceTuner,
+    caps,
+    fast_start,
+    run_search,
+    slice_search,
+)
+
+MK = MicroKernel("avx2", 6, 16)
+
+
+def test_microkernels_fit_the_register_file():
+    for isa, regs in (("avx2", 16), ("avx512", 32), ("neon", 32)):
+        mks = enumerate_microkernels(isa)
+        assert mks and all(mk.registers_used <= regs for mk in mks)
+    names = {mk.name for mk in REGISTRY["avx2"]}
+    assert "gemm_f32_avx2_6x16" in names and "gemm_f32_avx2_7x16" not in names  # 7x16 spills
+    assert MicroKernel("avx2", 1, 16).k_partials > 1  # thin tiles get k-partial chains
+
+
+def test_polymerizations_cover_split_k():
+    assert set(polymerizations(2)) == {Polymerization(1, 2, 1), Polymerization(2, 1, 1),
+                                       Polymerization(1, 1, 2)}
+    assert all(p.threads == 8 for p in polymerizations(8))
+
+
+def test_fast_start_grows_exponentially_and_rolls_back():
+    p = Problem(m=512, n=4096, k=4096, threads=2)
+    seen: list[Slice] = []
+
+    def measure(batch: list[GemmSchedule]) -> list[float]:
+        out = []
+        for s in batch:
+            seen.append(s.slice)
+            # GFLOPS rise with MC up to 4 tiles (24 rows), then fall; N and K are flat
+            out.append(100.0 - abs(s.slice.mc - 24) + 0.0 * s.slice.nc)
+        return out
+
+    best, _ = run_search(fast_start(p, MK, Polymerization(1, 2, 1)), measure)
+    assert best.slice.mc == 24
+    mcs = [s.mc for s in seen if s.nc == MK.nr and s.kc == seen[0].kc]
+    assert mcs[:5] == [6, 12, 24, 48][:4] + mcs[4:5]  # 6 -> 12 -> 24 (2^t steps) -> 48 rolled back
+    assert 48 in mcs and best.slice.nc == MK.nr  # N did not help: rolled back at once
+
+
+def test_fast_start_respects_parallel_caps():
+    p = Problem(m=128, n=64, k=64, threads=2)
+    best, _ = run_search(fast_start(p, MK, Polymerization(1, 2, 1)), lambda b: [float(
+        s.slice.mc * s.slice.nc * s.slice.kc) for s in b])  # bigger is always "faster"
+    cap = caps(p, MK, Polymerization(1, 2, 1))
+    assert best.slice.nc <= cap.nc == 32 and best.slice.mc <= 128 and best.slice.kc <= 64
+
+
+def test_split_k_is_chosen_when_it_measures_faster():
+    p = Problem(m=4, n=256, k=8192, threads=2)
+    mk = MicroKernel("avx2", 4, 16)
+
+    def measure(batch):
+        return [50.0 + (30.0 if s.poly.pk == 2 else 0.0) for s in batch]
+
+    best, g = run_search(slice_search(p, [mk]), measure)
+    assert best.poly == Polymerization(1, 1, 2) and g == 80.0
+
+
+def _fake_search(winner_for):
+    calls = []
+
+    def search_one(p: Problem, mks: list[MicroKernel]):
+        calls.append((p.m, list(mks)))
+        mk = winner_for(p.m, mks)
+        return GemmSchedule(mk, Slice(mk.mr, mk.nr, 256), Polymerization(1, p.threads, 1)), 100.0
+    return search_one, calls
+
+
+def test_window_slides_to_recent_winners():
+    mks = REGISTRY["avx2"]
+    tuner = SequenceTuner(256, 256, 2, mks, max_m=64, window=2, prune=50, patience=100)
+    rotating = [MicroKernel("avx2", 1, 8), MicroKernel("avx2", 1, 16), MicroKernel("avx2", 1, 32)]
+    search_one, calls = _fake_search(lambda m, c: rotating[m % 3] if rotating[m % 3] in c else c[0])
+    tuner.tune(search_one)
+    # first σ=2 shapes see every fitting micro-kernel, later ones only the last 2 winners
+    assert {mk.mr for mk in calls[0][1]} == {1} and len(calls[0][1]) == 4  # m=1: every 1xNR tile
+    assert len(calls[1][1]) > 4  # m=2: still the whole pool (first σ shapes)
+    later = [c for m, c in calls if m > 4]
+    assert later and all(len(c) <= 2 for c in later)
+    assert calls[-1][1][0] in tuner.chosen[-2:]
+
+
+def test_reuse_takes_over_once_stable():
+    mks = REGISTRY["avx2"]
+    tuner = SequenceTuner(512, 512, 2, mks, max_m=2048, patience=3)
+    search_one, calls = _fake_search(lambda m, c: MK if MK in c else c[0])
+    tuned = tuner.tune(search_one)
+    assert tuned[-1].m == 2048 and not tuned[-1].searched
+    assert len(calls) < len(tuned) / 2  # large m are generated without search
+    assert all(t.schedule == tuned[-1].schedule for t in tuned if not t.searched)
