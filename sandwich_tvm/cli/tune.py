@@ -1,14 +1,16 @@
 """`python -m sandwich_tvm.tune`: the main job.
 
-Stage 1 (this release) plans: it reads this machine's topology, microbenchmarks its roofs
-(cached per CPU), explores TopoTrees and writes the ranked Sandwich plans to
-``<out>/plans.json``. The kernel and model stages join it in later releases.
+Stage ``plan`` reads this machine's topology, microbenchmarks its roofs (cached per CPU),
+explores TopoTrees and writes the ranked Sandwich plans to ``<out>/plans.json``. Stage
+``kernels`` tunes every Linear GEMM of the model for every sequence length and writes the
+dynamic-shape kernel databases under ``schedules/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from .common import (
     resolve_machine,
     resolve_model_and_trace,
 )
+from .kernels import add_kernel_args, tune_model_kernels
 from .topo import profile_lines
 
 
@@ -34,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sandwich_tvm.tune",
         description="Tune Sandwich for a model on this machine (default: the llama-160m preset). "
                     "Stage 'plan': topology -> ranked prefill/decode plans.")
-    parser.add_argument("stage", nargs="?", default="plan", choices=["plan"],
+    parser.add_argument("stage", nargs="?", default="plan", choices=["plan", "kernels"],
                         help="what to tune (default: plan)")
     add_machine_args(parser)
+    add_kernel_args(parser)
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="directory for plans.json (default ./out)")
     return parser
@@ -45,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=max(Console().width, 150))
+    if args.stage == "kernels":
+        from ..kernels.database import ScheduleDbError
+
+        threads = args.threads or len(os.sched_getaffinity(0))
+        try:
+            return tune_model_kernels(args, console, threads)
+        except (ModelConfigError, ScheduleDbError, ValueError) as exc:
+            console.print(f"[red]error:[/] {exc}")
+            return 2
     try:
         console.rule("[bold]sandwich-tvm tune: plan stage")
         tree, source, profile = resolve_machine(args, log=console.print)

@@ -98,7 +98,10 @@ def tune_gemm(
         if t.searched:
             tuner.chosen.append(t.schedule.mk)
     if search_one is None:
-        db = ms.database.JSONDatabase(work_dir=str(work_dir)) if work_dir else None
+        db = None
+        if work_dir:
+            Path(work_dir).mkdir(parents=True, exist_ok=True)
+            db = ms.database.JSONDatabase(work_dir=str(work_dir))
         search_one = MetaScheduleSearch(host_target(threads), isa, db)
 
     def cached(p: Problem, mks: list[MicroKernel]) -> tuple[GemmSchedule, float]:

@@ -1,0 +1,45 @@
+"""`python -m sandwich_tvm.tune kernels`: tune every Linear GEMM of a model for every m."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..kernels.database import record_path
+from ..kernels.search import SequenceTuner
+from ..kernels.shapes import linear_shapes
+from ..kernels.tuner import tune_gemm
+from ..model.config import load_config
+
+
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    parser.add_argument("--max-m", type=int, default=2048, help="largest sequence length (default 2048)")
+    parser.add_argument("--window", type=int, default=16, help="micro-kernel sliding window σ (default 16)")
+    parser.add_argument("--schedules", type=Path, default=None,
+                        help="database root (default: the repository's schedules/)")
+
+
+def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int) -> int:
+    cfg = load_config(args.model)
+    shapes = linear_shapes(cfg)
+    table = Table(title=f"Sandwich kernels for {cfg.name}, {threads} threads")
+    for col in ("gemm", "n", "k", "tuned m", "searched", "best GFLOPS", "seconds", "file"):
+        table.add_column(col)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        for name, shape in shapes.items():
+            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=args.max_m).ladder()
+            task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
+            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=args.max_m, window=args.window,
+                            root=args.schedules, progress=lambda _t, task=task: bar.advance(task))
+            best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
+            table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),
+                          str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",
+                          str(record_path(shape, threads, args.schedules)))
+    console.print(table)
+    return 0

@@ -1,0 +1,18 @@
+"""The Linear GEMMs of a Llama model (weights fused as the model stores them)."""
+
+from __future__ import annotations
+
+from ..model.config import LlamaConfig
+from .schedule import GemmShape
+
+
+def linear_shapes(cfg: LlamaConfig) -> dict[str, GemmShape]:
+    """qkv, o, gate_up and down as ``Y = X @ W.T`` shapes (n = output features, k = input)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return {
+        "qkv": GemmShape(q + 2 * kv, h),
+        "o": GemmShape(h, q),
+        "gate_up": GemmShape(2 * cfg.intermediate_size, h),
+        "down": GemmShape(h, cfg.intermediate_size),
+    }
