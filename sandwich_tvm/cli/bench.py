@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _median_seconds(fn, flops: float, budget_s: float = 0.3) -> float:
+def _median_seconds(fn, budget_s: float = 0.3) -> float:
     fn()  # warm-up
     t0 = time.perf_counter()
     fn()
@@ -76,25 +76,32 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     wp = tvm.runtime.tensor(pack_weight(w, host_isa()))
     torch.set_num_threads(threads)
     wt = torch.from_numpy(w)
-    rows = []
+    # One library at a time over every m: OpenBLAS and OpenMP workers spin for a while after
+    # a call, and interleaving libraries would time TVM's threads against them.
+    xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
     with threadpool_limits(threads):
         peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
+        secs_sw, errs = {}, {}
         for m in ms:
-            a = rng.standard_normal((m, k)).astype("float32")
-            at, ta = torch.from_numpy(a), tvm.runtime.tensor(a)
-            y = tvm.runtime.empty((m, n), "float32", tvm.cpu())
-            flops = 2.0 * m * n * k
+            ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
             fn(ta, wp, y)
-            err = float(np.abs(y.numpy() - a @ w.T).max() / max(1e-30, np.abs(a @ w.T).max()))
-            s = _median_seconds(lambda ta=ta, y=y: fn(ta, wp, y), flops)
-            npy = _median_seconds(lambda a=a: a @ w.T, flops)
-            trc = _median_seconds(lambda at=at: torch.nn.functional.linear(at, wt), flops)
-            row = {"m": m, "sandwich_gflops": flops / s / 1e9, "numpy_gflops": flops / npy / 1e9,
-                   "torch_gflops": flops / trc / 1e9, "max_rel_err": err}
-            row["ratio_vs_best"] = row["sandwich_gflops"] / max(row["numpy_gflops"], row["torch_gflops"])
-            row["peak_fraction"] = row["sandwich_gflops"] / peak
-            row["schedule"] = rec.schedule_for(m).key
-            rows.append(row)
+            ref = xs[m] @ w.T
+            errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
+            secs_sw[m] = _median_seconds(lambda ta=ta, y=y: fn(ta, wp, y))
+        time.sleep(0.5)
+        secs_np = {m: _median_seconds(lambda a=xs[m]: a @ w.T) for m in ms}
+        time.sleep(0.5)
+        xt = {m: torch.from_numpy(xs[m]) for m in ms}
+        secs_th = {m: _median_seconds(lambda at=xt[m]: torch.nn.functional.linear(at, wt)) for m in ms}
+    rows = []
+    for m in ms:
+        flops = 2.0 * m * n * k
+        row = {"m": m, "sandwich_gflops": flops / secs_sw[m] / 1e9, "numpy_gflops": flops / secs_np[m] / 1e9,
+               "torch_gflops": flops / secs_th[m] / 1e9, "max_rel_err": errs[m]}
+        row["ratio_vs_best"] = row["sandwich_gflops"] / max(row["numpy_gflops"], row["torch_gflops"])
+        row["peak_fraction"] = row["sandwich_gflops"] / peak
+        row["schedule"] = rec.schedule_for(m).key
+        rows.append(row)
     ratios = [r["ratio_vs_best"] for r in rows]
     return {"n": n, "k": k, "threads": threads, "peak_gflops": peak, "tuning_seconds": rec.seconds,
             "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))), "min_ratio": min(ratios), "rows": rows}
