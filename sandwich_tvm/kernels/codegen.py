@@ -171,8 +171,9 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
         tile += [f"if {pc} < {kb - 1}:"] + _indent(kloop(kc), 1) + ["else:"] + _indent(kloop(ktail), 1)
 
     def store(target: str) -> list[str]:
+        """``target`` opens the subscript: ``Y[`` or ``P0[1, `` for split-K partials."""
         row, col = f"{it} * {mr} + ii", f"{jt} * {nr} + jj"
-        dst = f"{target}[{row}, {col}]"
+        dst = f"{target}{row}, {col}]"
 
         def body(vector: bool) -> list[str]:
             loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
@@ -193,11 +194,11 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
         return lines
 
     if p.pk == 1:
-        tile += store("Y")
+        tile += store("Y[")
     else:
-        tile += [f"if {c} == 0:"] + _indent(store("Y"), 1)
+        tile += [f"if {c} == 0:"] + _indent(store("Y["), 1)
         for cc in range(1, p.pk):
-            tile += [f"elif {c} == {cc}:"] + _indent(store(f"{part}[{cc - 1}]").copy(), 1)
+            tile += [f"elif {c} == {cc}:"] + _indent(store(f"{part}[{cc - 1}, "), 1)
     out += _indent(tile, 9)
 
     if p.pk > 1:
@@ -213,16 +214,9 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
     return out
 
 
-def _fix_partial_store(src: str) -> str:
-    # ``P[c][row, col]`` is written as ``P[c, row, col]`` in TVMScript.
-    import re
-
-    return re.sub(r"(P\d+)\[(\d+)\]\[", r"\1[\2, ", src)
-
-
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear") -> tvm.tirx.PrimFunc:
     """Parse the generated kernel into a PrimFunc."""
-    src = _fix_partial_store(linear_source(shape, buckets, name))
+    src = linear_source(shape, buckets, name)
     try:
         return tvm.script.from_source(src, extra_vars={"T": T})
     except Exception as err:  # the generator's bug, not the user's: keep the source for the report

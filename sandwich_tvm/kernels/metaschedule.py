@@ -253,7 +253,7 @@ class InProcessRunner(ms.runner.PyRunner):
             args = self._tensors(inp.args_info)
             fn = mod["main"]
             fn(*args)  # warm-up: first-touch pages, wake the pool
-            one = tvm.runtime.Module.time_evaluator(mod, "main", tvm.cpu(), number=1, repeat=1)(*args).mean
+            one = mod.time_evaluator("main", tvm.cpu(), number=1, repeat=1)(*args).mean
             number = max(1, math.ceil(self.min_repeat_ms / 1e3 / max(one, 1e-6)))
             res = mod.time_evaluator("main", tvm.cpu(), number=number, repeat=self.repeat)(*args)
             futures.append(_Done(ms.runner.RunnerResult([float(x) for x in res.results], None)))

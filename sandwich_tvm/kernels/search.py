@@ -59,7 +59,7 @@ def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization) -> Search:
     (best_g,) = yield [best]
     cap = caps(p, mk, poly)
     steps = {"mc": 0, "nc": 0, "kc": 0}
-    active = [d for d in ("mc", "nc", "kc")]
+    active = ["mc", "nc", "kc"]
     while active:
         for dim in list(active):
             step = (2 ** steps[dim]) * _tile(mk, dim)

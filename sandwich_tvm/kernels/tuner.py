@@ -94,9 +94,8 @@ def tune_gemm(
     rec = load_record(path) if path.exists() else KernelRecord(shape, threads, host_cpu_model(), isa)
     done = {t.m: t for t in rec.tuned}
     tuner = SequenceTuner(n, k, threads, REGISTRY[isa], max_m=max_m, window=window)
-    for t in sorted(done.values(), key=lambda t: t.m):  # resume: replay the window history
-        if t.searched:
-            tuner.chosen.append(t.schedule.mk)
+    # resume: replay the window history
+    tuner.chosen = [t.schedule.mk for t in sorted(done.values(), key=lambda t: t.m) if t.searched]
     if search_one is None:
         db = None
         if work_dir:
@@ -109,18 +108,18 @@ def tune_gemm(
             return done[p.m].schedule, done[p.m].gflops
         return search_one(p, mks)
 
-    t0 = time.perf_counter()
+    last = time.perf_counter()
 
     def on_tuned(t: Tuned) -> None:
+        nonlocal last
         if t.m not in done:
+            now = time.perf_counter()
             rec.tuned = sorted([*rec.tuned, t], key=lambda x: x.m)
-            rec.seconds += time.perf_counter() - t0 - rec_seconds_mark[0]
-            rec_seconds_mark[0] = time.perf_counter() - t0
+            rec.seconds += now - last
+            last = now
             save_record(rec, root)
         if progress:
             progress(t)
 
-    rec_seconds_mark = [0.0]
-    tuner.chosen = [t.schedule.mk for t in sorted(done.values(), key=lambda t: t.m) if t.searched]
     tuner.tune(cached, on_tuned)
     return rec
