@@ -68,7 +68,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     @T.prim_func(s_tir=True)
     def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k}, {lanes}), "float32"),
              var_Y: T.handle):
-        T.func_attr({{"global_symbol": "{name}", "tir.noalias": True}})
+        T.func_attr({{"global_symbol": "{name}", "tir.noalias": True, "tirx.is_scheduled": True}})
         m = T.int64()
         A = T.match_buffer(var_A, (m, {k}), "float32")
         Y = T.match_buffer(var_Y, (m, {n}), "float32")

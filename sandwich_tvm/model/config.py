@@ -115,9 +115,19 @@ def from_hf_dict(raw: dict, name: str, where: Path | str = "config.json") -> Lla
     heads = raw["num_attention_heads"]
     if raw["hidden_size"] % heads:
         raise ModelConfigError(f"{where}: hidden_size is not a multiple of num_attention_heads")
-    scaling = raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
-        raise ModelConfigError(f"{where}: rope_scaling {scaling} is not supported (llama3 only)")
+    if raw.get("head_dim", raw["hidden_size"] // heads) != raw["hidden_size"] // heads:
+        raise ModelConfigError(f"{where}: head_dim {raw['head_dim']} != hidden_size / heads is not supported")
+    unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
+    if unsupported or raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
+                               "(Llama uses no biases and SiLU)")
+    # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("llama3", "default"):
+        raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 or none)")
+    scaling = rope if kind == "llama3" else None
     return LlamaConfig(
         name=name,
         hidden_size=raw["hidden_size"],
@@ -127,7 +137,7 @@ def from_hf_dict(raw: dict, name: str, where: Path | str = "config.json") -> Lla
         intermediate_size=raw["intermediate_size"],
         vocab_size=raw["vocab_size"],
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

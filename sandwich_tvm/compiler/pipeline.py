@@ -1,0 +1,89 @@
+"""The ``sandwich`` Relax pipeline: stock CPU passes plus default schedules for what we did not generate.
+
+Linear layers arrive as calls to Sandwich's generated kernels (already scheduled). Everything
+Relax legalizes afterwards (RMSNorm, SiLU·mul, residual adds, softmax, embedding gathers) is
+fused by ``FuseOps``/``FuseTIR`` and then scheduled by DLight's CPU rules or, for injective
+functions, by ``Elementwise`` below, so no PrimFunc reaches LLVM as naive serial loops.
+"""
+
+from __future__ import annotations
+
+from tvm import relax, s_tir, tirx
+from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+
+from ..tvm_compat import tvm
+
+PARALLEL_GRAIN = 256  # elements per parallel chunk of an elementwise function
+
+
+class Elementwise(CPUScheduleRule):
+    """DLight-style rule for injective functions: inline into the last block, fuse its loops,
+    parallel chunks of ``PARALLEL_GRAIN`` elements, vectorized inside."""
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline(sch, infos)
+        if len(infos) != 1 or not infos[0].is_injective():
+            return None
+        loops = sch.get_loops(infos[0].block_rv)
+        if not loops:
+            return None
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        outer, inner = sch.split(fused, factors=[None, PARALLEL_GRAIN])
+        sch.parallel(outer)
+        _, vec = sch.split(inner, factors=[None, 8])
+        sch.vectorize(vec)
+        return sch
+
+
+@tvm.transform.module_pass(opt_level=0, name="MarkGeneratedScheduled")
+def mark_generated_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """PrimFuncs present before legalization (our kernels, the KV cache's CPU kernels) are final."""
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs:
+            mod[gv] = func.with_attr("tirx.is_scheduled", True)
+    return mod
+
+
+def default_schedule_pass() -> tvm.transform.Pass:
+    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction(), Elementwise())
+
+
+def schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Up to and including the default schedules: afterwards every operator PrimFunc is scheduled."""
+    return ([mark_generated_scheduled] + cpu_generic.library_dispatch_passes(target)
+            + cpu_generic.legalize_passes(target) + [default_schedule_pass()])
+
+
+def lowering_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    return cpu_generic.dataflow_lower_passes(target) + cpu_generic.finalize_passes(target)
+
+
+def sandwich_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """Stock CPU lowering with DLight default schedules after fusion (registered as "sandwich")."""
+
+    @tvm.transform.module_pass(opt_level=0, name="SandwichPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(schedule_passes(target) + lowering_passes(target))(mod)
+
+    return _pipeline
+
+
+def unscheduled(mod: tvm.IRModule) -> list[str]:
+    """PrimFuncs no rule scheduled (should be empty after the pipeline's schedule step)."""
+    return sorted(gv.name_hint for gv, f in mod.functions_items()
+                  if isinstance(f, tirx.PrimFunc) and "tirx.is_scheduled" not in f.attrs)
+
+
+if "sandwich" not in relax.pipeline.PIPELINE_MAP:
+    relax.register_pipeline("sandwich")(sandwich_pipeline)

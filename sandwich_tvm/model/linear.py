@@ -1,0 +1,104 @@
+"""Linear layers on prepacked weights that call Sandwich's generated kernels.
+
+Prefill and decode are separate Relax functions; while one is being traced the *phase*
+context says which kernel set a Linear calls, so both phases share one prepacked weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ..kernels.codegen import Bucket, linear_primfunc, packed_panels
+from ..kernels.database import find_record
+from ..kernels.defaults import default_buckets
+from ..kernels.microkernel import ISAS
+from ..kernels.schedule import GemmShape
+from ..tvm_compat import host_isa, tvm
+
+PHASES = ("prefill", "decode")
+_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("sandwich_phase", default="prefill")
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Trace the enclosed model code for ``name`` ('prefill' or 'decode')."""
+    if name not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, not {name!r}")
+    token = _PHASE.set(name)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
+
+
+@dataclass
+class KernelSet:
+    """Which generated kernel each (phase, n, k) Linear calls.
+
+    A shape tuned for the phase's thread count (``schedules/``) uses its buckets; any other
+    shape gets the default schedules. Decode kernels keep only the buckets for m <= max_batch.
+    """
+
+    prefill_threads: int
+    decode_threads: int
+    max_batch: int = 8
+    root: Path | None = None
+    isa: str = field(default_factory=host_isa)
+    sources: dict[tuple[str, str], str] = field(default_factory=dict)
+    _funcs: dict[tuple[str, GemmShape], tvm.tirx.PrimFunc] = field(default_factory=dict)
+
+    def threads(self, phase_name: str) -> int:
+        return self.prefill_threads if phase_name == "prefill" else self.decode_threads
+
+    def buckets(self, shape: GemmShape, phase_name: str) -> list[Bucket]:
+        threads = self.threads(phase_name)
+        max_m = self.max_batch if phase_name == "decode" else None
+        record = find_record(shape, threads, self.root)
+        if record is None:
+            self.sources[(phase_name, shape.name)] = "default"
+            return default_buckets(shape, threads, max_m, self.isa)
+        self.sources[(phase_name, shape.name)] = "tuned"
+        out = []
+        for b in record.buckets():
+            out.append(b)
+            if max_m is not None and b.m_max >= max_m:
+                break
+        out[-1] = Bucket(1 << 62, out[-1].schedule)
+        return out
+
+    def primfunc(self, shape: GemmShape, phase_name: str) -> tuple[str, tvm.tirx.PrimFunc]:
+        name = f"sandwich_linear_{shape.name}_{phase_name}"
+        key = (phase_name, shape)
+        if key not in self._funcs:
+            self._funcs[key] = linear_primfunc(shape, self.buckets(shape, phase_name), name)
+        return name, self._funcs[key]
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T`` without bias; ``W[n, k]`` is stored prepacked as ``[panels, k, lanes]``."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, dtype: str = "float32"):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernels = kernels
+        lanes = ISAS[kernels.isa].lanes
+        self.weight = nn.Parameter((packed_panels(out_features, kernels.isa), in_features, lanes), dtype)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return packed_matmul(x, self.weight, self.out_features, self.kernels)
+
+
+def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet) -> nn.Tensor:
+    """``x[..., k] @ W.T`` through the current phase's kernel for (n, k); ``weight`` is packed."""
+    k = int(x.shape[-1])
+    lead = list(x.shape[:-1])
+    x2 = op.reshape(x, (-1, k)) if len(lead) != 1 else x
+    name, func = kernels.primfunc(GemmShape(n, k, x.dtype), _PHASE.get())
+    y = op.tensor_ir_op(func, name, args=[x2, weight], out=nn.Tensor.placeholder((x2.shape[0], n), x.dtype))
+    return op.reshape(y, (*lead, n)) if len(lead) != 1 else y

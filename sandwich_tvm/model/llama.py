@@ -1,0 +1,198 @@
+"""Llama 2/3/3.2 and TinyLlama on ``tvm.relax.frontend.nn`` with TVM's paged KV cache.
+
+The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
+attention inside ``TIRPagedKVCache`` (Llama-3 frequency scaling included), and the exported
+functions ``prefill``, ``decode``, ``batch_prefill``, ``batch_decode`` and
+``create_paged_kv_cache``. With a ``KernelSet`` every Linear calls Sandwich's dynamic-m
+kernels on prepacked weights (prefill and decode kernels on the same weight); without one it
+uses ``nn.Linear``, which is TVM's stock build.
+"""
+
+from __future__ import annotations
+
+from tvm import relax, te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from ..kernels.microkernel import ISAS
+from ..tvm_compat import host_target
+from .config import LlamaConfig
+from .linear import KernelSet, PackedLinear, packed_matmul, phase
+
+
+def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None) -> nn.Module:
+    if kernels is None:
+        return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
+    return PackedLinear(k, n, kernels, cfg.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                    cfg.head_dim)
+        d = self.head_dim
+        self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels)
+        self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels)
+
+    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
+        out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, self.heads * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels)
+        self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+        eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, kernels)
+        self.mlp = MLP(cfg, kernels)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
+
+    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    """Token embeddings; ``packed_lanes`` > 0 reads them from the packed (tied) lm_head weight."""
+
+    def __init__(self, cfg: LlamaConfig, packed_shape: tuple[int, int, int] | None):
+        self.hidden = cfg.hidden_size
+        self.lanes = packed_shape[2] if packed_shape else 0
+        self.weight = nn.Parameter(packed_shape or (cfg.vocab_size, cfg.hidden_size), cfg.dtype)
+
+    def forward(self, ids: nn.Tensor) -> nn.Tensor:
+        flat = op.reshape(ids, (-1,))
+        if not self.lanes:
+            rows = op.take(self.weight, flat, axis=0)
+        else:
+            lanes = self.lanes
+
+            def gather(w: te.Tensor, t: te.Tensor) -> te.Tensor:
+                return te.compute((t.shape[0], self.hidden),
+                                  lambda i, j: w[t[i] // lanes, j, t[i] % lanes], name="embed_packed")
+
+            rows = op.tensor_expr_op(gather, "embed_packed", [self.weight, flat])
+        return op.reshape(rows, (*ids.shape, self.hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+        tied_packed = None
+        if cfg.tie_word_embeddings and kernels is not None:
+            from ..kernels.codegen import packed_panels
+
+            isa = kernels.isa
+            tied_packed = (packed_panels(cfg.vocab_size, isa), cfg.hidden_size, ISAS[isa].lanes)
+        self.embed_tokens = Embedding(cfg, tied_packed)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
+
+    def forward(self, ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
+        x = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, kv, i)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``)."""
+
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None):
+        self.cfg = cfg
+        self.kernels = kernels
+        self.model = LlamaModel(cfg, kernels)
+        self.tied = cfg.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, kernels)
+
+    def _logits(self, h: nn.Tensor) -> nn.Tensor:
+        if not self.tied:
+            return self.lm_head(h)
+        w = self.model.embed_tokens.weight
+        if self.kernels is None:
+            return op.matmul(h, op.permute_dims(w))
+        return packed_matmul(h, w, self.cfg.vocab_size, self.kernels)  # the tied weight, packed
+
+    def _forward(self, ids: nn.Tensor, kv: PagedKVCache, positions: nn.Tensor | None) -> nn.Tensor:
+        h = self.model(ids, kv)
+        if positions is None:  # prefill: the last token only
+
+            def last(x: te.Tensor) -> te.Tensor:
+                b, s, d = x.shape
+                return te.compute((b, 1, d), lambda i, _, j: x[i, s - 1, j], name="last_token")
+
+            h = op.tensor_expr_op(last, "last_token", [h])
+        else:
+            h = op.take(h, positions, axis=1)
+        return self._logits(h)
+
+    def prefill(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
+        with phase("prefill"):
+            return self._forward(input_ids, paged_kv_cache, None), paged_kv_cache
+
+    def decode(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
+        with phase("decode"):
+            return self._decode(input_ids, paged_kv_cache)
+
+    def _decode(self, ids: nn.Tensor, kv: PagedKVCache):
+        return self._logits(self.model(ids, kv)), kv
+
+    def batch_prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
+        with phase("prefill"):
+            return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache
+
+    def batch_decode(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
+        with phase("decode"):
+            return self._decode(input_ids, paged_kv_cache)
+
+    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                              prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                              support_sliding_window: tirx.Var) -> PagedKVCache:
+        cfg = self.cfg
+        return TIRPagedKVCache(
+            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
+            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads, qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
+            rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
+            rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=cfg.dtype,
+            target=host_target(),
+        )
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        spec = {
+            "prefill": {"input_ids": nn.spec.Tensor([1, "seq_len"], "int32"), "paged_kv_cache": kv,
+                        "$": packed},
+            "decode": {"input_ids": nn.spec.Tensor([1, 1], "int32"), "paged_kv_cache": kv, "$": packed},
+            "batch_prefill": {"input_ids": nn.spec.Tensor([1, "seq_len"], "int32"),
+                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                              "paged_kv_cache": kv, "$": packed},
+            "batch_decode": {"input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
+                             "paged_kv_cache": kv, "$": packed},
+            "create_paged_kv_cache": {
+                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+                "page_size": int, "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)

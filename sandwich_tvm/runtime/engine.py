@@ -1,0 +1,159 @@
+"""The serving engine: prefill on the prefill plan's cores, decode on the decode plan's, one
+copy of the weights, and the switch between them measured.
+
+TVM's thread pool is fixed in size when it starts (``TVM_NUM_THREADS``) and is re-shaped with
+``runtime.config_threadpool(mode, n, cpus)``: mode -2 puts worker i on ``cpus[i]``. TVM pins
+the calling thread as a side effect, so the engine re-pins it after each switch (notes §5).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..compiler.artifact import CompiledModel
+from ..tvm_compat import tvm
+from .plan import ExecPlan
+
+ShapeTuple = tvm.runtime.ShapeTuple
+_ONE_CORE_PER_THREAD = -2
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve; the message names the limit."""
+
+
+@dataclass
+class Generation:
+    """One request's tokens and timings (ms)."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    decode_ms: list[float] = field(default_factory=list)
+    switch_ms: float = 0.0
+
+    @property
+    def tpot_ms(self) -> float:
+        """Median time per output token after the first (the decode steps)."""
+        return float(np.median(self.decode_ms)) if self.decode_ms else float("nan")
+
+    def to_json(self) -> dict:
+        return {"ttft_ms": round(self.ttft_ms, 3), "tpot_ms": round(self.tpot_ms, 3),
+                "prompt_tokens": self.prompt_tokens, "output_tokens": len(self.tokens),
+                "switch_ms": round(self.switch_ms, 4), "tokens": self.tokens}
+
+
+class Engine:
+    """Runs a compiled model under an execution plan. ``params`` are numpy arrays (ideally in
+    huge pages); they are wrapped zero-copy and shared by every function and phase."""
+
+    def __init__(self, compiled: CompiledModel, params: Sequence[np.ndarray], plan: ExecPlan, *,
+                 context: int | None = None, prefill_chunk: int = 2048, page_size: int = 16,
+                 max_batch: int = 1):
+        cfg = compiled.config
+        self.cfg, self.plan, self.compiled = cfg, plan, compiled
+        self.context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.prefill_chunk = min(prefill_chunk, self.context)
+        pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
+        if max(plan.prefill_threads, plan.decode_threads) > pool:
+            raise EngineError(f"the plan needs {max(plan.prefill_threads, plan.decode_threads)} threads "
+                              f"but TVM's pool has {pool}; set TVM_NUM_THREADS before starting")
+        if len(params) != len(compiled.params):
+            raise EngineError(f"{len(params)} weights given, the compiled model takes {len(compiled.params)}")
+        self.vm = compiled.load_vm()
+        self.params = [tvm.runtime.from_dlpack(np.ascontiguousarray(a)) for a in params]
+        self._config_pool = tvm.get_global_func("runtime.config_threadpool")
+        g = tvm.get_global_func
+        self._add_seq = g("vm.builtin.kv_state_add_sequence")
+        self._remove_seq = g("vm.builtin.kv_state_remove_sequence")
+        self._begin = g("vm.builtin.kv_state_begin_forward")
+        self._end = g("vm.builtin.kv_state_end_forward")
+        self.kv = self.vm["create_paged_kv_cache"](
+            ShapeTuple([max_batch]), ShapeTuple([self.context]), ShapeTuple([self.prefill_chunk]),
+            ShapeTuple([page_size]), ShapeTuple([0]))
+        self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
+        self.phase: str | None = None
+        self.switches: list[float] = []
+
+    # ------------------------------------------------------------------ thread plans
+    def use(self, phase: str) -> float:
+        """Put the thread pool on ``phase``'s cores; returns the switch time in ms (0 if already)."""
+        if phase == self.phase:
+            return 0.0
+        cpus = self.plan.prefill_cpus if phase == "prefill" else self.plan.decode_cpus
+        t0 = time.perf_counter()
+        self._config_pool(_ONE_CORE_PER_THREAD, len(cpus), [str(c) for c in cpus])
+        os.sched_setaffinity(0, {cpus[0]})  # the caller runs task 0 on the plan's first core
+        ms = (time.perf_counter() - t0) * 1e3
+        self.phase = phase
+        self.switches.append(ms)
+        return ms
+
+    # ------------------------------------------------------------------ model steps
+    def _step(self, fn, ids: np.ndarray, seq_id: int) -> np.ndarray:
+        self._begin(self.kv, ShapeTuple([seq_id]), ShapeTuple([ids.shape[1]]))
+        logits, self.kv = fn(tvm.runtime.tensor(ids), self.kv, self.params)
+        self._end(self.kv)
+        return logits.numpy().reshape(-1)
+
+    def start(self, seq_id: int = 0) -> None:
+        self._add_seq(self.kv, seq_id)
+
+    def stop(self, seq_id: int = 0) -> None:
+        self._remove_seq(self.kv, seq_id)
+
+    def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
+        """Logits after the prompt (chunks of ``prefill_chunk`` tokens)."""
+        ids = np.asarray(prompt, dtype=np.int32).reshape(1, -1)
+        logits = None
+        for s in range(0, ids.shape[1], self.prefill_chunk):
+            logits = self._step(self._prefill, ids[:, s:s + self.prefill_chunk], seq_id)
+        return logits
+
+    def decode(self, token: int, seq_id: int = 0) -> np.ndarray:
+        return self._step(self._decode, np.array([[token]], dtype=np.int32), seq_id)
+
+    def check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if not len(prompt):
+            raise EngineError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
+        if len(prompt) + max_new_tokens > self.context:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the context of "
+                f"{self.context} tokens; shorten the prompt or lower --max-new-tokens")
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,
+                 on_token: Callable[[int], None] | None = None, logits_out: list | None = None) -> Generation:
+        """Greedy generation: prefill plan for the prompt, then the decode plan."""
+        self.check_prompt(prompt, max_new_tokens)
+        gen = Generation(len(prompt))
+        self.start()
+        try:
+            self.use("prefill")
+            t0 = time.perf_counter()
+            logits = self.prefill(prompt)
+            token = int(np.argmax(logits))
+            gen.ttft_ms = (time.perf_counter() - t0) * 1e3
+            while True:
+                gen.tokens.append(token)
+                if logits_out is not None:
+                    logits_out.append(logits)
+                if on_token:
+                    on_token(token)
+                if len(gen.tokens) >= max_new_tokens or (stop and token in stop):
+                    break
+                gen.switch_ms += self.use("decode")
+                t0 = time.perf_counter()
+                logits = self.decode(token)
+                token = int(np.argmax(logits))
+                gen.decode_ms.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            self.stop()
+        return gen
