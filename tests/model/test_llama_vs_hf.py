@@ -1,0 +1,74 @@
+"""The compiled Relax Llama against HF transformers on the same random weights."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import CompiledModel, compile_model
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.runtime.engine import Engine, EngineError
+from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.tvm_compat import host_isa
+
+from .hf_models import CONFIGS, write_hf_model
+
+torch = pytest.importorskip("torch")
+
+CPUS = tuple(sorted(os.sched_getaffinity(0)))
+PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")  # a real switch between the phases
+DECODE_STEPS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hf_case(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    return out, write_hf_model(request.param, out)
+
+
+def _reference(hf, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _run(model_dir, compiled: CompiledModel, prompt: list[int]):
+    cfg = compiled.config
+    params = load_params(model_dir, cfg, compiled.params, host_isa())
+    engine = Engine(compiled, params, PLAN)
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, DECODE_STEPS + 1, logits_out=logits)
+    return engine, params, gen, np.stack(logits)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stock", [False, True], ids=["sandwich", "stock"])
+def test_prefill_and_decode_match_hf(hf_case, stock):
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    compiled = compile_model(cfg, PLAN, stock=stock)
+    assert compiled.meta["unscheduled"] == []  # every operator got a schedule
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
+    engine, params, gen, ours = _run(model_dir, compiled, prompt)
+    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+    assert ours.shape == ref.shape == (DECODE_STEPS + 1, cfg.vocab_size)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # identical greedy tokens
+
+    # Hot switching: prefill on every CPU, decode on the plan's subset, weights never copied.
+    assert engine.phase == "decode" and len(engine.switches) == 2
+    assert os.sched_getaffinity(0) == {PLAN.decode_cpus[0]}
+    for arr, tensor in zip(params, engine.params, strict=True):
+        assert np.from_dlpack(tensor).ctypes.data == arr.ctypes.data
+    os.sched_setaffinity(0, CPUS)
+
+    # The artifact reloads without recompiling.
+    again = compile_model(cfg, PLAN, stock=stock)
+    assert again.path == compiled.path and again.meta["seconds"] == compiled.meta["seconds"]
+
+    # A prompt longer than the context is refused with the limit named.
+    with pytest.raises(EngineError, match="exceeds the context of 256 tokens"):
+        engine.generate([1] * 250, 10)
+    os.sched_setaffinity(0, CPUS)
