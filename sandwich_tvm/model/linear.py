@@ -42,8 +42,9 @@ def phase(name: str) -> Iterator[None]:
 class KernelSet:
     """Which generated kernel each (phase, n, k) Linear calls.
 
-    A shape tuned for the phase's thread count (``schedules/``) uses its buckets; any other
-    shape gets the default schedules. Decode kernels keep only the buckets for m <= max_batch.
+    A shape tuned for the phase's thread count (``schedules/``) uses its buckets up to the
+    largest tuned m and the default schedules above it; an untuned shape gets the defaults.
+    Decode kernels keep only the buckets for m <= max_batch.
     """
 
     prefill_threads: int
@@ -65,11 +66,14 @@ class KernelSet:
             self.sources[(phase_name, shape.name)] = "default"
             return default_buckets(shape, threads, max_m, self.isa)
         self.sources[(phase_name, shape.name)] = "tuned"
+        tuned_to = max(t.m for t in record.tuned)
         out = []
         for b in record.buckets():
-            out.append(b)
-            if max_m is not None and b.m_max >= max_m:
+            out.append(Bucket(min(b.m_max, tuned_to), b.schedule))
+            if b.m_max >= tuned_to or (max_m is not None and b.m_max >= max_m):
                 break
+        if max_m is None or max_m > tuned_to:  # beyond the tuned range: the default schedules
+            out += [b for b in default_buckets(shape, threads, max_m, self.isa) if b.m_max > tuned_to]
         out[-1] = Bucket(1 << 62, out[-1].schedule)
         return out
 

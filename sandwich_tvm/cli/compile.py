@@ -1,0 +1,44 @@
+"""`python -m sandwich_tvm.compile`: build the Relax Llama with Sandwich's kernels (cached)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from rich.console import Console
+
+from ..compiler.artifact import compile_model
+from ..model.config import load_config
+from ..runtime.plan import resolve_plan
+from .generate import LOAD_ERRORS, add_model_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sandwich_tvm.compile",
+                                description="Compile a Llama model through the 'sandwich' Relax pipeline: "
+                                            "tuned kernels from schedules/ for the plan's prefill and decode "
+                                            "thread counts, default schedules elsewhere.")
+    add_model_args(p)
+    p.add_argument("--out", type=Path, default=None, help="artifact directory (default: the cache)")
+    p.add_argument("--force", action="store_true", help="recompile even if a matching artifact exists")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        plan = resolve_plan(args.plan)
+        console.print(plan.describe())
+        compiled = compile_model(load_config(args.model), plan, stock=args.stock, max_batch=args.max_batch,
+                                 out=args.out, root=args.schedules, force=args.force, log=console.print)
+    except LOAD_ERRORS as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    kinds = Counter(compiled.meta["kernels"].values())
+    if kinds:
+        console.print(f"Linear kernels: {kinds.get('tuned', 0)} tuned, {kinds.get('default', 0)} default "
+                      "schedules (tune with `python -m sandwich_tvm.tune kernels`)")
+    console.print(f"artifact: {compiled.path}")
+    return 0

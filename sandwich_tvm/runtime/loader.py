@@ -1,0 +1,24 @@
+"""From a model name to a running engine: config, compile (cached), weights, plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..compiler.artifact import CompiledModel, compile_model
+from ..model.config import load_config
+from ..model.weights import load_params, load_tokenizer
+from ..tvm_compat import host_isa
+from .engine import Engine
+from .plan import ExecPlan
+
+
+def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, schedules: Path | None = None,
+                context: int | None = None, max_batch: int = 8, seed: int = 0, force: bool = False,
+                log: Callable[[str], None] = lambda _m: None) -> tuple[Engine, object, CompiledModel]:
+    """The engine, the tokenizer (None for presets) and the compiled model it runs."""
+    cfg = load_config(model)
+    compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
+                             log=log)
+    params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
+    return Engine(compiled, params, plan, context=context), load_tokenizer(model), compiled
