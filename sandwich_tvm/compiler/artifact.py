@@ -29,7 +29,7 @@ from ..tvm_compat import host_isa, host_target, tvm
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 
 FORMAT = 1
-_SOURCES = ("kernels/codegen.py", "kernels/defaults.py", "model/linear.py", "model/llama.py",
+_SOURCES = ("kernels/codegen.py", "kernels/defaults.py", "model/linear.py", "model/llama.py", "model/norm.py",
             "compiler/pipeline.py", "compiler/artifact.py")
 
 

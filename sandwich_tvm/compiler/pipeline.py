@@ -12,7 +12,7 @@ from tvm import relax, s_tir, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import try_inline
+from tvm.s_tir.dlight.base import try_inline, try_inline_contiguous_spatial
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
 from ..tvm_compat import tvm
@@ -45,6 +45,21 @@ class Elementwise(CPUScheduleRule):
         return sch
 
 
+class InlinedReduction(dl.cpu.Reduction):
+    """DLight's CPU reduction rule after inlining the spatial producers (RMSNorm's casts and
+    squares would otherwise be materialized as full [rows, hidden] workspaces on every call)."""
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        try_inline_contiguous_spatial(sch, infos)
+        return super().apply(sch.mod["main"], target, tunable)
+
+
 @tvm.transform.module_pass(opt_level=0, name="MarkGeneratedScheduled")
 def mark_generated_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
     """PrimFuncs present before legalization (our kernels, the KV cache's CPU kernels) are final."""
@@ -55,7 +70,7 @@ def mark_generated_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext)
 
 
 def default_schedule_pass() -> tvm.transform.Pass:
-    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction(), Elementwise())
+    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), InlinedReduction(), Elementwise())
 
 
 def schedule_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:

@@ -19,12 +19,19 @@ from ..kernels.microkernel import ISAS
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, phase
+from .norm import RMSNorm
 
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None) -> nn.Module:
     if kernels is None:
         return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
     return PackedLinear(k, n, kernels, cfg.dtype)
+
+
+def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
+    if kernels is None:
+        return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
 
 class Attention(nn.Module):
@@ -55,11 +62,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
-        eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, kernels)
         self.mlp = MLP(cfg, kernels)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=cfg.dtype)
+        self.input_layernorm = _norm(cfg, kernels)
+        self.post_attention_layernorm = _norm(cfg, kernels)
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
@@ -99,7 +105,7 @@ class LlamaModel(nn.Module):
             tied_packed = (packed_panels(cfg.vocab_size, isa), cfg.hidden_size, ISAS[isa].lanes)
         self.embed_tokens = Embedding(cfg, tied_packed)
         self.layers = nn.ModuleList([DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers)])
-        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
+        self.norm = _norm(cfg, kernels)
 
     def forward(self, ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
         x = self.embed_tokens(ids)

@@ -1,0 +1,65 @@
+"""RMSNorm as a generated TIR kernel: rows in parallel, 8-lane partial sums, one pass to scale.
+
+DLight's CPU reduction rule mis-schedules the decode shape [1, 1, hidden] (unit loops are
+dropped, the reduction is recomputed inside a parallel loop over the hidden dimension and
+races on its accumulator), so the norm is generated like the Linear kernels instead.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from ..tvm_compat import T, tvm
+
+LANES = 8
+
+
+@cache
+def rms_norm_primfunc(hidden: int, eps: float) -> tvm.tirx.PrimFunc:
+    """``Y[i, :] = X[i, :] * rsqrt(mean(X[i, :]^2) + eps) * w`` for a symbolic number of rows."""
+    h, main = hidden, hidden // LANES * LANES
+    tail = "" if main == h else f'''
+                for j in range({h - main}):
+                    ss[0] = ss[0] + X[i, {main} + j] * X[i, {main} + j]'''
+    src = f'''
+@T.prim_func(s_tir=True)
+def rms_norm_h{h}(var_x: T.handle, w: T.Buffer(({h},), "float32"), var_y: T.handle):
+    T.func_attr({{"global_symbol": "rms_norm_h{h}", "tir.noalias": True, "tirx.is_scheduled": True}})
+    m = T.int64()
+    X = T.match_buffer(var_x, (m, {h}), "float32")
+    Y = T.match_buffer(var_y, (m, {h}), "float32")
+    with T.sblock("root"):
+        for i in T.parallel(m):
+            with T.sblock("row"):
+                acc = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")
+                ss = T.sblock_alloc_buffer((1,), "float32", scope="global")
+                for l in T.vectorized({LANES}):
+                    acc[l] = T.float32(0)
+                for j in range({main // LANES}):
+                    for l in T.vectorized({LANES}):
+                        acc[l] = acc[l] + X[i, j * {LANES} + l] * X[i, j * {LANES} + l]
+                ss[0] = {" + ".join(f"acc[{lane}]" for lane in range(LANES))}{tail}
+                ss[0] = T.rsqrt(ss[0] / T.float32({h}) + T.float32({eps!r}))
+                for j in T.vectorized({h}):
+                    Y[i, j] = X[i, j] * ss[0] * w[j]
+'''
+    return tvm.script.from_source(src, extra_vars={"T": T})
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for ``nn.RMSNorm`` (same parameter name) calling the generated kernel."""
+
+    def __init__(self, hidden: int, eps: float, dtype: str = "float32"):
+        self.hidden, self.eps = hidden, eps
+        self.weight = nn.Parameter((hidden,), dtype)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        lead = list(x.shape[:-1])
+        x2 = op.reshape(x, (-1, self.hidden))
+        func = rms_norm_primfunc(self.hidden, float(self.eps))
+        y = op.tensor_ir_op(func, f"rms_norm_h{self.hidden}", args=[x2, self.weight],
+                            out=nn.Tensor.placeholder((x2.shape[0], self.hidden), x.dtype))
+        return op.reshape(y, (*lead, self.hidden))
