@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+# The CPUs this process may use, read before TVM's pool re-pins the calling thread (notes §5).
+PROCESS_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
+os.environ.setdefault("TVM_NUM_THREADS", str(len(PROCESS_CPUS)))
 
 import tvm  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402,F401
 
-__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags"]
+__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags", "PROCESS_CPUS"]
 
 
 @lru_cache(maxsize=1)

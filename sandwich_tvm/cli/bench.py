@@ -1,4 +1,5 @@
-"""`python -m sandwich_tvm.bench gemm`: Sandwich's dynamic-shape GEMM against numpy and torch.
+"""`python -m sandwich_tvm.bench gemm|e2e`: Sandwich's dynamic-shape GEMM against numpy and torch
+(``e2e``: the whole model, see ``cli/e2e.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -19,6 +20,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from .e2e import add_e2e_parser, main_e2e
+
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
 
 
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedules", type=Path, default=None, help="tuning database root (default schedules/)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
+    add_e2e_parser(sub)
     return parser
 
 
@@ -131,6 +135,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=args.json)
+    if args.what == "e2e":
+        return main_e2e(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     try:
         ms = sorted({int(x) for x in args.m.split(",") if x.strip()})

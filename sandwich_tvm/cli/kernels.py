@@ -18,13 +18,16 @@ from ..model.config import load_config
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
-    parser.add_argument("--max-m", type=int, default=2048, help="largest sequence length (default 2048)")
+    parser.add_argument("--max-m", type=int, default=None,
+                        help="largest sequence length (default 2048; 4 in the 'all' chain)")
+    parser.add_argument("--decode-max-m", type=int, default=1,
+                        help="chain: largest m tuned for the decode thread count (default 1, batch 1)")
     parser.add_argument("--window", type=int, default=16, help="micro-kernel sliding window σ (default 16)")
     parser.add_argument("--schedules", type=Path, default=None,
                         help="database root (default: the repository's schedules/)")
 
 
-def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int) -> int:
+def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int, max_m: int) -> int:
     cfg = load_config(args.model)
     shapes = linear_shapes(cfg)
     table = Table(title=f"Sandwich kernels for {cfg.name}, {threads} threads")
@@ -33,9 +36,9 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
         for name, shape in shapes.items():
-            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=args.max_m).ladder()
+            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=max_m).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
-            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=args.max_m, window=args.window,
+            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=max_m, window=args.window,
                             root=args.schedules, progress=lambda _t, task=task: bar.advance(task))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),

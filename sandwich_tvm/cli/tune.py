@@ -37,12 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sandwich_tvm.tune",
         description="Tune Sandwich for a model on this machine (default: the llama-160m preset). "
                     "Stage 'plan': topology -> ranked prefill/decode plans.")
-    parser.add_argument("stage", nargs="?", default="plan", choices=["plan", "kernels"],
-                        help="what to tune (default: plan)")
+    parser.add_argument("stage", nargs="?", default="all", choices=["all", "plan", "kernels"],
+                        help="'all' (default): plan -> kernels -> compile -> a short generation "
+                             "against TVM's stock build; or one stage")
     add_machine_args(parser)
     add_kernel_args(parser)
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="directory for plans.json (default ./out)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="chain: prompt tokens (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="chain: new tokens (default 16)")
+    parser.add_argument("--no-stock", action="store_true", help="chain: skip TVM's stock build")
     return parser
 
 
@@ -54,10 +58,17 @@ def main(argv: list[str] | None = None) -> int:
 
         threads = args.threads or len(os.sched_getaffinity(0))
         try:
-            return tune_model_kernels(args, console, threads)
+            return tune_model_kernels(args, console, threads, args.max_m or 2048)
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
             console.print(f"[red]error:[/] {exc}")
             return 2
+    code = plan_stage(args, console)
+    if code or args.stage == "plan":
+        return code
+    return run_chain(args, console)
+
+
+def plan_stage(args: argparse.Namespace, console: Console) -> int:
     try:
         console.rule("[bold]sandwich-tvm tune: plan stage")
         tree, source, profile = resolve_machine(args, log=console.print)
@@ -94,3 +105,24 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_chain(args: argparse.Namespace, console: Console) -> int:
+    """kernels (prefill and decode thread counts) -> compile -> generation vs the stock build."""
+    from ..kernels.database import ScheduleDbError
+    from ..runtime.plan import ExecPlan
+    from .chain import compare_with_stock
+    from .generate import LOAD_ERRORS
+
+    try:
+        plan = ExecPlan.from_file(args.out / "plans.json")
+        max_m = args.max_m or 4
+        console.rule(f"[bold]kernels stage: m <= {max_m}, {plan.describe()}")
+        for threads in sorted({plan.prefill_threads, plan.decode_threads}, reverse=True):
+            limit = max_m if threads == plan.prefill_threads else min(max_m, args.decode_max_m)
+            tune_model_kernels(args, console, threads, limit)
+        console.rule("[bold]compile and generate")
+        return compare_with_stock(args, plan, console)
+    except (*LOAD_ERRORS, ScheduleDbError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2

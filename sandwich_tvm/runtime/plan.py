@@ -7,9 +7,10 @@ one, every CPU this process may use for both phases.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..tvm_compat import PROCESS_CPUS
 
 
 class PlanError(ValueError):
@@ -38,7 +39,7 @@ class ExecPlan:
 
     @classmethod
     def all_cpus(cls) -> ExecPlan:
-        cpus = tuple(sorted(os.sched_getaffinity(0)))
+        cpus = tuple(sorted(PROCESS_CPUS))
         return cls(cpus, cpus)
 
     @classmethod
@@ -48,7 +49,7 @@ class ExecPlan:
                             "runtime serves one process. Re-plan with a single-process plan.")
         plan = cls(tuple(d["prefill_cpus"][0]), tuple(d["decode_cpus"][0]), source,
                    d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"))
-        usable = os.sched_getaffinity(0)
+        usable = PROCESS_CPUS
         outside = sorted(set(plan.prefill_cpus + plan.decode_cpus) - usable)
         if outside:
             raise PlanError(f"{source}: CPUs {outside} are not available to this process (it may use "

@@ -12,13 +12,13 @@ from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.engine import Engine, EngineError
 from sandwich_tvm.runtime.plan import ExecPlan
-from sandwich_tvm.tvm_compat import host_isa
+from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from .hf_models import CONFIGS, write_hf_model
 
 torch = pytest.importorskip("torch")
 
-CPUS = tuple(sorted(os.sched_getaffinity(0)))
+CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")  # a real switch between the phases
 DECODE_STEPS = 32
 

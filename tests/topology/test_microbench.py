@@ -57,7 +57,7 @@ def test_profile_is_measured_cached_and_sane(tmp_path):
 
 
 def test_tune_plan_stage_writes_plans(tmp_path):
-    assert tune_cli.main(["--lengths", "128:32,512:64", "--out", str(tmp_path)]) == 0
+    assert tune_cli.main(["plan", "--lengths", "128:32,512:64", "--out", str(tmp_path)]) == 0
     import json
 
     plans = json.loads((tmp_path / "plans.json").read_text())["plans"]

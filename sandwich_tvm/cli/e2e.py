@@ -1,0 +1,225 @@
+"""`python -m sandwich_tvm.bench e2e`: TTFT and TPOT of the whole model, Sandwich against baselines.
+
+Systems, each on the same thread count and the same weights: Sandwich (the plan's prefill and
+decode cores, hot switching), HF ``transformers`` on torch, TVM's stock Relax build (its
+unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``) and
+llama.cpp when ``llama_cpp`` and ``gguf`` are installed. The simulator's predictions for the
+plan are printed next to the measured Sandwich numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..model.config import LlamaConfig, load_config
+
+
+def add_e2e_parser(sub) -> None:
+    from .generate import add_model_args
+
+    e = sub.add_parser("e2e", help="TTFT / TPOT of the whole model against baselines")
+    add_model_args(e)
+    e.add_argument("--prompts", default="128,512,1024", help="prompt lengths (default 128,512,1024)")
+    e.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request (default 128)")
+    e.add_argument("--systems", default="sandwich,torch,stock",
+                   help="comma-separated: sandwich, torch, stock, llamacpp (default sandwich,torch,stock)")
+    e.add_argument("--stock-max-prompt", type=int, default=128,
+                   help="longest prompt given to TVM's stock build (default 128)")
+    e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    from .generate import synthetic_prompt
+
+    return synthetic_prompt(n, vocab)
+
+
+def run_tvm(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log) -> list[dict]:
+    from ..runtime.loader import open_engine
+
+    engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
+                               context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
+                               seed=args.seed, log=log)
+    engine.generate(_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
+    rows = []
+    for p in prompts:
+        if stock and p > args.stock_max_prompt:
+            continue
+        new = args.new_tokens if not stock else min(args.new_tokens, 16)
+        gen = engine.generate(_prompt(p, cfg.vocab_size), new)
+        decode_total = sum(gen.decode_ms)
+        rows.append({"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
+                     "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens),
+                     "switch_ms": gen.switch_ms,
+                     "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None})
+        log(f"{rows[-1]['system']}: prompt {p}: TTFT {gen.ttft_ms:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
+    return rows
+
+
+def hf_model(spec: str, cfg: LlamaConfig, seed: int):
+    """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
+    import torch
+    import transformers
+
+    from ..model.config import PRESETS
+    from ..model.weights import random_checkpoint
+
+    if spec not in PRESETS:
+        return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
+    rope.setdefault("rope_type", "default")
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = hf_model(args.model, cfg, args.seed)
+    rows = []
+    with torch.inference_mode():
+        for p in [8, *prompts]:
+            ids = torch.tensor([_prompt(p, cfg.vocab_size)])
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=True)
+            token = out.logits[0, -1].argmax()
+            ttft = (time.perf_counter() - t0) * 1e3
+            past, steps = out.past_key_values, []
+            for _ in range(args.new_tokens - 1 if p != 8 else 2):
+                t0 = time.perf_counter()
+                out = model(token.view(1, 1), past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[0, -1].argmax()
+                steps.append((time.perf_counter() - t0) * 1e3)
+            if p == 8:
+                continue  # warm-up
+            rows.append({"system": "torch", "prompt": p, "ttft_ms": ttft, "tpot_ms": float(np.median(steps)),
+                         "output_tokens": len(steps) + 1})
+            log(f"torch: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
+    return rows
+
+
+def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log) -> list[dict]:
+    """The simulator's TTFT/TPOT for the plan on this machine (its measured profile)."""
+    from ..topology import load_tree
+    from ..topology.configs import ServiceConfig
+    from ..topology.microbench import measure_profile
+    from ..topology.simulator import LatencySimulator, Trace
+
+    tree, found = load_tree()
+    profile = measure_profile(tree, found.cpu_model, log=log)
+    p = np.array(prompts, dtype=float)
+    sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
+    pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
+    dec = ServiceConfig((tuple(plan.decode_cpus),), ((0,),))
+    ttft, tpot = sim.ttft_ms(pre, p), sim.tpot_ms(dec, p + new_tokens / 2)
+    return [{"prompt": int(n), "ttft_ms": float(a), "tpot_ms": float(b)}
+            for n, a, b in zip(p, ttft, tpot, strict=True)]
+
+
+def bench_e2e(args, console: Console) -> dict:
+    from ..runtime.plan import resolve_plan
+
+    cfg = load_config(args.model)
+    plan = resolve_plan(args.plan)
+    prompts = [int(x) for x in args.prompts.split(",")]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
+    log(plan.describe())
+    rows: list[dict] = []
+    notes: list[str] = []
+    for system in systems:
+        if system in ("sandwich", "stock"):
+            rows += run_tvm(args, cfg, plan, prompts, system == "stock", log)
+        elif system == "torch":
+            rows += run_torch(args, cfg, prompts, plan.prefill_threads, log)
+        elif system == "llamacpp":
+            notes.append("llama.cpp: not run (the llama-cpp-python extra and a GGUF export are not wired "
+                         "up yet)")
+        else:
+            raise SystemExit(f"unknown system {system!r}")
+    pred = predicted(cfg, plan, prompts, args.new_tokens, log)
+    for r in rows:
+        if r["system"] == "sandwich":
+            base = next((b for b in rows if b["system"] == "torch" and b["prompt"] == r["prompt"]), None)
+            if base:
+                r["ttft_speedup_vs_torch"] = base["ttft_ms"] / r["ttft_ms"]
+                r["tpot_speedup_vs_torch"] = base["tpot_ms"] / r["tpot_ms"]
+            pr = next(x for x in pred if x["prompt"] == r["prompt"])
+            r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
+    return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
+            "new_tokens": args.new_tokens, "rows": rows, "notes": notes}
+
+
+def print_e2e(result: dict, console: Console) -> None:
+    table = Table(title=f"{result['model']}: {result['plan']}")
+    for col in ("system", "prompt", "TTFT ms", "TPOT ms", "vs torch TTFT", "vs torch TPOT",
+                "predicted TTFT", "predicted TPOT", "switch µs"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        def f(key: str, fmt: str = "{:.1f}", r=r) -> str:
+            return fmt.format(r[key]) if r.get(key) is not None else "-"
+        table.add_row(r["system"], str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
+                      f("ttft_speedup_vs_torch", "{:.2f}x"), f("tpot_speedup_vs_torch", "{:.2f}x"),
+                      f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),
+                      "-" if r.get("switch_ms") is None else f"{r['switch_ms'] * 1e3:.0f}")
+    console.print(table)
+    for n in result["notes"]:
+        console.print(n)
+
+
+def plot_e2e(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in dict.fromkeys(r["system"] for r in result["rows"]):
+        rs = [r for r in result["rows"] if r["system"] == system]
+        a.plot([r["prompt"] for r in rs], [r["ttft_ms"] for r in rs], "o-", label=system)
+        b.plot([r["prompt"] for r in rs], [r["tpot_ms"] for r in rs], "o-", label=system)
+    for ax, name in ((a, "TTFT ms"), (b, "TPOT ms")):
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(name)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle(f"{result['model']} ({result['threads']} threads)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main_e2e(args: argparse.Namespace, console: Console) -> int:
+    from .generate import LOAD_ERRORS
+
+    try:
+        result = bench_e2e(args, console)
+    except LOAD_ERRORS as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    plot_e2e(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_e2e(result, console)
+        console.print(f"plot: {args.plot}")
+    return 0

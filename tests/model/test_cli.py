@@ -1,0 +1,61 @@
+"""The generate and compile CLIs on a tiny checkpoint with a tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sandwich_tvm.cli import compile as compile_cli
+from sandwich_tvm.cli import generate as generate_cli
+from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+from .hf_models import CONFIGS, write_hf_model
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("mha")
+    write_hf_model("mha-untied", out)
+    vocab = {f"w{i}": i for i in range(CONFIGS["mha-untied"]["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    cpus = sorted(PROCESS_CPUS)
+    plan = {"plans": [{"tp": 1, "prefill_cpus": [cpus], "decode_cpus": [cpus[:1]]}]}
+    (out / "plans.json").write_text(json.dumps(plan))
+    return out
+
+
+def test_generate_json(model_dir, capsys):
+    code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                              "--prompt-len", "20", "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 20 and out["output_tokens"] == 5 and len(out["tokens"]) == 5
+    assert out["ttft_ms"] > 0 and out["tpot_ms"] > 0
+
+
+def test_generate_streams_text_through_the_tokenizer(model_dir, capsys):
+    code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                              "--prompt", "w5 w17 w200 w3", "--max-new-tokens", "4"])
+    assert code == 0
+    words = capsys.readouterr().out.split()
+    assert len(words) == 4 and all(w.startswith("w") for w in words)
+
+
+def test_errors_are_reported_not_raised(model_dir, tmp_path, capsys):
+    assert generate_cli.main(["--model", str(tmp_path / "missing"), "--prompt-len", "4"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    bad_plan = tmp_path / "plans.json"
+    bad_plan.write_text(json.dumps({"plans": [{"tp": 1, "prefill_cpus": [[4096]], "decode_cpus": [[4096]]}]}))
+    assert compile_cli.main(["--model", str(model_dir), "--plan", str(bad_plan)]) == 2
+    assert "not available to this process" in capsys.readouterr().out
+    assert generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                              "--prompt-len", "250", "--max-new-tokens", "10"]) == 2
+    assert "exceeds the context of 256 tokens" in capsys.readouterr().err
