@@ -82,18 +82,22 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(hf_cfg)
+    model = transformers.LlamaForCausalLM(hf_cfg)
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
 
 
 def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> list[dict]:
+    import os
+
     import torch
 
+    from ..tvm_compat import PROCESS_CPUS
+
+    os.sched_setaffinity(0, PROCESS_CPUS)  # TVM's decode plan pinned this thread to its cores
     torch.set_num_threads(threads)
     model = hf_model(args.model, cfg, args.seed)
     rows = []

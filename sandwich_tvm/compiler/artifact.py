@@ -20,6 +20,7 @@ from pathlib import Path
 from ..kernels.database import record_path
 from ..kernels.schedule import GemmShape
 from ..kernels.shapes import linear_shapes
+from ..model.attention import replace_cache_kernels
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
@@ -30,7 +31,7 @@ from .pipeline import lowering_passes, schedule_passes, unscheduled
 
 FORMAT = 1
 _SOURCES = ("kernels/codegen.py", "kernels/defaults.py", "model/linear.py", "model/llama.py", "model/norm.py",
-            "compiler/pipeline.py", "compiler/artifact.py")
+            "model/attention.py", "model/rope.py", "compiler/pipeline.py", "compiler/artifact.py")
 
 
 class CompileError(RuntimeError):
@@ -121,6 +122,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(mod, target)
             naive = []
         else:
+            mod = replace_cache_kernels(mod, cfg)
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)

@@ -60,11 +60,28 @@ class InlinedReduction(dl.cpu.Reduction):
         return super().apply(sch.mod["main"], target, tunable)
 
 
+# The KV cache's per-token kernels arrive as serial loop nests over the tokens; their token
+# loop is independent, so it runs in parallel.
+PARALLEL_TOKEN_LOOP = ("fused_rope", "tir_kv_cache_transpose_append")
+
+
+def _parallel_outer(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    loops = sch.get_loops(blocks[0]) if blocks else []
+    if loops:
+        sch.parallel(loops[0])
+    return sch.mod["main"]
+
+
 @tvm.transform.module_pass(opt_level=0, name="MarkGeneratedScheduled")
 def mark_generated_scheduled(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-    """PrimFuncs present before legalization (our kernels, the KV cache's CPU kernels) are final."""
+    """PrimFuncs present before legalization (our kernels, the KV cache's CPU kernels) are final;
+    the cache's per-token kernels get their token loop parallelized first."""
     for gv, func in list(mod.functions_items()):
         if isinstance(func, tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs:
+            if gv.name_hint in PARALLEL_TOKEN_LOOP:
+                func = _parallel_outer(func)
             mod[gv] = func.with_attr("tirx.is_scheduled", True)
     return mod
 

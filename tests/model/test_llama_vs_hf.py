@@ -72,3 +72,20 @@ def test_prefill_and_decode_match_hf(hf_case, stock):
     with pytest.raises(EngineError, match="exceeds the context of 256 tokens"):
         engine.generate([1] * 250, 10)
     os.sched_setaffinity(0, CPUS)
+
+
+@pytest.mark.compile
+def test_chunked_prefill_matches_hf(hf_case):
+    """Prompts longer than the prefill chunk: later chunks attend to the paged prefix and merge
+    with the in-chunk (ragged) attention through its log-sum-exp."""
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    compiled = compile_model(cfg, PLAN)
+    params = load_params(model_dir, cfg, compiled.params, host_isa())
+    engine = Engine(compiled, params, PLAN, prefill_chunk=16)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, cfg.vocab_size, 45)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, 4, logits_out=logits)
+    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    os.sched_setaffinity(0, CPUS)

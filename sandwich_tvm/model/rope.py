@@ -1,0 +1,81 @@
+"""RoPE for the KV cache's ``fused_rope`` step: one sin/cos per (token, frequency), shared by heads.
+
+TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and k. Here the
+inverse frequencies (Llama-3 scaling included, as HF computes them) are constants of the
+kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses them.
+Same signature as TVM's ``fused_rope``; swapped in by ``replace_rope``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+
+from ..tvm_compat import T, tvm
+from .config import LlamaConfig
+
+
+def inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """HF's inverse frequencies (``rope_type`` default or llama3), float32."""
+    d = cfg.head_dim
+    freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freq
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = np.where(wavelen > old / lo, freq / factor, freq)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        freq = np.where(mid, (1 - smooth) * freq / factor + smooth * freq, scaled)
+    return freq.astype(np.float32)
+
+
+@cache
+def _rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...]) -> tvm.tirx.PrimFunc:
+    half, heads = d // 2, h_q + 2 * h_kv
+    on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
+    init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
+    src = f'''
+@T.prim_func(s_tir=True)
+def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+               var_v: T.handle, apply_rope: T.int64):
+    T.func_attr({{"global_symbol": "fused_rope", "tir.noalias": True, "tirx.is_scheduled": True}})
+    seq_len = T.int32()
+    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {d}), "float32")
+    position_map = T.match_buffer(var_position_map, (seq_len,), "int32", offset_factor=1)
+    q = T.match_buffer(var_q, (seq_len, {h_q}, {d}), "float32")
+    k = T.match_buffer(var_k, (seq_len, {h_kv}, {d}), "float32")
+    v = T.match_buffer(var_v, (seq_len, {h_kv}, {d}), "float32")
+    with T.sblock("root"):
+        for s in T.parallel(seq_len):
+            with T.sblock("token"):
+                f = T.sblock_alloc_buffer(({half},), "float32", scope="global")
+                cs = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+                sn = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+{init}
+                for i in range({half}):
+                    cs[i] = T.if_then_else({on}, T.cos({angle}), T.float32(1))
+                    sn[i] = T.if_then_else({on}, T.sin({angle}), T.float32(0))
+                    cs[i + {half}] = cs[i]
+                    sn[i + {half}] = sn[i]
+                for h in range({h_q + h_kv}):
+                    for j in T.vectorized({half}):
+                        if h < {h_q}:
+                            q[s, h, j] = cs[j] * qkv[s, h, j] - sn[j] * qkv[s, h, j + {half}]
+                            q[s, h, j + {half}] = cs[j] * qkv[s, h, j + {half}] + sn[j] * qkv[s, h, j]
+                        else:
+                            k[s, h - {h_q}, j] = cs[j] * qkv[s, h, j] - sn[j] * qkv[s, h, j + {half}]
+                            k[s, h - {h_q}, j + {half}] = cs[j] * qkv[s, h, j + {half}] + sn[j] * qkv[s, h, j]
+                for h in range({h_kv}):
+                    for j in T.vectorized({d}):
+                        v[s, h, j] = qkv[s, h + {h_q + h_kv}, j]
+'''
+    return tvm.script.from_source(src, extra_vars={"T": T})
+
+
+def rope_primfunc(cfg: LlamaConfig) -> tvm.tirx.PrimFunc:
+    return _rope_primfunc(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                          tuple(float(x) for x in inv_freq(cfg)))
