@@ -11,39 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ..kernels.codegen import pack_weight
+from ..memory import aligned_empty
 from ..topology.profile import cache_dir
 from .config import LlamaConfig
 
-HUGE_PAGE = 2 << 20
 FORMAT = 1
 
 
 class ModelLoadError(ValueError):
     """A checkpoint we cannot load; the message names the file and what to do."""
-
-
-def aligned_empty(shape: Iterable[int], dtype: str = "float32") -> np.ndarray:
-    """A writable array at a 64-byte (small) or 2 MiB-page (large, ``MADV_HUGEPAGE``) boundary."""
-    shape = tuple(int(s) for s in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if nbytes < HUGE_PAGE:
-        raw = np.empty(nbytes + 64, dtype=np.uint8)
-        off = (-raw.ctypes.data) % 64
-        return raw[off:off + nbytes].view(dtype).reshape(shape)
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    whole = np.frombuffer(buf, dtype=np.uint8)
-    off = (-whole.ctypes.data) % HUGE_PAGE
-    return whole[off:off + nbytes].view(dtype).reshape(shape)
 
 
 # --------------------------------------------------------------------------- reading checkpoints

@@ -1,0 +1,32 @@
+"""Host memory for data that is streamed: 64-byte aligned, in 2 MiB pages when large.
+
+TVM refuses DLPack tensors that are not 64-byte aligned, and decode streams every weight
+once per token, which runs ~1.4x faster from transparent huge pages (notes §8). Anonymous
+``mmap`` memory advised ``MADV_HUGEPAGE`` gets them when THP is in ``madvise`` mode.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+
+
+def aligned_empty(shape: Iterable[int], dtype: str = "float32") -> np.ndarray:
+    """A writable array at a 64-byte (small) or 2 MiB-page (large, ``MADV_HUGEPAGE``) boundary."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes < HUGE_PAGE:
+        raw = np.empty(nbytes + 64, dtype=np.uint8)
+        off = (-raw.ctypes.data) % 64
+        return raw[off:off + nbytes].view(dtype).reshape(shape)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    off = (-whole.ctypes.data) % HUGE_PAGE
+    return whole[off:off + nbytes].view(dtype).reshape(shape)
