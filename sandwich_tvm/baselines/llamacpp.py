@@ -106,9 +106,15 @@ class LlamaCpp:
         self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=context, n_threads=threads,
                                    n_threads_batch=threads, n_batch=min(context, 2048),
                                    n_ubatch=min(context, 512), logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
 
     def logits(self) -> np.ndarray:
-        return np.asarray(self.llm.eval_logits[-1], dtype=np.float32)
+        """The last evaluated position's logits, read in place through llama.cpp's C API
+        (llama-cpp-python copies them only with ``logits_all``, which would slow prefill)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def generate(self, prompt: list[int], new_tokens: int,
                  on_token: Callable[[int], None] | None = None) -> tuple[float, list[float], list[int]]:

@@ -6,7 +6,8 @@ prefill. This kernel has the same signature and semantics (scores in the log2 do
 log-sum-exp written for merging with the paged prefix) and is swapped in by the
 ``ReplaceAttention`` pass:
 
-- (query row, head) pairs run in parallel; each walks only the keys the causal mask allows,
+- (query row, head) pairs run in parallel (rows in zigzag order to balance the causal
+  triangle over the threads); each walks only the keys the causal mask allows,
   in blocks of ``BLOCK`` keys with an online softmax (one rescale of the accumulator per block);
 - the dot products use 8-lane partial sums and the P·V update is vectorized over the head dim.
 
@@ -34,7 +35,10 @@ def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32")
     group = h_q // h_kv
     dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
     qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
-    row, head = f"task // {h_q}", f"task % {h_q}"
+    # Rows in zigzag order (0, n-1, 1, n-2, ...): TVM splits the parallel loop into contiguous
+    # chunks, and causal rows grow in cost, so each thread gets both short and long rows.
+    i = f"(task // {h_q})"
+    row, head = f"T.if_then_else({i} % 2 == 0, {i} // 2, {qlen} - 1 - {i} // 2)", f"task % {h_q}"
     # Keys this query row may see: a causal row r sees klen - qlen + r + 1 keys.
     visible = f"T.if_then_else(causal > 0, {klen} - {qlen} + {row} + 1, {klen})"
     key = f"kv_indptr[b] + kb * {BLOCK} + j"
