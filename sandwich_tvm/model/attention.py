@@ -112,10 +112,89 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     return tvm.script.from_source(src, extra_vars={"T": T})
 
 
+@cache
+def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16) -> tvm.tirx.PrimFunc:
+    """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
+    its paged K/V; (sequence, head) pairs in parallel, one page (``page`` keys) per softmax
+    block, the same vector dot products and P·V update as the prefill kernel."""
+    group = h_q // h_kv
+    dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
+    b, head = f"(task // {h_q})", f"(task % {h_q})"
+    kvh = f"{head} // {group}"
+    npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
+    rows = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
+    page_no = f"page_table_values[page_table_indptr[{b}] + p]"
+    src = f'''
+@T.prim_func(s_tir=True)
+def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
+                              page_table_values_handle: T.handle, var_length_info: T.handle,
+                              k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+                              output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32,
+                              rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+    T.func_attr({{"global_symbol": "batch_decode_paged_kv_cpu", "tir.noalias": True,
+                 "tirx.is_scheduled": True}})
+    B = T.int32()
+    nnz_pages = T.int32()
+    max_num_pages = T.int32()
+    o1 = T.int32()
+    o2 = T.int32()
+    o3 = T.int32()
+    o4 = T.int32()
+    o5 = T.int32()
+    Q = T.match_buffer(Q_handle, (B, {h_q}, {d}), "float32")
+    pages = T.match_buffer(pages_handle, (max_num_pages, 2, {h_kv}, {page}, {d}), "float32")
+    page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=o1)
+    page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=o2)
+    k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=o3)
+    q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=o4)
+    output = T.match_buffer(output_handle, (B, {h_q}, {d}), "float32")
+    lse = T.match_buffer(lse_handle, (B, {h_q}), "float32")
+    length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=o5)
+    with T.sblock("root"):
+        for task in T.parallel(B * {h_q}):
+            with T.sblock("seq_head"):
+                acc = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+                part = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")
+                s = T.sblock_alloc_buffer(({page},), "float32", scope="global")
+                st = T.sblock_alloc_buffer((4,), "float32", scope="global")  # max, sum, new max, scale
+                for i in T.vectorized({d}):
+                    acc[i] = T.float32(0)
+                st[0] = T.float32(-5e4)
+                st[1] = T.float32(1)  # as TVM's kernel: an empty cache gives 0 and lse -5e4
+                for p in range({npages}):
+                    st[2] = st[0]
+                    for j in range({rows}):
+                        for l in T.vectorized({LANES}):
+                            part[l] = T.float32(0)
+                        for dd in range({d // LANES}):
+                            for l in T.vectorized({LANES}):
+                                part[l] = part[l] + Q[{b}, {head}, dd * {LANES} + l] * \\
+                                    pages[{page_no}, 0, {kvh}, j, dd * {LANES} + l]
+                        s[j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
+                        st[2] = T.max(st[2], s[j])
+                    st[3] = T.exp2(st[0] - st[2])
+                    st[1] = st[1] * st[3]
+                    for i in T.vectorized({d}):
+                        acc[i] = acc[i] * st[3]
+                    st[0] = st[2]
+                    for j in range({rows}):
+                        s[j] = T.exp2(s[j] - st[0])
+                        st[1] = st[1] + s[j]
+                        for i in T.vectorized({d}):
+                            acc[i] = acc[i] + s[j] * pages[{page_no}, 1, {kvh}, j, i]
+                for i in T.vectorized({d}):
+                    output[{b}, {head}, i] = acc[i] / st[1]
+                lse[{b}, {head}] = st[0] + T.log2(st[1])
+'''
+    return tvm.script.from_source(src, extra_vars={"T": T})
+
+
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig) -> tvm.IRModule:
     """Swap the KV cache's ragged prefill attention and its RoPE for ours (same names and
     signatures, so the cache's runtime calls them unchanged)."""
     ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(cfg.num_key_value_heads,
+                                                               cfg.num_attention_heads, cfg.head_dim),
+            "batch_decode_paged_kv_cpu": decode_paged_primfunc(cfg.num_key_value_heads,
                                                                cfg.num_attention_heads, cfg.head_dim),
             "fused_rope": rope_primfunc(cfg)}
     for gv, func in list(mod.functions_items()):
