@@ -10,6 +10,7 @@ plan are printed next to the measured Sandwich numbers.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -195,6 +196,7 @@ def bench_e2e(args, console: Console) -> dict:
             rows += run_llamacpp(args, cfg, prompts, plan.prefill_threads, notes, log)
         else:
             raise SystemExit(f"unknown system {system!r}")
+        gc.collect()  # one system's weights at a time (Llama-3.2-1B is 5 GB in fp32)
     pred = predicted(cfg, plan, prompts, args.new_tokens, log)
     for r in rows:
         if r["system"] == "sandwich":

@@ -36,9 +36,10 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int,
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
         for name, shape in shapes.items():
-            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=max_m).ladder()
+            top = min(max_m, args.decode_max_m) if name == "lm_head" else max_m  # decode-sized m only
+            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
-            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=max_m, window=args.window,
+            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
                             root=args.schedules, progress=lambda _t, task=task: bar.advance(task))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),

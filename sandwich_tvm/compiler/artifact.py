@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..kernels.database import record_path
-from ..kernels.schedule import GemmShape
 from ..kernels.shapes import linear_shapes
 from ..model.attention import replace_cache_kernels
 from ..model.config import LlamaConfig
@@ -81,7 +80,7 @@ def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, roo
     for src in _SOURCES:
         h.update((pkg / src).read_bytes())
     if not stock:
-        shapes = [*linear_shapes(cfg).values(), GemmShape(cfg.vocab_size, cfg.hidden_size)]
+        shapes = list(linear_shapes(cfg).values())
         for threads in {plan.prefill_threads, plan.decode_threads}:
             for shape in shapes:
                 rec = record_path(shape, threads, root)

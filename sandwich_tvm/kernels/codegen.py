@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..tvm_compat import T, tvm
-from .microkernel import ISAS
+from .microkernel import ISAS, REGISTRY
 from .schedule import GemmSchedule, GemmShape, cdiv
 
 
@@ -29,9 +29,10 @@ class KernelError(ValueError):
 
 
 def packed_panels(n: int, isa: str) -> int:
-    """Panels of the packed weight: n padded to the widest NR so every column tile is in bounds."""
-    spec = ISAS[isa]
-    return cdiv(n, spec.max_nr) * spec.max_nr // spec.lanes
+    """Panels of the packed weight: n padded so the last column tile of *every* NR is in bounds
+    (a 24-wide tile over n = 2048 reads up to column 2063, past a pad to 32)."""
+    widths = {mk.nr for mk in REGISTRY[isa]} or {ISAS[isa].max_nr}
+    return max(cdiv(n, w) * w for w in widths) // ISAS[isa].lanes
 
 
 @dataclass(frozen=True)

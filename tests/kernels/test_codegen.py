@@ -62,3 +62,17 @@ def test_bad_schedule_is_refused():
         linear_primfunc(GemmShape(64, 64), [Bucket(1, sch(6, 16, 8, 16, 64))])
     with pytest.raises(KernelError, match="float32"):
         linear_primfunc(GemmShape(64, 64, "float16"), [Bucket(1, sch(6, 16, 6, 16, 64))])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "neon"])
+def test_packed_weight_covers_the_last_tile_of_every_width(isa):
+    from sandwich_tvm.kernels.codegen import packed_panels
+    from sandwich_tvm.kernels.microkernel import ISAS, REGISTRY
+    from sandwich_tvm.kernels.schedule import cdiv
+
+    lanes = ISAS[isa].lanes
+    for n in (1, 7, 8, 200, 2048, 3072, 32000, 128256):
+        panels = packed_panels(n, isa)
+        for mk in REGISTRY[isa]:
+            last_tile_end = cdiv(n, mk.nr) * mk.nr  # columns the last NR tile reads
+            assert last_tile_end <= panels * lanes, (n, mk.name)

@@ -59,3 +59,18 @@ def test_errors_are_reported_not_raised(model_dir, tmp_path, capsys):
     assert generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                               "--prompt-len", "250", "--max-new-tokens", "10"]) == 2
     assert "exceeds the context of 256 tokens" in capsys.readouterr().err
+
+
+def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
+    from sandwich_tvm.cli import bench as bench_cli
+
+    plot = tmp_path / "e2e.png"
+    code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                           "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
+                           "--plot", str(plot)])
+    assert code == 0 and plot.stat().st_size > 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["prompt"] for r in rows] == [8, 24]
+    for r in rows:
+        assert r["system"] == "sandwich" and r["output_tokens"] == 4
+        assert r["ttft_ms"] > 0 and r["predicted_ttft_ms"] > 0 and r["predicted_tpot_ms"] > 0

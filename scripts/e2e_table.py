@@ -1,0 +1,39 @@
+"""Print the markdown table the README quotes from a `bench e2e --json` result.
+
+    python -m sandwich_tvm.bench e2e --model llama-160m --json > out/e2e.json
+    python scripts/e2e_table.py out/e2e.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+
+    def get(system: str, prompt: int) -> dict | None:
+        return next((r for r in rows if r["system"] == system and r["prompt"] == prompt), None)
+
+    out = ["| prompt | Sandwich TTFT / TPOT ms | llama.cpp TTFT / TPOT ms | TTFT ratio | TPOT ratio "
+           "| torch TTFT / TPOT ms | simulator TTFT / TPOT ms |", "|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if r["system"] == "sandwich"):
+        p = r["prompt"]
+        cpp, pt = get("llama.cpp", p), get("torch", p)
+
+        def pair(x: dict | None) -> str:
+            return f"{x['ttft_ms']:.0f} / {x['tpot_ms']:.2f}" if x else "-"
+
+        ratio = "- | -"
+        if cpp:
+            ratio = f"{r['ttft_ms'] / cpp['ttft_ms']:.2f} | {r['tpot_ms'] / cpp['tpot_ms']:.2f}"
+        out.append(f"| {p} | {pair(r)} | {pair(cpp)} | {ratio} | {pair(pt)} | "
+                   f"{r['predicted_ttft_ms']:.0f} / {r['predicted_tpot_ms']:.2f} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        with open(path) as fh:
+            print(table(json.load(fh)))
