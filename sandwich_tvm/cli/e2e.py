@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,29 +48,34 @@ def _prompt(n: int, vocab: int) -> list[int]:
     return synthetic_prompt(n, vocab)
 
 
-def run_tvm(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log) -> list[dict]:
+Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
+
+
+def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log) -> Runner:
     from ..runtime.loader import open_engine
 
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
                                seed=args.seed, log=log)
     engine.generate(_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
-    rows = []
-    for p in prompts:
+
+    def run(p: int) -> dict | None:
         if stock and p > args.stock_max_prompt:
-            continue
+            return None
         new = args.new_tokens if not stock else min(args.new_tokens, 16)
         gen = engine.generate(_prompt(p, cfg.vocab_size), new)
         ttfts = [gen.ttft_ms] + [engine.generate(_prompt(p, cfg.vocab_size), 1).ttft_ms
                                  for _ in range(0 if stock else args.repeat - 1)]
         decode_total = sum(gen.decode_ms)
-        rows.append({"system": "tvm-stock" if stock else "sandwich", "prompt": p,
-                     "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
-                     "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens),
-                     "switch_ms": gen.switch_ms, "tokens": gen.tokens[:16],
-                     "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None})
-        log(f"{rows[-1]['system']}: prompt {p}: TTFT {rows[-1]['ttft_ms']:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
-    return rows
+        row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p,
+               "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
+               "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens),
+               "switch_ms": gen.switch_ms, "tokens": gen.tokens[:16],
+               "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None}
+        log(f"{row['system']}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
+        return row
+
+    return run
 
 
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
@@ -134,8 +140,8 @@ def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> 
     return rows
 
 
-def run_llamacpp(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes: list[str],
-                 log) -> list[dict]:
+def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes: list[str],
+                    log) -> Runner | None:
     import os
 
     from ..baselines.llamacpp import LlamaCpp, available, write_gguf
@@ -147,7 +153,7 @@ def run_llamacpp(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes
     why = available()
     if why:
         notes.append(why)
-        return []
+        return None
     os.sched_setaffinity(0, PROCESS_CPUS)
     preset = args.model in PRESETS
     key = f"seed{args.seed}" if preset else checkpoint_key(Path(args.model), "gguf-f32")
@@ -159,16 +165,17 @@ def run_llamacpp(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes
         del state
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
     engine.generate(_prompt(8, cfg.vocab_size), 3)  # warm-up
-    rows = []
-    for p in prompts:
+
+    def run(p: int) -> dict:
+        os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
         ttft, steps, tokens = engine.generate(_prompt(p, cfg.vocab_size), args.new_tokens)
         ttfts = [ttft] + [engine.generate(_prompt(p, cfg.vocab_size), 1)[0] for _ in range(args.repeat - 1)]
-        ttft = float(np.median(ttfts))
-        rows.append({"system": "llama.cpp", "prompt": p, "ttft_ms": ttft, "ttft_runs_ms": ttfts,
-                     "tpot_ms": float(np.median(steps)),
-                     "output_tokens": len(tokens), "tokens": tokens[:16]})
-        log(f"llama.cpp: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
-    return rows
+        row = {"system": "llama.cpp", "prompt": p, "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
+               "tpot_ms": float(np.median(steps)), "output_tokens": len(tokens), "tokens": tokens[:16]}
+        log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
+        return row
+
+    return run
 
 
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log) -> list[dict]:
@@ -200,16 +207,28 @@ def bench_e2e(args, console: Console) -> dict:
     log(plan.describe())
     rows: list[dict] = []
     notes: list[str] = []
-    for system in systems:
-        if system in ("sandwich", "stock"):
-            rows += run_tvm(args, cfg, plan, prompts, system == "stock", log)
-        elif system == "torch":
-            rows += run_torch(args, cfg, prompts, plan.prefill_threads, log)
-        elif system == "llamacpp":
-            rows += run_llamacpp(args, cfg, prompts, plan.prefill_threads, notes, log)
-        else:
-            raise SystemExit(f"unknown system {system!r}")
-        gc.collect()  # one system's weights at a time (Llama-3.2-1B is 5 GB in fp32)
+    unknown = set(systems) - {"sandwich", "llamacpp", "torch", "stock"}
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}")
+    # Sandwich and llama.cpp are interleaved per prompt length (alternating which goes first):
+    # decode is bound by memory bandwidth the VM shares with its host, which drifts over minutes.
+    runners = []
+    if "sandwich" in systems:
+        runners.append(tvm_runner(args, cfg, plan, prompts, False, log))
+    if "llamacpp" in systems:
+        runners.append(llamacpp_runner(args, cfg, prompts, plan.prefill_threads, notes, log))
+    runners = [r for r in runners if r is not None]
+    for i, p in enumerate(prompts):
+        for run in (runners if i % 2 == 0 else runners[::-1]):
+            rows.append(run(p))
+    del runners
+    gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
+    if "torch" in systems:
+        rows += run_torch(args, cfg, prompts, plan.prefill_threads, log)
+        gc.collect()
+    if "stock" in systems:
+        stock = tvm_runner(args, cfg, plan, prompts, True, log)
+        rows += [row for p in prompts if (row := stock(p)) is not None]
     pred = predicted(cfg, plan, prompts, args.new_tokens, log)
     for r in rows:
         if r["system"] == "sandwich":
