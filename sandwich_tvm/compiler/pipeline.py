@@ -20,17 +20,24 @@ from ..tvm_compat import tvm
 PARALLEL_GRAIN = 256  # elements per parallel chunk of an elementwise function
 
 
+def _normalized(rule: CPUScheduleRule, func: tirx.PrimFunc, target: tvm.target.Target):
+    """(schedule, block infos) of a PrimFunc this CPU rule may schedule, else None."""
+    if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
+        return None
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    return None if infos is None else (sch, infos)
+
+
 class Elementwise(CPUScheduleRule):
     """DLight-style rule for injective functions: inline into the last block, fuse its loops,
     parallel chunks of ``PARALLEL_GRAIN`` elements, vectorized inside."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = _normalized(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+        sch, infos = found
         infos = try_inline(sch, infos)
         if len(infos) != 1 or not infos[0].is_injective():
             return None
@@ -50,12 +57,10 @@ class InlinedReduction(dl.cpu.Reduction):
     squares would otherwise be materialized as full [rows, hidden] workspaces on every call)."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+        found = _normalized(self, func, target)
+        if found is None:
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
+        sch, infos = found
         try_inline_contiguous_spatial(sch, infos)
         return super().apply(sch.mod["main"], target, tunable)
 

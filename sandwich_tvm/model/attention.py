@@ -17,6 +17,8 @@ RoPE is applied by the cache before attention (``RopeMode.NORMAL``), so ``rotary
 from __future__ import annotations
 
 import math
+import textwrap
+from collections.abc import Callable
 from functools import cache
 
 from ..tvm_compat import T, tvm
@@ -28,12 +30,53 @@ LANES = 8
 LOG2E = math.log2(math.e)
 
 
+def _attend(d: int, block: int, outer: str, inner: str, guard: str | None,
+            q: Callable[[str], str], k: Callable[[str], str], v: Callable[[str], str],
+            out: Callable[[str], str], lse: str) -> str:
+    """One query row against its keys, ``block`` keys per online-softmax step (TVMScript lines).
+
+    ``outer`` loops over key blocks, ``inner`` over the keys of one block (``j``); ``guard``
+    masks keys past the visible ones. ``q``/``k``/``v``/``out`` map a head-dim index to an access.
+    State: st = (running max, running sum, block max, rescale); sum starts at 1 with max -5e4 as
+    in TVM's kernels, so the phantom term vanishes at the first real key (exp2(-5e4 - m) = 0).
+    """
+    dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
+    lane = f"dd * {LANES} + l"
+    score = [f"for l in T.vectorized({LANES}):", "    part[l] = T.float32(0)",
+             f"for dd in range({d // LANES}):", f"    for l in T.vectorized({LANES}):",
+             f"        part[l] = part[l] + {q(lane)} * {k(lane)}",
+             f"s[j] = ({dots}) * sm_scale * T.float32({LOG2E!r})", "st[2] = T.max(st[2], s[j])"]
+    update = ["s[j] = T.exp2(s[j] - st[0])", "st[1] = st[1] + s[j]",
+              f"for i in T.vectorized({d}):", f"    acc[i] = acc[i] + s[j] * {v('i')}"]
+    if guard:
+        score = [f"if {guard}:", *_ind(score), "else:", "    s[j] = T.float32(-1e30)"]
+        update = [f"if {guard}:", *_ind(update)]
+    lines = [
+        f'acc = T.sblock_alloc_buffer(({d},), "float32", scope="global")',
+        f'part = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")',
+        f's = T.sblock_alloc_buffer(({block},), "float32", scope="global")',
+        'st = T.sblock_alloc_buffer((4,), "float32", scope="global")',
+        f"for i in T.vectorized({d}):", "    acc[i] = T.float32(0)",
+        "st[0] = T.float32(-5e4)", "st[1] = T.float32(1)",
+        outer, "    st[2] = st[0]", f"    {inner}", *_ind(score, 2),
+        "    st[3] = T.exp2(st[0] - st[2])", "    st[1] = st[1] * st[3]",
+        f"    for i in T.vectorized({d}):", "        acc[i] = acc[i] * st[3]", "    st[0] = st[2]",
+        f"    {inner}", *_ind(update, 2),
+        f"for i in T.vectorized({d}):", f"    {out('i')} = acc[i] / st[1]",
+        f"{lse} = st[0] + T.log2(st[1])",
+    ]
+    return "\n".join(lines)
+
+
+def _ind(lines: list[str], levels: int = 1) -> list[str]:
+    return ["    " * levels + ln for ln in lines]
+
+
 @cache
 def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tvm.tirx.PrimFunc:
     if dtype != "float32" or d % LANES:
         raise ValueError(f"attention kernel needs float32 and head_dim % {LANES} == 0 (got {dtype}, {d})")
     group = h_q // h_kv
-    dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
     qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
     # Rows in zigzag order (0, n-1, 1, n-2, ...): TVM splits the parallel loop into contiguous
     # chunks, and causal rows grow in cost, so each thread gets both short and long rows.
@@ -43,6 +86,12 @@ def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32")
     visible = f"T.if_then_else(causal > 0, {klen} - {qlen} + {row} + 1, {klen})"
     key = f"kv_indptr[b] + kb * {BLOCK} + j"
     qrow, kvh = f"q_indptr[b] + {row}", f"{head} // {group}"
+    body = textwrap.indent(_attend(
+        d, BLOCK, f"for kb in range(({visible} + {BLOCK - 1}) // {BLOCK}):", f"for j in range({BLOCK}):",
+        f"kb * {BLOCK} + j < {visible}",
+        q=lambda i: f"q[{qrow}, {head}, {i}]", k=lambda i: f"k[{key}, {kvh}, {i}]",
+        v=lambda i: f"v[{key}, {kvh}, {i}]", out=lambda i: f"output[{qrow}, {head}, {i}]",
+        lse=f"lse[{qrow}, {head}]"), " " * 20)
     src = f'''
 @T.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -72,42 +121,7 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
         for b in range(batch_size):
             for task in T.parallel({qlen} * {h_q}):
                 with T.sblock("row"):
-                    acc = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                    part = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")
-                    s = T.sblock_alloc_buffer(({BLOCK},), "float32", scope="global")
-                    st = T.sblock_alloc_buffer((4,), "float32", scope="global")  # max, sum, new max, scale
-                    for i in T.vectorized({d}):
-                        acc[i] = T.float32(0)
-                    st[0] = T.float32(-5e4)
-                    st[1] = T.float32(0)
-                    for kb in range(({visible} + {BLOCK - 1}) // {BLOCK}):
-                        st[2] = st[0]
-                        for j in range({BLOCK}):
-                            if kb * {BLOCK} + j < {visible}:
-                                for l in T.vectorized({LANES}):
-                                    part[l] = T.float32(0)
-                                for dd in range({d // LANES}):
-                                    for l in T.vectorized({LANES}):
-                                        part[l] = part[l] + q[{qrow}, {head}, dd * {LANES} + l] * \\
-                                            k[{key}, {kvh}, dd * {LANES} + l]
-                                s[j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
-                                st[2] = T.max(st[2], s[j])
-                            else:
-                                s[j] = T.float32(-1e30)
-                        st[3] = T.exp2(st[0] - st[2])
-                        st[1] = st[1] * st[3]
-                        for i in T.vectorized({d}):
-                            acc[i] = acc[i] * st[3]
-                        st[0] = st[2]
-                        for j in range({BLOCK}):
-                            if kb * {BLOCK} + j < {visible}:
-                                s[j] = T.exp2(s[j] - st[0])
-                                st[1] = st[1] + s[j]
-                                for i in T.vectorized({d}):
-                                    acc[i] = acc[i] + s[j] * v[{key}, {kvh}, i]
-                    for i in T.vectorized({d}):
-                        output[{qrow}, {head}, i] = acc[i] / st[1]
-                    lse[{qrow}, {head}] = st[0] + T.log2(st[1])
+{body}
 '''
     return tvm.script.from_source(src, extra_vars={"T": T})
 
@@ -118,12 +132,16 @@ def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16) -> tvm.ti
     its paged K/V; (sequence, head) pairs in parallel, one page (``page`` keys) per softmax
     block, the same vector dot products and P·V update as the prefill kernel."""
     group = h_q // h_kv
-    dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
     b, head = f"(task // {h_q})", f"(task % {h_q})"
     kvh = f"{head} // {group}"
     npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
     rows = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
     page_no = f"page_table_values[page_table_indptr[{b}] + p]"
+    body = textwrap.indent(_attend(
+        d, page, f"for p in range({npages}):", f"for j in range({rows}):", None,
+        q=lambda i: f"Q[{b}, {head}, {i}]", k=lambda i: f"pages[{page_no}, 0, {kvh}, j, {i}]",
+        v=lambda i: f"pages[{page_no}, 1, {kvh}, j, {i}]", out=lambda i: f"output[{b}, {head}, {i}]",
+        lse=f"lse[{b}, {head}]"), " " * 16)
     src = f'''
 @T.prim_func(s_tir=True)
 def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
@@ -153,38 +171,7 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
     with T.sblock("root"):
         for task in T.parallel(B * {h_q}):
             with T.sblock("seq_head"):
-                acc = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                part = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")
-                s = T.sblock_alloc_buffer(({page},), "float32", scope="global")
-                st = T.sblock_alloc_buffer((4,), "float32", scope="global")  # max, sum, new max, scale
-                for i in T.vectorized({d}):
-                    acc[i] = T.float32(0)
-                st[0] = T.float32(-5e4)
-                st[1] = T.float32(1)  # as TVM's kernel: an empty cache gives 0 and lse -5e4
-                for p in range({npages}):
-                    st[2] = st[0]
-                    for j in range({rows}):
-                        for l in T.vectorized({LANES}):
-                            part[l] = T.float32(0)
-                        for dd in range({d // LANES}):
-                            for l in T.vectorized({LANES}):
-                                part[l] = part[l] + Q[{b}, {head}, dd * {LANES} + l] * \\
-                                    pages[{page_no}, 0, {kvh}, j, dd * {LANES} + l]
-                        s[j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
-                        st[2] = T.max(st[2], s[j])
-                    st[3] = T.exp2(st[0] - st[2])
-                    st[1] = st[1] * st[3]
-                    for i in T.vectorized({d}):
-                        acc[i] = acc[i] * st[3]
-                    st[0] = st[2]
-                    for j in range({rows}):
-                        s[j] = T.exp2(s[j] - st[0])
-                        st[1] = st[1] + s[j]
-                        for i in T.vectorized({d}):
-                            acc[i] = acc[i] + s[j] * pages[{page_no}, 1, {kvh}, j, i]
-                for i in T.vectorized({d}):
-                    output[{b}, {head}, i] = acc[i] / st[1]
-                lse[{b}, {head}] = st[0] + T.log2(st[1])
+{body}
 '''
     return tvm.script.from_source(src, extra_vars={"T": T})
 
