@@ -22,11 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..model.config import LlamaConfig, load_config
+from .generate import add_model_args, synthetic_prompt
 
 
 def add_e2e_parser(sub) -> None:
-    from .generate import add_model_args
-
     e = sub.add_parser("e2e", help="TTFT / TPOT of the whole model against baselines")
     add_model_args(e)
     e.add_argument("--prompts", default="128,512,1024", help="prompt lengths (default 128,512,1024)")
@@ -42,12 +41,6 @@ def add_e2e_parser(sub) -> None:
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
 
-def _prompt(n: int, vocab: int) -> list[int]:
-    from .generate import synthetic_prompt
-
-    return synthetic_prompt(n, vocab)
-
-
 Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
 
 
@@ -57,15 +50,16 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
                                seed=args.seed, log=log)
-    engine.generate(_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
+    engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
 
     def run(p: int) -> dict | None:
         if stock and p > args.stock_max_prompt:
             return None
         new = args.new_tokens if not stock else min(args.new_tokens, 16)
-        gen = engine.generate(_prompt(p, cfg.vocab_size), new)
-        ttfts = [gen.ttft_ms] + [engine.generate(_prompt(p, cfg.vocab_size), 1).ttft_ms
-                                 for _ in range(0 if stock else args.repeat - 1)]
+        prompt = synthetic_prompt(p, cfg.vocab_size)
+        gen = engine.generate(prompt, new)
+        extra = 0 if stock else args.repeat - 1
+        ttfts = [gen.ttft_ms] + [engine.generate(prompt, 1).ttft_ms for _ in range(extra)]
         decode_total = sum(gen.decode_ms)
         row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p,
                "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
@@ -117,7 +111,7 @@ def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> 
     rows = []
     with torch.inference_mode():
         for p in [8, *prompts]:
-            ids = torch.tensor([_prompt(p, cfg.vocab_size)])
+            ids = torch.tensor([synthetic_prompt(p, cfg.vocab_size)])
             ttfts = []
             for _ in range(1 if p == 8 else args.repeat):
                 t0 = time.perf_counter()
@@ -164,12 +158,13 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
         write_gguf(cfg, state, path)
         del state
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
-    engine.generate(_prompt(8, cfg.vocab_size), 3)  # warm-up
+    engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
 
     def run(p: int) -> dict:
         os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
-        ttft, steps, tokens = engine.generate(_prompt(p, cfg.vocab_size), args.new_tokens)
-        ttfts = [ttft] + [engine.generate(_prompt(p, cfg.vocab_size), 1)[0] for _ in range(args.repeat - 1)]
+        prompt = synthetic_prompt(p, cfg.vocab_size)
+        ttft, steps, tokens = engine.generate(prompt, args.new_tokens)
+        ttfts = [ttft] + [engine.generate(prompt, 1)[0] for _ in range(args.repeat - 1)]
         row = {"system": "llama.cpp", "prompt": p, "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
                "tpot_ms": float(np.median(steps)), "output_tokens": len(tokens), "tokens": tokens[:16]}
         log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")

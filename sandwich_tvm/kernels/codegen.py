@@ -35,6 +35,11 @@ def packed_panels(n: int, isa: str) -> int:
     return max(cdiv(n, w) * w for w in widths) // ISAS[isa].lanes
 
 
+def packed_shape(n: int, k: int, isa: str) -> tuple[int, int, int]:
+    """Shape of the packed ``W[n, k]``: ``(panels, k, lanes)``."""
+    return packed_panels(n, isa), k, ISAS[isa].lanes
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Rows ``m <= m_max`` (the last bucket: every larger m) run ``schedule``."""
@@ -224,13 +229,17 @@ def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "li
         raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
 
 
-def pack_weight(w, isa: str):
-    """``W[n, k]`` -> ``Wp[n_pad / L, k, L]`` (numpy), zero-padded to the widest NR."""
+def pack_weight(w, isa: str, out=None):
+    """``W[n, k]`` -> ``Wp[n_pad / L, k, L]`` (numpy), zero-padded for every NR; written into
+    ``out`` (e.g. a huge-page buffer) when given, saving a copy of the whole weight."""
     import numpy as np
 
     n, k = w.shape
-    lanes = ISAS[isa].lanes
-    panels = packed_panels(n, isa)
+    panels, _, lanes = packed_shape(n, k, isa)
     padded = np.zeros((panels * lanes, k), dtype=w.dtype)
     padded[:n] = w
-    return np.ascontiguousarray(padded.reshape(panels, lanes, k).transpose(0, 2, 1))
+    view = padded.reshape(panels, lanes, k).transpose(0, 2, 1)
+    if out is None:
+        return np.ascontiguousarray(view)
+    out[...] = view
+    return out

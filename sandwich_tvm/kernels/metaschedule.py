@@ -23,8 +23,8 @@ from tvm.ir.utils import derived_object  # noqa: E402,I001
 from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
 from ..tvm_compat import T, tvm
-from .codegen import Bucket, linear_primfunc, packed_panels
-from .microkernel import ISAS, MicroKernel
+from .codegen import Bucket, linear_primfunc, packed_shape
+from .microkernel import MicroKernel
 from .schedule import GemmSchedule, GemmShape, Polymerization
 from .search import Problem, Search, seed, slice_search
 
@@ -34,7 +34,7 @@ BLOCK = "linear"
 
 def linear_workload(m: int, n: int, k: int, isa: str) -> tvm.IRModule:
     """The Linear pattern with static m on a packed weight: what the rule schedules."""
-    lanes, panels = ISAS[isa].lanes, packed_panels(n, isa)
+    panels, _, lanes = packed_shape(n, k, isa)
 
     @T.prim_func(s_tir=True)
     def linear(

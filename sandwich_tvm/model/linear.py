@@ -15,10 +15,9 @@ from pathlib import Path
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..kernels.codegen import Bucket, linear_primfunc, packed_panels
+from ..kernels.codegen import Bucket, linear_primfunc, packed_shape
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
-from ..kernels.microkernel import ISAS
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import host_isa, tvm
 
@@ -91,8 +90,7 @@ class PackedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kernels: KernelSet, dtype: str = "float32"):
         self.in_features, self.out_features = in_features, out_features
         self.kernels = kernels
-        lanes = ISAS[kernels.isa].lanes
-        self.weight = nn.Parameter((packed_panels(out_features, kernels.isa), in_features, lanes), dtype)
+        self.weight = nn.Parameter(packed_shape(out_features, in_features, kernels.isa), dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         return packed_matmul(x, self.weight, self.out_features, self.kernels)

@@ -15,7 +15,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..kernels.microkernel import ISAS
+from ..kernels.codegen import packed_shape
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, phase
@@ -99,10 +99,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
         tied_packed = None
         if cfg.tie_word_embeddings and kernels is not None:
-            from ..kernels.codegen import packed_panels
-
-            isa = kernels.isa
-            tied_packed = (packed_panels(cfg.vocab_size, isa), cfg.hidden_size, ISAS[isa].lanes)
+            tied_packed = packed_shape(cfg.vocab_size, cfg.hidden_size, kernels.isa)
         self.embed_tokens = Embedding(cfg, tied_packed)
         self.layers = nn.ModuleList([DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers)])
         self.norm = _norm(cfg, kernels)

@@ -151,8 +151,7 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
             if hf.ndim != 2 or hf.shape[1] != shape[1] or hf.shape[0] > shape[0] * shape[2]:
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
                                      f"implies [n <= {shape[0] * shape[2]}, {shape[1]}]")
-            arr = aligned_empty(shape)
-            arr[...] = pack_weight(hf, isa)
+            arr = pack_weight(hf, isa, out=aligned_empty(shape))
         else:
             if tuple(hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
