@@ -121,7 +121,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(mod, target)
             naive = []
         else:
-            mod = replace_cache_kernels(mod, cfg)
+            mod = replace_cache_kernels(mod, cfg, plan.decode_threads)
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)

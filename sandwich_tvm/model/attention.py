@@ -1,97 +1,143 @@
-"""Prefill self-attention for the paged KV cache's ragged (in-chunk) step, parallel and vectorized.
+"""The paged KV cache's attention kernels for CPU, parallel and vectorized.
 
-TVM's CPU version of ``batch_prefill_ragged_kv`` is one serial scalar loop nest that scores
-every (query, key) pair, masked or not: at 512 tokens it took two thirds of llama-160m's
-prefill. This kernel has the same signature and semantics (scores in the log2 domain, the
-log-sum-exp written for merging with the paged prefix) and is swapped in by the
-``ReplaceAttention`` pass:
+TVM's CPU versions of ``batch_prefill_ragged_kv`` and ``batch_decode_paged_kv_cpu`` are serial
+scalar loop nests (at 512 tokens prefill attention was two thirds of llama-160m's prefill).
+These kernels keep the signatures and semantics (scores in the log2 domain, the log-sum-exp
+written for merging with the paged prefix) and are swapped in by ``replace_cache_kernels``.
 
-- (query row, head) pairs run in parallel (rows in zigzag order to balance the causal
-  triangle over the threads); each walks only the keys the causal mask allows,
-  in blocks of ``BLOCK`` keys with an online softmax (one rescale of the accumulator per block);
-- the dot products use 8-lane partial sums and the P·V update is vectorized over the head dim.
+Prefill works on tiles of ``ROWS`` query rows, a row being one (token, head) of a KV head's
+group, so grouped-query heads share their K/V loads. The rows are the vector lanes:
 
-RoPE is applied by the cache before attention (``RopeMode.NORMAL``), so ``rotary_mode`` is 0.
+- Q is transposed once per tile (``qt[d, ROWS]``, pre-scaled by ``sm_scale·log2 e``), so a
+  score block ``s[key, rows] += k[key, dd] · qt[dd, rows]`` is a broadcast-FMA register tile
+  like the GEMM micro-kernel, and the softmax max, exp and sum are plain vector ops per key;
+- keys come in blocks of ``KEYS`` with an online softmax; ``acc[dd, rows] += v[key, dd] ·
+  p[key, rows]`` is the same register tile, ``DCOLS`` head-dim columns at a time;
+- tiles run in zigzag order (0, n-1, 1, n-2, ...) so both threads get short and long causal rows.
+
+Decode has one query token per sequence: a task is one (sequence, KV head), each key's K row
+is loaded once for the whole head group, and the exp of a page's scores is one vector op.
+
+``exp2`` is a polynomial (|error| < 2e-7 relative) rather than libm's scalar call. Scratch
+buffers stay under 1 KB: TVM places those on the stack, where LLVM keeps them in registers;
+larger ones are heap workspaces it cannot prove unaliased.
 """
 
 from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Callable
 from functools import cache
 
 from ..tvm_compat import T, tvm
 from .config import LlamaConfig
 from .rope import rope_primfunc
 
-BLOCK = 16
+ROWS = 16   # query rows per prefill tile (two 8-lane vectors)
+KEYS = 8    # keys per online-softmax step in prefill
+KTILE = 4   # keys per score register tile: 4 keys x 2 vectors = 8 accumulators
+DCOLS = 4   # head-dim columns per P.V register tile: 4 x 2 vectors
 LANES = 8
 LOG2E = math.log2(math.e)
+_EXP2_TAYLOR = [math.log(2) ** i / math.factorial(i) for i in range(7)]
 
 
-def _attend(d: int, block: int, outer: str, inner: str, guard: str | None,
-            q: Callable[[str], str], k: Callable[[str], str], v: Callable[[str], str],
-            out: Callable[[str], str], lse: str) -> str:
-    """One query row against its keys, ``block`` keys per online-softmax step (TVMScript lines).
-
-    ``outer`` loops over key blocks, ``inner`` over the keys of one block (``j``); ``guard``
-    masks keys past the visible ones. ``q``/``k``/``v``/``out`` map a head-dim index to an access.
-    State: st = (running max, running sum, block max, rescale); sum starts at 1 with max -5e4 as
-    in TVM's kernels, so the phantom term vanishes at the first real key (exp2(-5e4 - m) = 0).
-    """
-    dots = " + ".join(f"part[{lane}]" for lane in range(LANES))
-    lane = f"dd * {LANES} + l"
-    score = [f"for l in T.vectorized({LANES}):", "    part[l] = T.float32(0)",
-             f"for dd in range({d // LANES}):", f"    for l in T.vectorized({LANES}):",
-             f"        part[l] = part[l] + {q(lane)} * {k(lane)}",
-             f"s[j] = ({dots}) * sm_scale * T.float32({LOG2E!r})", "st[2] = T.max(st[2], s[j])"]
-    update = ["s[j] = T.exp2(s[j] - st[0])", "st[1] = st[1] + s[j]",
-              f"for i in T.vectorized({d}):", f"    acc[i] = acc[i] + s[j] * {v('i')}"]
-    if guard:
-        score = [f"if {guard}:", *_ind(score), "else:", "    s[j] = T.float32(-1e30)"]
-        update = [f"if {guard}:", *_ind(update)]
-    lines = [
-        f'acc = T.sblock_alloc_buffer(({d},), "float32", scope="global")',
-        f'part = T.sblock_alloc_buffer(({LANES},), "float32", scope="global")',
-        f's = T.sblock_alloc_buffer(({block},), "float32", scope="global")',
-        'st = T.sblock_alloc_buffer((4,), "float32", scope="global")',
-        f"for i in T.vectorized({d}):", "    acc[i] = T.float32(0)",
-        "st[0] = T.float32(-5e4)", "st[1] = T.float32(1)",
-        outer, "    st[2] = st[0]", f"    {inner}", *_ind(score, 2),
-        "    st[3] = T.exp2(st[0] - st[2])", "    st[1] = st[1] * st[3]",
-        f"    for i in T.vectorized({d}):", "        acc[i] = acc[i] * st[3]", "    st[0] = st[2]",
-        f"    {inner}", *_ind(update, 2),
-        f"for i in T.vectorized({d}):", f"    {out('i')} = acc[i] / st[1]",
-        f"{lse} = st[0] + T.log2(st[1])",
-    ]
-    return "\n".join(lines)
+def exp2(x: str) -> str:
+    """TVMScript for 2**x, x in [-126, 0]: x = n + f with |f| <= 1/2, a degree-6 polynomial
+    for 2**f, 2**n built in the exponent bits. ``x`` should be a buffer load (it is repeated)."""
+    f = f"({x} - T.round({x}))"
+    poly = f"T.float32({_EXP2_TAYLOR[-1]!r})"
+    for c in reversed(_EXP2_TAYLOR[:-1]):
+        poly = f"({poly} * {f} + T.float32({c!r}))"
+    scale = f'T.reinterpret("float32", T.shift_left(T.Cast("int32", T.round({x})) + 127, 23))'
+    return f"{poly} * {scale}"
 
 
-def _ind(lines: list[str], levels: int = 1) -> list[str]:
-    return ["    " * levels + ln for ln in lines]
+def _prefill_body(h_kv: int, group: int, d: int) -> str:
+    qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
+    rows = f"({qlen} * {group})"
+    ntiles = f"(({rows} + {ROWS - 1}) // {ROWS})"
+    i = f"(task // {h_kv})"
+    tile, kvh = f"T.if_then_else({i} % 2 == 0, {i} // 2, {ntiles} - 1 - {i} // 2)", f"(task % {h_kv})"
+    row = f"T.min({tile} * {ROWS} + r, {rows} - 1)"  # rows past the end repeat the last one
+    kj = f"k[ko[jt * {KTILE} + j], {kvh}, dd]"
+    return f'''
+qt = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
+acc = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
+ar = T.sblock_alloc_buffer(({DCOLS}, {ROWS}), "float32", scope="global")
+s = T.sblock_alloc_buffer(({KEYS}, {ROWS}), "float32", scope="global")
+mx = T.sblock_alloc_buffer(({ROWS},), "float32", scope="global")
+mn = T.sblock_alloc_buffer(({ROWS},), "float32", scope="global")
+sc = T.sblock_alloc_buffer(({ROWS},), "float32", scope="global")
+sm = T.sblock_alloc_buffer(({ROWS},), "float32", scope="global")
+vis = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
+tok = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
+hd = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
+ko = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
+for r in range({ROWS}):
+    tok[r] = {row} // {group}
+    hd[r] = {kvh} * {group} + {row} % {group}
+    vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen})
+    mx[r] = T.float32(-5e4)
+    sm[r] = T.float32(1)
+for dd in range({d}):
+    for r in range({ROWS}):
+        qt[dd, r] = q[q_indptr[b] + tok[r], hd[r], dd] * sm_scale * T.float32({LOG2E!r})
+        acc[dd, r] = T.float32(0)
+for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
+    for j in range({KEYS}):
+        ko[j] = kv_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1)
+    for jt in range({KEYS // KTILE}):
+        for j in T.unroll({KTILE}):
+            for r in T.vectorized({ROWS}):
+                s[jt * {KTILE} + j, r] = T.float32(0)
+        for dd in range({d}):
+            for j in T.unroll({KTILE}):
+                for r in T.vectorized({ROWS}):
+                    s[jt * {KTILE} + j, r] = s[jt * {KTILE} + j, r] + {kj} * qt[dd, r]
+    for r in T.vectorized({ROWS}):
+        mn[r] = mx[r]
+    for j in range({KEYS}):
+        for r in T.vectorized({ROWS}):
+            s[j, r] = T.if_then_else(kb * {KEYS} + j < vis[r], s[j, r], T.float32(-1e30))
+            mn[r] = T.max(mn[r], s[j, r])
+    for r in T.vectorized({ROWS}):
+        sc[r] = T.max(mx[r] - mn[r], T.float32(-126))
+        sc[r] = {exp2("sc[r]")}
+        sm[r] = sm[r] * sc[r]
+        mx[r] = mn[r]
+    for j in range({KEYS}):
+        for r in T.vectorized({ROWS}):
+            s[j, r] = T.max(s[j, r] - mn[r], T.float32(-126))
+            s[j, r] = {exp2("s[j, r]")}
+            sm[r] = sm[r] + s[j, r]
+    for dc in range({d // DCOLS}):
+        for c in T.unroll({DCOLS}):
+            for r in T.vectorized({ROWS}):
+                ar[c, r] = acc[dc * {DCOLS} + c, r] * sc[r]
+        for j in range({KEYS}):
+            for c in T.unroll({DCOLS}):
+                for r in T.vectorized({ROWS}):
+                    ar[c, r] = ar[c, r] + v[ko[j], {kvh}, dc * {DCOLS} + c] * s[j, r]
+        for c in T.unroll({DCOLS}):
+            for r in T.vectorized({ROWS}):
+                acc[dc * {DCOLS} + c, r] = ar[c, r]
+for r in range({ROWS}):
+    if {tile} * {ROWS} + r < {rows}:
+        for dd in range({d}):
+            output[q_indptr[b] + tok[r], hd[r], dd] = acc[dd, r] / sm[r]
+        lse[q_indptr[b] + tok[r], hd[r]] = mx[r] + T.log2(sm[r])
+'''
 
 
 @cache
 def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    if dtype != "float32" or d % LANES:
-        raise ValueError(f"attention kernel needs float32 and head_dim % {LANES} == 0 (got {dtype}, {d})")
+    """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
+    if dtype != "float32" or d % DCOLS:
+        raise ValueError(f"attention kernel needs float32 and head_dim % {DCOLS} == 0 (got {dtype}, {d})")
     group = h_q // h_kv
-    qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
-    # Rows in zigzag order (0, n-1, 1, n-2, ...): TVM splits the parallel loop into contiguous
-    # chunks, and causal rows grow in cost, so each thread gets both short and long rows.
-    i = f"(task // {h_q})"
-    row, head = f"T.if_then_else({i} % 2 == 0, {i} // 2, {qlen} - 1 - {i} // 2)", f"task % {h_q}"
-    # Keys this query row may see: a causal row r sees klen - qlen + r + 1 keys.
-    visible = f"T.if_then_else(causal > 0, {klen} - {qlen} + {row} + 1, {klen})"
-    key = f"kv_indptr[b] + kb * {BLOCK} + j"
-    qrow, kvh = f"q_indptr[b] + {row}", f"{head} // {group}"
-    body = textwrap.indent(_attend(
-        d, BLOCK, f"for kb in range(({visible} + {BLOCK - 1}) // {BLOCK}):", f"for j in range({BLOCK}):",
-        f"kb * {BLOCK} + j < {visible}",
-        q=lambda i: f"q[{qrow}, {head}, {i}]", k=lambda i: f"k[{key}, {kvh}, {i}]",
-        v=lambda i: f"v[{key}, {kvh}, {i}]", out=lambda i: f"output[{qrow}, {head}, {i}]",
-        lse=f"lse[{qrow}, {head}]"), " " * 20)
+    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {ROWS - 1}) // {ROWS}"
+    body = textwrap.indent(_prefill_body(h_kv, group, d), " " * 20)
     src = f'''
 @T.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -119,29 +165,107 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
     with T.sblock("root"):
         for b in range(batch_size):
-            for task in T.parallel({qlen} * {h_q}):
-                with T.sblock("row"):
+            for task in T.parallel(({ntiles}) * {h_kv}):
+                with T.sblock("tile"):
 {body}
 '''
     return tvm.script.from_source(src, extra_vars={"T": T})
 
 
-@cache
-def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16) -> tvm.tirx.PrimFunc:
-    """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
-    its paged K/V; (sequence, head) pairs in parallel, one page (``page`` keys) per softmax
-    block, the same vector dot products and P·V update as the prefill kernel."""
-    group = h_q // h_kv
-    b, head = f"(task // {h_q})", f"(task % {h_q})"
-    kvh = f"{head} // {group}"
+def _decode_body(h_kv: int, group: int, d: int, page: int, split: int) -> str:
+    h_q = h_kv * group
+    b, c = f"(task // {split})", f"(task % {split})"
     npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
-    rows = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
-    page_no = f"page_table_values[page_table_indptr[{b}] + p]"
-    body = textwrap.indent(_attend(
-        d, page, f"for p in range({npages}):", f"for j in range({rows}):", None,
-        q=lambda i: f"Q[{b}, {head}, {i}]", k=lambda i: f"pages[{page_no}, 0, {kvh}, j, {i}]",
-        v=lambda i: f"pages[{page_no}, 1, {kvh}, j, {i}]", out=lambda i: f"output[{b}, {head}, {i}]",
-        lse=f"lse[{b}, {head}]"), " " * 16)
+    keys = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
+    base = f"page_table_values[page_table_indptr[{b}] + p]"
+    hq, i = f"kvh * {group} + h", f"dd * {LANES} + l"
+    dots = " + ".join(f"part[h, {lane}]" for lane in range(LANES))
+    return f'''
+part = T.sblock_alloc_buffer(({group}, {LANES}), "float32", scope="global")
+s = T.sblock_alloc_buffer(({group}, {page}), "float32", scope="global")
+ar = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+mx = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
+sm = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
+mn = T.sblock_alloc_buffer(({group},), "float32", scope="global")
+sc = T.sblock_alloc_buffer(({group},), "float32", scope="global")
+for h in range({h_q}):
+    mx[h] = T.float32(-5e4)
+    sm[h] = T.float32(1)
+    for i in T.vectorized({d}):
+        cacc[{b}, {c}, h, i] = T.float32(0)
+for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
+    for kvh in range({h_kv}):
+        for j in range({keys}):
+            for h in T.unroll({group}):
+                for l in T.vectorized({LANES}):
+                    part[h, l] = T.float32(0)
+            for dd in T.unroll({d // LANES}):
+                for h in T.unroll({group}):
+                    for l in T.vectorized({LANES}):
+                        part[h, l] = part[h, l] + Q[{b}, {hq}, {i}] * pages[{base}, 0, kvh, j, {i}]
+            for h in T.unroll({group}):
+                s[h, j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
+        for h in range({group}):
+            mn[h] = mx[{hq}]
+            for j in range({keys}):
+                mn[h] = T.max(mn[h], s[h, j])
+            sc[h] = T.max(mx[{hq}] - mn[h], T.float32(-126))
+            sc[h] = {exp2("sc[h]")}
+            mx[{hq}] = mn[h]
+            for j in T.vectorized({page}):
+                s[h, j] = T.max(s[h, j] - mn[h], T.float32(-126))
+                s[h, j] = T.if_then_else(j < {keys}, {exp2("s[h, j]")}, T.float32(0))
+            sm[{hq}] = sm[{hq}] * sc[h]
+            for j in range({page}):
+                sm[{hq}] = sm[{hq}] + s[h, j]
+            for i in T.vectorized({d}):
+                ar[i] = cacc[{b}, {c}, {hq}, i] * sc[h]
+            for j in range({keys}):
+                for i in T.vectorized({d}):
+                    ar[i] = ar[i] + s[h, j] * pages[{base}, 1, kvh, j, i]
+            for i in T.vectorized({d}):
+                cacc[{b}, {c}, {hq}, i] = ar[i]
+for h in range({h_q}):
+    cmx[{b}, {c}, h] = mx[h]
+    csm[{b}, {c}, h] = sm[h]
+'''
+
+
+def _merge_body(h_q: int, d: int, split: int) -> str:
+    """Combine the chunks' (max, sum, accumulator) of one (sequence, head)."""
+    b, h = f"(task // {h_q})", f"(task % {h_q})"
+    return f'''
+w = T.sblock_alloc_buffer(({split},), "float32", scope="global")
+st = T.sblock_alloc_buffer((2,), "float32", scope="global")
+o = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+st[0] = cmx[{b}, 0, {h}]
+for c in range(1, {split}):
+    st[0] = T.max(st[0], cmx[{b}, c, {h}])
+st[1] = T.float32(0)
+for i in T.vectorized({d}):
+    o[i] = T.float32(0)
+for c in range({split}):
+    w[c] = T.max(cmx[{b}, c, {h}] - st[0], T.float32(-126))
+    w[c] = {exp2("w[c]")}
+    st[1] = st[1] + w[c] * csm[{b}, c, {h}]
+    for i in T.vectorized({d}):
+        o[i] = o[i] + w[c] * cacc[{b}, c, {h}, i]
+for i in T.vectorized({d}):
+    output[{b}, {h}, i] = o[i] / st[1]
+lse[{b}, {h}] = st[0] + T.log2(st[1])
+'''
+
+
+@cache
+def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
+                          split: int = 4) -> tvm.tirx.PrimFunc:
+    """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
+    its paged K/V, each sequence's pages cut into ``split`` chunks that run in parallel."""
+    if d % LANES:
+        raise ValueError(f"decode attention needs head_dim % {LANES} == 0 (got {d})")
+    group = h_q // h_kv
+    body = textwrap.indent(_decode_body(h_kv, group, d, page, split), " " * 16)
+    merge = textwrap.indent(_merge_body(h_q, d, split), " " * 16)
     src = f'''
 @T.prim_func(s_tir=True)
 def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
@@ -169,20 +293,26 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
     lse = T.match_buffer(lse_handle, (B, {h_q}), "float32")
     length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=o5)
     with T.sblock("root"):
-        for task in T.parallel(B * {h_q}):
-            with T.sblock("seq_head"):
+        cacc = T.sblock_alloc_buffer((B, {split}, {h_q}, {d}), "float32")
+        cmx = T.sblock_alloc_buffer((B, {split}, {h_q}), "float32")
+        csm = T.sblock_alloc_buffer((B, {split}, {h_q}), "float32")
+        for task in T.parallel(B * {split}):
+            with T.sblock("chunk"):
 {body}
+        for task in T.parallel(B * {h_q}):
+            with T.sblock("merge"):
+{merge}
 '''
     return tvm.script.from_source(src, extra_vars={"T": T})
 
 
-def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig) -> tvm.IRModule:
-    """Swap the KV cache's ragged prefill attention and its RoPE for ours (same names and
-    signatures, so the cache's runtime calls them unchanged)."""
-    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(cfg.num_key_value_heads,
-                                                               cfg.num_attention_heads, cfg.head_dim),
-            "batch_decode_paged_kv_cpu": decode_paged_primfunc(cfg.num_key_value_heads,
-                                                               cfg.num_attention_heads, cfg.head_dim),
+def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4) -> tvm.IRModule:
+    """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
+    so the cache's runtime calls them unchanged). Decode splits each sequence's pages into
+    two chunks per decode thread."""
+    h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d),
+            "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads),
             "fused_rope": rope_primfunc(cfg)}
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in ours and isinstance(func, tvm.tirx.PrimFunc):

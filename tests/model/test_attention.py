@@ -1,0 +1,90 @@
+"""The paged KV cache's attention kernels against a numpy softmax(QKᵀ)V, ragged and paged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.model.attention import decode_paged_primfunc, exp2, prefill_ragged_primfunc
+from sandwich_tvm.tvm_compat import T, host_target, tvm
+
+D = 64
+
+
+def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(output [n, h_q, d], log2-sum-exp [n, h_q]) of one sequence; the last len(q) keys are new."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1).astype(np.float64), np.repeat(v, group, axis=1).astype(np.float64)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
+    if causal:
+        prefix = len(k) - len(q)
+        s[:, np.arange(len(k))[None, :] > np.arange(len(q))[:, None] + prefix] = -np.inf
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p / total, v), ((np.log(total) + m)[..., 0] / np.log(2)).T
+
+
+@pytest.mark.parametrize("h_kv,h_q", [(3, 3), (2, 8)])
+@pytest.mark.parametrize("causal", [1, 0])
+def test_prefill_matches_numpy(h_kv, h_q, causal):
+    run = tvm.compile(prefill_ragged_primfunc(h_kv, h_q, D), target=host_target())["batch_prefill_ragged_kv"]
+    rng = np.random.default_rng(h_q + causal)
+    # (new tokens, keys already in the cache): one row, tile tails, a prefix, a long sequence
+    seqs = [(1, 0), (17, 0), (5, 40), (70, 3), (300, 0)]
+    qs = [rng.standard_normal((n, h_q, D), dtype=np.float32) * 2 for n, _ in seqs]
+    ks = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) * 2 for n, pre in seqs]
+    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) for n, pre in seqs]
+    q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
+    kv_indptr = np.cumsum([0] + [n + pre for n, pre in seqs]).astype(np.int32)
+    q = np.concatenate(qs)
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    args = [q, q_indptr, np.concatenate(ks), np.concatenate(vs), kv_indptr,
+            np.zeros(len(q), np.int32), np.zeros(len(seqs), np.int32)]
+    run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    for i in range(len(seqs)):
+        want, want_lse = _reference(qs[i], ks[i], vs[i], bool(causal))
+        rows = slice(q_indptr[i], q_indptr[i + 1])
+        np.testing.assert_allclose(out.numpy()[rows], want, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("h_kv,h_q,split", [(3, 3, 4), (2, 8, 3)])
+def test_decode_matches_numpy(h_kv, h_q, split):
+    page = 16
+    func = decode_paged_primfunc(h_kv, h_q, D, page, split)
+    run = tvm.compile(func, target=host_target())["batch_decode_paged_kv_cpu"]
+    rng = np.random.default_rng(h_q)
+    lengths = [1, 16, 17, 100, 333]  # fewer pages than chunks, full and partial last pages
+    npages = [-(-n // page) for n in lengths]
+    pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32)
+    table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
+    indptr = np.cumsum([0] + npages).astype(np.int32)
+    last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages)], np.int32)
+    q = rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    zeros = np.zeros(len(lengths), np.int32)
+    args = [q, pages, indptr, table, last, zeros, zeros]
+    run(*[tvm.runtime.tensor(a) for a in args], out, lse, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    for b, n in enumerate(lengths):
+        own = pages[table[indptr[b]:indptr[b + 1]]]  # [pages, 2, h_kv, page, d]
+        k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:n] for i in (0, 1))
+        want, want_lse = _reference(q[b:b + 1], k, v, causal=False)
+        np.testing.assert_allclose(out.numpy()[b], want[0], rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse.numpy()[b], want_lse[0], rtol=1e-4, atol=1e-4)
+
+
+def test_exp2_polynomial_is_accurate_over_the_softmax_range():
+    src = f'''
+@T.prim_func(s_tir=True)
+def ex(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
+    for i in T.vectorized(4096):
+        b[i] = {exp2("a[i]")}
+'''
+    run = tvm.compile(tvm.script.from_source(src, extra_vars={"T": T}), target=host_target())["ex"]
+    x = np.concatenate([np.linspace(-126, 0, 4000), [-0.5, 0.5 - 1, -1e-7, 0.0] * 24]).astype(np.float32)
+    y = tvm.runtime.tensor(np.zeros_like(x))
+    run(tvm.runtime.tensor(x), y)
+    np.testing.assert_allclose(y.numpy(), np.exp2(x.astype(np.float64)), rtol=3e-7)
