@@ -60,3 +60,30 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
     """An llvm target for this machine (dict form; MetaSchedule needs num-cores)."""
     cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
     return tvm.target.Target({"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores})
+
+
+_POOL_STARTED = False
+
+
+def pin_thread_pool(cpus: list[int]) -> None:
+    """Re-shape TVM's thread pool to one worker per CPU of ``cpus`` (worker i on ``cpus[i]``).
+
+    TVM starts its pool lazily, and a pool first configured with fewer workers than
+    ``TVM_NUM_THREADS`` never grows back (measured: a later 2-thread run stays at 1-thread
+    speed), so the pool is started at full size with one parallel no-op before the first call.
+    """
+    global _POOL_STARTED
+    if not _POOL_STARTED:
+        _warm_pool_kernel()(tvm.runtime.empty((64,), "float32", tvm.cpu()))
+        _POOL_STARTED = True
+    tvm.get_global_func("runtime.config_threadpool")(-2, len(cpus), [str(c) for c in cpus])
+
+
+@lru_cache(maxsize=1)
+def _warm_pool_kernel():
+    @T.prim_func
+    def warm(a: T.Buffer((64,), "float32")):
+        for i in T.parallel(64):
+            a[i] = T.float32(0)
+
+    return tvm.compile(tvm.IRModule({"warm": warm}), target=host_target())["warm"]

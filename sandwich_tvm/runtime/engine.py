@@ -16,13 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compiler.artifact import CompiledModel
-from ..tvm_compat import tvm
+from ..tvm_compat import pin_thread_pool, tvm
 from .plan import ExecPlan
 
 ShapeTuple = tvm.runtime.ShapeTuple
-_ONE_CORE_PER_THREAD = -2
-
-
 class EngineError(ValueError):
     """A request the engine cannot serve; the message names the limit."""
 
@@ -67,7 +64,6 @@ class Engine:
             raise EngineError(f"{len(params)} weights given, the compiled model takes {len(compiled.params)}")
         self.vm = compiled.load_vm()
         self.params = [tvm.runtime.from_dlpack(np.ascontiguousarray(a)) for a in params]
-        self._config_pool = tvm.get_global_func("runtime.config_threadpool")
         g = tvm.get_global_func
         self._add_seq = g("vm.builtin.kv_state_add_sequence")
         self._remove_seq = g("vm.builtin.kv_state_remove_sequence")
@@ -87,7 +83,7 @@ class Engine:
             return 0.0
         cpus = self.plan.prefill_cpus if phase == "prefill" else self.plan.decode_cpus
         t0 = time.perf_counter()
-        self._config_pool(_ONE_CORE_PER_THREAD, len(cpus), [str(c) for c in cpus])
+        pin_thread_pool(list(cpus))
         os.sched_setaffinity(0, {cpus[0]})  # the caller runs task 0 on the plan's first core
         ms = (time.perf_counter() - t0) * 1e3
         self.phase = phase

@@ -3,7 +3,8 @@
 * compute: single-threaded OpenBLAS SGEMM (numpy, pinned to one core) -- the achievable
   fp32 GEMM roof per core;
 * memory: a TVM-compiled streaming read of a 1 GiB buffer with 1..n threads pinned to the
-  cores of one NUMA node, giving that node's bandwidth curve.
+  cores of one NUMA node, giving that node's bandwidth curve;
+* attention: Sandwich's prefill attention kernel on one core, as a fraction of the SGEMM roof.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .profile import MachineProfile, Resource, cache_dir, save_atomic
 from .tree import TopoTree
 
 READ_BYTES = 1 << 30
+PROFILE_VERSION = 2  # bump when a measurement changes, so cached profiles are re-measured
 
 
 def sgemm_gflops(cpu: int, n: int = 1536, repeats: int = 5) -> float:
@@ -63,7 +65,7 @@ def _read_kernel(rows: int, k: int):
 def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) -> list[float]:
     """GB/s of a streaming read with the first 1..len(cpus) of `cpus` (TVM threads, pinned)."""
     from ..memory import aligned_empty
-    from ..tvm_compat import host_target, tvm
+    from ..tvm_compat import host_target, pin_thread_pool, tvm
 
     k = 2048
     rows = max(nbytes // (k * 32 * 4), 64)
@@ -74,23 +76,47 @@ def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) 
     host[...] = 1.0  # touched: real pages
     data = tvm.runtime.from_dlpack(host)
     out = tvm.runtime.empty((rows, 4, 8), "float32", dev)
-    config = tvm.get_global_func("runtime.config_threadpool")
     max_threads = int(os.environ.get("TVM_NUM_THREADS", len(cpus)))
     before = os.sched_getaffinity(0)
     curve = []
     try:
         for n in range(1, min(len(cpus), max_threads) + 1):
-            config(-2, n, [str(c) for c in cpus[:n]])  # worker i on cpus[i]
+            pin_thread_pool(cpus[:n])
             timer = exe.mod.time_evaluator("read_sum", dev, number=1, repeat=repeats)
             curve.append(data.numpy().nbytes / float(np.median(timer(data, out).results)) / 1e9)
     finally:
-        config(-2, max_threads, [str(c) for c in sorted(before)][:max_threads])
+        pin_thread_pool(sorted(before)[:max_threads])
         os.sched_setaffinity(0, before)
     return curve
 
 
+def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int = 64) -> float:
+    """GFLOPS of the model's causal prefill attention kernel on one core (``cpu``)."""
+    from ..model.attention import prefill_ragged_primfunc
+    from ..tvm_compat import host_target, pin_thread_pool, tvm
+
+    run = tvm.compile(prefill_ragged_primfunc(heads, heads, head_dim), target=host_target(1))
+    rng = np.random.default_rng(0)
+    q, k, v = (tvm.runtime.tensor(rng.standard_normal((tokens, heads, head_dim), np.float32))
+               for _ in range(3))
+    indptr = tvm.runtime.tensor(np.array([0, tokens], np.int32))
+    pos, offset = (tvm.runtime.tensor(np.zeros(n, np.int32)) for n in (tokens, 1))
+    out = tvm.runtime.empty((tokens, heads, head_dim), "float32", tvm.cpu())
+    lse = tvm.runtime.empty((tokens, heads), "float32", tvm.cpu())
+    before = os.sched_getaffinity(0)
+    try:
+        pin_thread_pool([cpu])
+        timer = run.mod.time_evaluator("batch_prefill_ragged_kv", tvm.cpu(), number=3, repeat=5)
+        secs = float(np.median(timer(q, indptr, k, v, indptr, pos, offset, out, lse, 1, 0, 1.0, 1e4,
+                                     head_dim ** -0.5).results))
+    finally:
+        pin_thread_pool(sorted(before)[:int(os.environ.get("TVM_NUM_THREADS", len(before)))])
+        os.sched_setaffinity(0, before)
+    return 2 * tokens * (tokens + 1) * heads * head_dim / secs / 1e9  # QK and PV over the causal half
+
+
 def profile_key(tree: TopoTree, cpu_model: str) -> str:
-    text = json.dumps([cpu_model, tree.summary(), tree.pus])
+    text = json.dumps([PROFILE_VERSION, cpu_model, tree.summary(), tree.pus])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -109,6 +135,8 @@ def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
     gflops = sgemm_gflops(cpus[0])
     log(f"microbenchmark: streaming read with 1..{len(cpus)} cores ...")
     curve = read_bandwidth(cpus)
+    log("microbenchmark: prefill attention on one core ...")
+    attention = attention_gflops(cpus[0])
     profile = MachineProfile(
         name="this-machine",
         gflops_per_core=round(gflops, 2),
@@ -118,6 +146,7 @@ def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
         pu_count=len(tree.pus),
         source="measured",
         allreduce_gbs=round(curve[-1] / 2, 2),
+        attention_efficiency=round(min(1.0, attention / gflops), 3),
         notes=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
     )
     save_atomic(path, profile.to_json())

@@ -61,7 +61,7 @@ def test_decode_matches_numpy(h_kv, h_q, split):
     pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32)
     table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
     indptr = np.cumsum([0] + npages).astype(np.int32)
-    last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages)], np.int32)
+    last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages, strict=True)], np.int32)
     q = rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2
     out = tvm.runtime.tensor(np.zeros_like(q))
     lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
