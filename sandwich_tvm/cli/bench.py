@@ -1,5 +1,6 @@
-"""`python -m sandwich_tvm.bench gemm|e2e`: Sandwich's dynamic-shape GEMM against numpy and torch
-(``e2e``: the whole model, see ``cli/e2e.py``).
+"""`python -m sandwich_tvm.bench gemm|e2e|attention`: Sandwich's dynamic-shape GEMM against numpy
+and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
+attention kernels against TVM's, ``cli/attention.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -20,6 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from .attention import add_attention_parser, main_attention
 from .e2e import add_e2e_parser, main_e2e
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
+    add_attention_parser(sub)
     return parser
 
 
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=args.json)
     if args.what == "e2e":
         return main_e2e(args, console)
+    if args.what == "attention":
+        return main_attention(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     try:
         ms = sorted({int(x) for x in args.m.split(",") if x.strip()})

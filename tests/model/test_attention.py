@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,19 @@ def ex(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
     y = tvm.runtime.tensor(np.zeros_like(x))
     run(tvm.runtime.tensor(x), y)
     np.testing.assert_allclose(y.numpy(), np.exp2(x.astype(np.float64)), rtol=3e-7)
+
+
+def test_bench_attention_compares_with_tvms_kernels(capsys):
+    from sandwich_tvm.cli import bench
+
+    assert bench.main(["attention", "--model", "llama-3.2-1b", "--prompt", "40", "--context", "70",
+                       "--layers", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["heads"], result["kv_heads"]) == (32, 8)
+    prefill, decode = result["rows"]
+    assert (prefill["kernel"], prefill["tokens"], decode["kernel"], decode["context"]) == (
+        "prefill", 40, "decode", 70)
+    for row in (prefill, decode):  # the same attention as TVM's own kernels, both timed
+        assert row["max_abs_diff"] < 1e-4
+        assert row["sandwich_ms"] > 0 and row["tvm_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["sandwich_ms"] / row["tvm_ms"])
