@@ -18,9 +18,10 @@ group, so grouped-query heads share their K/V loads. The rows are the vector lan
 Decode has one query token per sequence: a task is one (sequence, KV head), each key's K row
 is loaded once for the whole head group, and the exp of a page's scores is one vector op.
 
-``exp2`` is a polynomial (|error| < 2e-7 relative) rather than libm's scalar call. Scratch
-buffers stay under 1 KB: TVM places those on the stack, where LLVM keeps them in registers;
-larger ones are heap workspaces it cannot prove unaliased.
+``exp2`` is a polynomial (|error| < 2e-7 relative) rather than libm's scalar call. The
+buffers the FMA loops work on stay under 1 KB: TVM places those on the stack, where LLVM keeps
+them in registers; larger ones are heap workspaces it cannot prove unaliased (the per-tile Q
+and accumulator arrays are, and are touched once per key block).
 """
 
 from __future__ import annotations
