@@ -10,6 +10,7 @@ timed repeats after a warm-up. The Sandwich kernel comes from the tuning databas
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from .attention import add_attention_parser, main_attention
 from .e2e import add_e2e_parser, main_e2e
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
+COLD_BYTES = 96 << 20  # as the tuner's runner: weights overflow the caches, as in a served model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m", default=DEFAULT_M, help=f"comma-separated sequence lengths (default {DEFAULT_M})")
     g.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
     g.add_argument("--schedules", type=Path, default=None, help="tuning database root (default schedules/)")
+    g.add_argument("--hot-weights", action="store_true",
+                   help="time every call on one weight (cache-resident when it fits); default: rotate "
+                        "copies over 96 MB so weights come from memory, as in a served model")
+    g.add_argument("--metaschedule-trials", type=int, default=0,
+                   help="also tune MetaSchedule's default search with this many trials (0: skip)")
+    g.add_argument("--metaschedule-m", type=int, default=128, help="m of the MetaSchedule run (default 128)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
@@ -57,7 +65,14 @@ def _median_seconds(fn, budget_s: float = 0.3) -> float:
     return float(np.median(times))
 
 
-def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log) -> dict:
+def _rotating(fn, args_per_copy: list[tuple]):
+    """A no-argument call that runs ``fn`` on the next copy's arguments each time."""
+    it = itertools.cycle(args_per_copy)
+    return lambda: fn(*next(it))
+
+
+def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
+               hot: bool = False, ms_trials: int = 0, ms_m: int = 128) -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -79,10 +94,19 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
                       target=host_target(threads))
     fn = exe.mod["main"]
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((n, k)).astype("float32")
-    wp = tvm.runtime.tensor(pack_weight(w, host_isa()))
+    # Cold weights (default): enough copies to overflow the caches, used in turn.
+    copies = 1 if hot else max(1, math.ceil(COLD_BYTES / (n * k * 4)))
+    ws = [rng.standard_normal((n, k)).astype("float32") for _ in range(copies)]
+    w = ws[0]
+    wps = [tvm.runtime.tensor(pack_weight(wi, host_isa())) for wi in ws]
     torch.set_num_threads(threads)
-    wt = torch.from_numpy(w)
+    wts = [torch.from_numpy(wi) for wi in ws]
+    ms_row = None
+    if ms_trials > 0:
+        from ..baselines.metaschedule import tune_default
+
+        ms_fn, ms_secs = tune_default(ms_m, n, k, threads, ms_trials, log)
+        ms_row = {"m": ms_m, "trials": ms_trials, "tuning_seconds": ms_secs}
     # One library at a time over every m: OpenBLAS and OpenMP workers spin for a while after
     # a call, and interleaving libraries would time TVM's threads against them.
     xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
@@ -91,15 +115,24 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         secs_sw, errs = {}, {}
         for m in ms:
             ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
-            fn(ta, wp, y)
+            fn(ta, wps[0], y)
             ref = xs[m] @ w.T
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
-            secs_sw[m] = _median_seconds(lambda ta=ta, y=y: fn(ta, wp, y))
+            secs_sw[m] = _median_seconds(_rotating(fn, [(ta, wp, y) for wp in wps]))
+        if ms_row is not None:
+            ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
+            y = tvm.runtime.empty((ms_m, n), "float32", tvm.cpu())
+            wms = [tvm.runtime.tensor(wi) for wi in ws]
+            secs = _median_seconds(_rotating(ms_fn, [(ta, wi, y) for wi in wms]))
+            ref = ta.numpy() @ w.T
+            ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
+            ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
         time.sleep(0.5)
-        secs_np = {m: _median_seconds(lambda a=xs[m]: a @ w.T) for m in ms}
+        secs_np = {m: _median_seconds(_rotating(np.matmul, [(xs[m], wi.T) for wi in ws])) for m in ms}
         time.sleep(0.5)
         xt = {m: torch.from_numpy(xs[m]) for m in ms}
-        secs_th = {m: _median_seconds(lambda at=xt[m]: torch.nn.functional.linear(at, wt)) for m in ms}
+        secs_th = {m: _median_seconds(_rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts]))
+                   for m in ms}
     rows = []
     for m in ms:
         flops = 2.0 * m * n * k
@@ -110,8 +143,15 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         row["schedule"] = rec.schedule_for(m).key
         rows.append(row)
     ratios = [r["ratio_vs_best"] for r in rows]
-    return {"n": n, "k": k, "threads": threads, "peak_gflops": peak, "tuning_seconds": rec.seconds,
-            "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))), "min_ratio": min(ratios), "rows": rows}
+    out = {"n": n, "k": k, "threads": threads, "weights": "hot" if hot else "cold", "peak_gflops": peak,
+           "tuning_seconds": rec.seconds, "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
+           "min_ratio": min(ratios), "rows": rows}
+    if ms_row is not None:
+        sw = next((r["sandwich_gflops"] for r in rows if r["m"] == ms_m), None)
+        if sw is not None:
+            ms_row["sandwich_ratio"] = sw / ms_row["gflops"]
+        out["metaschedule"] = ms_row
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -153,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernels.database import ScheduleDbError
 
     try:
-        result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print)
+        result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
+                            hot=args.hot_weights, ms_trials=args.metaschedule_trials,
+                            ms_m=args.metaschedule_m)
     except (ScheduleDbError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
@@ -169,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['torch_gflops']:.1f}", f"{r['ratio_vs_best']:.2f}x", f"{r['peak_fraction']:.0%}",
                       r["schedule"])
     console.print(table)
+    if "metaschedule" in result:
+        r = result["metaschedule"]
+        vs = f", Sandwich {r['sandwich_ratio']:.2f}x" if "sandwich_ratio" in r else ""
+        console.print(f"MetaSchedule default search, m={r['m']}: {r['gflops']:.1f} GFLOPS after "
+                      f"{r['trials']} trials in {r['tuning_seconds']:.0f} s{vs}")
     console.print(f"geomean vs best library {result['geomean_ratio']:.2f}x (min {result['min_ratio']:.2f}x); "
                   f"peak {result['peak_gflops']:.0f} GFLOPS; tuning {result['tuning_seconds']:.0f} s; "
                   f"plot {args.plot}")

@@ -172,6 +172,7 @@ class SequenceTuner:
     prune: int = 6  # micro-kernels kept per m by the analytic prior
     patience: int = 3  # stable winners in a row before the schedule is reused
     tolerance: float = 0.05  # "stable": GFLOPS within 5% of the previous winners' average
+    min_reuse_m: int = 17  # every m up to 16 is searched: tails still decide the tile there
     chosen: list[MicroKernel] = field(default_factory=list)
 
     def ladder(self) -> list[int]:
@@ -218,9 +219,13 @@ class SequenceTuner:
             else:
                 sch, g = search_one(Problem(m, self.n, self.k, self.threads), self.candidates(m))
                 self.chosen.append(sch.mk)
-                recent = [t.gflops for t in out[-self.patience:] if t.searched]
-                stable = len(recent) == self.patience and _stable(recent, g, self.tolerance)
-                streak = streak + 1 if stable or (out and out[-1].schedule == sch) else 0
+                # Stable: past the dense part of the ladder, the same micro-kernel as the last
+                # winners and GFLOPS within tolerance of theirs (one noisy plateau is not enough).
+                recent = [t for t in out[-self.patience:] if t.searched]
+                stable = (m >= self.min_reuse_m and len(recent) == self.patience
+                          and all(t.schedule.mk == sch.mk for t in recent)
+                          and _stable([t.gflops for t in recent], g, self.tolerance))
+                streak = streak + 1 if stable else 0
                 t = Tuned(m, sch, g, searched=True)
             out.append(t)
             if progress:
