@@ -7,6 +7,8 @@ model, the CPU schedule rules), built by ``LocalBuilder`` and timed by ``LocalRu
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import tempfile
 import time
 
@@ -30,7 +32,8 @@ def tune_default(m: int, n: int, k: int, threads: int, trials: int, log=lambda m
 
     mod, target = linear_te(m, n, k), host_target(threads)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as work_dir:
+    # MetaSchedule prints its task table to stdout: keep stdout for our JSON.
+    with tempfile.TemporaryDirectory() as work_dir, contextlib.redirect_stdout(sys.stderr):
         log(f"MetaSchedule default search: m={m} n={n} k={k}, {trials} trials ...")
         # The stock build function imports tvm.s_tir.tensor_intrin (~30 s here): allow for it.
         db = ms.tune_tir(mod, target=target, work_dir=work_dir, max_trials_global=trials,

@@ -219,11 +219,12 @@ class SequenceTuner:
             else:
                 sch, g = search_one(Problem(m, self.n, self.k, self.threads), self.candidates(m))
                 self.chosen.append(sch.mk)
-                # Stable: past the dense part of the ladder, the same micro-kernel as the last
-                # winners and GFLOPS within tolerance of theirs (one noisy plateau is not enough).
+                # Stable: past the dense part of the ladder (where m's remainder still decides
+                # the tile and flat plateaus are common), GFLOPS within tolerance of the last
+                # winners'. Winners with near-equal GFLOPS alternate between tiles, so the
+                # micro-kernel itself is not required to repeat.
                 recent = [t for t in out[-self.patience:] if t.searched]
                 stable = (m >= self.min_reuse_m and len(recent) == self.patience
-                          and all(t.schedule.mk == sch.mk for t in recent)
                           and _stable([t.gflops for t in recent], g, self.tolerance))
                 streak = streak + 1 if stable else 0
                 t = Tuned(m, sch, g, searched=True)

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.compile
 
 def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
     plot = tmp_path / "gemm.png"
-    assert bench.main(["gemm", "--n", "40", "--k", "72", "--m", "1,3,17", "--schedules", str(tmp_path),
+    assert bench.main(["gemm", "--n", "40", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
                        "--metaschedule-trials", "4", "--metaschedule-m", "3", "--json",
                        "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weights"] == "cold" and plot.is_file()
-    assert [r["m"] for r in out["rows"]] == [1, 3, 17]
+    assert [r["m"] for r in out["rows"]] == [1, 3]
     for r in out["rows"]:
         assert r["max_rel_err"] < 1e-5
         assert min(r["sandwich_gflops"], r["numpy_gflops"], r["torch_gflops"]) > 0
