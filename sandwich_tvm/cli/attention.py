@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from ..model.config import ModelConfigError, load_config
+from .timing import median_seconds
 
 PAGE = 16
 
@@ -32,16 +32,6 @@ def add_attention_parser(sub) -> None:
     a.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
 
 
-def _median_s(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
     from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged_cpu
 
@@ -53,6 +43,7 @@ def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
     k, v = (rng.standard_normal((n, h_kv, d), dtype=np.float32) for _ in range(2))
     indptr, pos = np.array([0, n], np.int32), np.zeros(n, np.int32)
     args = [tvm.runtime.tensor(a) for a in (q, indptr, k, v, indptr, pos, np.zeros(1, np.int32))]
+    scalars = (1, 0, 1.0, 1e4, d ** -0.5)  # causal, rotary_mode, rope_scale, rope_theta, sm_scale
     row = {"kernel": "prefill", "tokens": n}
     outs = {}
     for name, func in (("sandwich", prefill_ragged_primfunc(h_kv, h_q, d)),
@@ -61,8 +52,7 @@ def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
         run = tvm.compile(func, target=host_target())["batch_prefill_ragged_kv"]
         out = tvm.runtime.empty((n, h_q, d), "float32", tvm.cpu())
         lse = tvm.runtime.empty((n, h_q), "float32", tvm.cpu())
-        secs = _median_s(lambda run=run, out=out, lse=lse: run(*args, out, lse, 1, 0, 1.0, 1e4, d ** -0.5),
-                         repeat=5 if name == "sandwich" else 2)
+        secs = median_seconds(lambda run=run, out=out, lse=lse: run(*args, out, lse, *scalars))
         outs[name] = out.numpy()
         row[f"{name}_ms"] = secs * 1e3
         row[f"{name}_gflops"] = 2 * n * (n + 1) * h_q * d / secs / 1e9  # QK and PV, causal half
@@ -99,7 +89,7 @@ def bench_decode(h_kv: int, h_q: int, d: int, context: int, layers: int, log) ->
             for pages in caches:
                 run(q, pages, *meta, out, lse, 0, 1.0, 1e4, d ** -0.5)
 
-        secs = _median_s(step, repeat=20 if name == "sandwich" else 3)
+        secs = median_seconds(step)
         outs[name] = out.numpy()
         row[f"{name}_ms"] = secs * 1e3
         row[f"{name}_gbs"] = layers * context * 2 * h_kv * d * 4 / secs / 1e9

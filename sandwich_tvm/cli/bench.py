@@ -10,7 +10,6 @@ timed repeats after a warm-up. The Sandwich kernel comes from the tuning databas
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from rich.table import Table
 
 from .attention import add_attention_parser, main_attention
 from .e2e import add_e2e_parser, main_e2e
+from .timing import median_seconds, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
 COLD_BYTES = 96 << 20  # as the tuner's runner: weights overflow the caches, as in a served model
@@ -49,26 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_e2e_parser(sub)
     add_attention_parser(sub)
     return parser
-
-
-def _median_seconds(fn, budget_s: float = 0.3) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    reps = max(3, min(50, int(budget_s / one)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def _rotating(fn, args_per_copy: list[tuple]):
-    """A no-argument call that runs ``fn`` on the next copy's arguments each time."""
-    it = itertools.cycle(args_per_copy)
-    return lambda: fn(*next(it))
 
 
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
@@ -118,7 +98,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             fn(ta, wps[0], y)
             ref = xs[m] @ w.T
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
-            secs_sw[m] = _median_seconds(_rotating(fn, [(ta, wp, y) for wp in wps]))
+            secs_sw[m] = median_seconds(rotating(fn, [(ta, wp, y) for wp in wps]))
         if ms_row is not None:
             ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
             y = tvm.runtime.empty((ms_m, n), "float32", tvm.cpu())
@@ -126,13 +106,13 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             ms_fn(ta, wms[0], y)
             ref = ta.numpy() @ w.T
             ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
-            secs = _median_seconds(_rotating(ms_fn, [(ta, wi, y) for wi in wms]))
+            secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
         time.sleep(0.5)
-        secs_np = {m: _median_seconds(_rotating(np.matmul, [(xs[m], wi.T) for wi in ws])) for m in ms}
+        secs_np = {m: median_seconds(rotating(np.matmul, [(xs[m], wi.T) for wi in ws])) for m in ms}
         time.sleep(0.5)
         xt = {m: torch.from_numpy(xs[m]) for m in ms}
-        secs_th = {m: _median_seconds(_rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts]))
+        secs_th = {m: median_seconds(rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts]))
                    for m in ms}
     rows = []
     for m in ms:
