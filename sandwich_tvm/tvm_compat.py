@@ -16,7 +16,30 @@ os.environ.setdefault("TVM_NUM_THREADS", str(len(PROCESS_CPUS)))
 import tvm  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402,F401
 
-__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags", "PROCESS_CPUS"]
+__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags", "parse_tvmscript", "PROCESS_CPUS"]
+
+
+class _Decorators:
+    """Stand-in for ``T`` in a generated function's decorator line (``@D.prim_func(...)``).
+
+    The parser evaluates the decorator only for its dispatch token (the keywords such as
+    ``s_tir=True`` are read from the syntax tree). ``T.prim_func(...)`` itself calls
+    ``inspect.stack()``, which reads the source of every frame of the parser's deep recursion:
+    0.1-0.2 s per parse, most of the kernel tuner's build time.
+    """
+
+    @staticmethod
+    def prim_func(**_kwargs):
+        def decorator(func):  # never called by the parser
+            raise TypeError("parse_tvmscript decorators only mark source text")
+
+        decorator.dispatch_token = "tirx"
+        return decorator
+
+
+def parse_tvmscript(src: str):
+    """Parse generated TVMScript whose function is decorated ``@D.prim_func(s_tir=True)``."""
+    return tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators})
 
 
 @lru_cache(maxsize=1)

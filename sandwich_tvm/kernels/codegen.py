@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..tvm_compat import T, tvm
+from ..tvm_compat import parse_tvmscript, tvm
 from .microkernel import ISAS, REGISTRY
 from .schedule import GemmSchedule, GemmShape, cdiv
 
@@ -71,7 +71,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     n, k, lanes = shape.n, shape.k, isa.lanes
     panels = packed_panels(n, isa.name)
     head = f'''
-    @T.prim_func(s_tir=True)
+    @D.prim_func(s_tir=True)
     def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k}, {lanes}), "float32"),
              var_Y: T.handle):
         T.func_attr({{"global_symbol": "{name}", "tir.noalias": True, "tirx.is_scheduled": True}})
@@ -224,7 +224,7 @@ def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "li
     """Parse the generated kernel into a PrimFunc."""
     src = linear_source(shape, buckets, name)
     try:
-        return tvm.script.from_source(src, extra_vars={"T": T})
+        return parse_tvmscript(src)
     except Exception as err:  # the generator's bug, not the user's: keep the source for the report
         raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
 

@@ -19,38 +19,33 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from tvm import te
 from tvm.ir.utils import derived_object  # noqa: E402,I001
 from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
-from ..tvm_compat import T, tvm
+from ..tvm_compat import tvm
 from .codegen import Bucket, linear_primfunc, packed_shape
 from .microkernel import MicroKernel
 from .schedule import GemmSchedule, GemmShape, Polymerization
-from .search import Problem, Search, seed, slice_search
+from .search import Problem, Search, refine, seed, slice_search
 
 ANNOTATION = "sandwich.gemm"
 BLOCK = "linear"
 
 
 def linear_workload(m: int, n: int, k: int, isa: str) -> tvm.IRModule:
-    """The Linear pattern with static m on a packed weight: what the rule schedules."""
+    """The Linear pattern with static m on a packed weight: what the rule schedules.
+
+    Built with ``te`` (not a ``@T.prim_func`` closure, whose decorator walks the Python stack
+    on every call): one workload per tuned m.
+    """
     panels, _, lanes = packed_shape(n, k, isa)
-
-    @T.prim_func(s_tir=True)
-    def linear(
-        A: T.Buffer((m, k), "float32"),
-        Wp: T.Buffer((panels, k, lanes), "float32"),
-        Y: T.Buffer((m, n), "float32"),
-    ):
-        T.func_attr({"global_symbol": "main", "tir.noalias": True})
-        for i, j, r in T.grid(m, n, k):
-            with T.sblock(BLOCK):
-                vi, vj, vr = T.axis.remap("SSR", [i, j, r])
-                with T.init():
-                    Y[vi, vj] = T.float32(0)
-                Y[vi, vj] = Y[vi, vj] + A[vi, vr] * Wp[vj // lanes, vr, vj % lanes]
-
-    return tvm.IRModule({"main": linear})
+    a = te.placeholder((m, k), "float32", name="A")
+    wp = te.placeholder((panels, k, lanes), "float32", name="Wp")
+    r = te.reduce_axis((0, k), name="r")
+    y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * wp[j // lanes, r, j % lanes], axis=r), name=BLOCK)
+    func = te.create_prim_func([a, wp, y]).with_attr({"global_symbol": "main", "tir.noalias": True})
+    return tvm.IRModule({"main": func})
 
 
 def workload_shape(mod: tvm.IRModule) -> tuple[int, GemmShape]:
@@ -128,12 +123,15 @@ class SandwichGemmRule(ms.schedule_rule.PyScheduleRule):
 
 @derived_object
 class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
-    """Fast start then finetune (``slice_search``) over the micro-kernels of the design spaces."""
+    """Fast start then finetune (``slice_search``) over the micro-kernels of the design spaces;
+    with ``start``, ``refine`` that reused schedule against ``alternatives`` instead."""
 
-    def __init__(self, threads: int, finetune_top: int = 2) -> None:
+    def __init__(self, threads: int, finetune_top: int = 2, start: GemmSchedule | None = None,
+                 alternatives: Sequence[GemmSchedule] = ()) -> None:
         super().__init__()
         self.threads = threads
         self.finetune_top = finetune_top
+        self.start, self.alternatives = start, tuple(alternatives)
         self.best: tuple[GemmSchedule, float] | None = None
 
     def _initialize_with_tune_context(self, context) -> None:
@@ -144,7 +142,8 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
         m, shape = workload_shape(self.mod)
         self.trials_left = max_trials
         problem = Problem(m, shape.n, shape.k, self.threads)
-        self._search: Search = slice_search(problem, mks, self.finetune_top)
+        self._search: Search = (slice_search(problem, mks, self.finetune_top) if self.start is None
+                                else refine(problem, self.start, self.alternatives))
         self._pending: list[GemmSchedule] | None = next(self._search)
         self.best = None
 
@@ -174,7 +173,7 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
             self._pending = None
 
     def clone(self):
-        return SandwichSearchStrategy(self.threads, self.finetune_top)
+        return SandwichSearchStrategy(self.threads, self.finetune_top, self.start, self.alternatives)
 
 
 class KernelCache:
@@ -234,7 +233,7 @@ class InProcessRunner(ms.runner.PyRunner):
     bandwidth and picks schedules that lose in the model.
     """
 
-    def __init__(self, cache: KernelCache, min_repeat_ms: float = 20.0, repeat: int = 3,
+    def __init__(self, cache: KernelCache, min_repeat_ms: float = 10.0, repeat: int = 3,
                  cold_bytes: int = 96 << 20) -> None:
         super().__init__()
         self.cache = cache
@@ -260,10 +259,9 @@ class InProcessRunner(ms.runner.PyRunner):
     def _time(self, fn, args: list) -> list[float]:
         a, y = args[0], args[-1]
         calls = [(a, w, y) for w in self._weights] if len(args) == 3 else [tuple(args)]
-        for c in calls:  # warm-up: first-touch pages, wake the pool
-            fn(*c)
+        fn(*calls[-1])  # warm-up: first call of a new module, wakes the pool
         t0 = time.perf_counter()
-        for c in calls:
+        for c in calls:  # one pass sizes the rounds (the weights are cold again by its end)
             fn(*c)
         one = (time.perf_counter() - t0) / len(calls)
         rounds = max(1, math.ceil(self.min_repeat_ms / 1e3 / max(one * len(calls), 1e-6)))

@@ -53,10 +53,17 @@ def _tile(mk: MicroKernel, dim: str) -> int:
     return {"mc": mk.mr, "nc": mk.nr, "kc": ISAS[mk.isa].kc_align}[dim]
 
 
-def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization) -> Search:
-    """Grow each dimension by 2^t x tile while GFLOPS rise; roll a dimension back when they do not."""
-    best = seed(p, mk, poly)
-    (best_g,) = yield [best]
+def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization,
+               start: tuple[GemmSchedule, float] | None = None) -> Search:
+    """Grow each dimension by 2^t x tile while GFLOPS rise; roll a dimension back when they do not.
+
+    ``start`` (a measured schedule) replaces the one-tile seed: ``refine`` grows a reused slice.
+    """
+    if start is None:
+        best = seed(p, mk, poly)
+        (best_g,) = yield [best]
+    else:
+        best, best_g = start
     cap = caps(p, mk, poly)
     steps = {"mc": 0, "nc": 0, "kc": 0}
     active = ["mc", "nc", "kc"]
@@ -79,13 +86,29 @@ def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization) -> Search:
     return best, best_g
 
 
+def refine(p: Problem, start: GemmSchedule, alternatives: Sequence[GemmSchedule] = ()) -> Search:
+    """Re-check a reused schedule at a larger m (paper §6 reuse, checked): measure it, clipped to
+    this m's caps, next to ``alternatives``, then fast-start the winner's slice further. A slice
+    found at m ~ 100 can starve at m = 512 when k is long (its MC x KC block of A no longer
+    stays in cache); growing it here keeps reuse from running into that."""
+    cands = [_clipped(p, s) for s in (start, *alternatives)]
+    gs = yield cands
+    i = max(range(len(cands)), key=lambda j: gs[j])
+    best, best_g = cands[i], gs[i]
+    return (yield from fast_start(p, best.mk, best.poly, start=(best, best_g)))
+
+
+def _clipped(p: Problem, s: GemmSchedule) -> GemmSchedule:
+    cap = caps(p, s.mk, s.poly)
+    return replace(s, slice=Slice(*(min(a, b) for a, b in zip(_t(s.slice), _t(cap), strict=True))))
+
+
 def finetune(p: Problem, start: GemmSchedule, start_g: float) -> Search:
     """Under every thread polymerization, grow the slice one tile at a time along the best dimension."""
     best, best_g = start, start_g
     for poly in polymerizations(p.threads):
         cap = caps(p, start.mk, poly)
-        clipped = Slice(*(min(a, b) for a, b in zip(_t(start.slice), _t(cap), strict=True)))
-        cur = GemmSchedule(start.mk, clipped, poly)
+        cur = _clipped(p, replace(start, poly=poly))
         if poly == start.poly:
             cur_g = start_g
         else:
@@ -159,9 +182,18 @@ class Tuned:
     searched: bool  # False: reused without search
 
 
+SearchOne = Callable[[Problem, list[MicroKernel], int], tuple[GemmSchedule, float]]
+RefineOne = Callable[[Problem, GemmSchedule], tuple[GemmSchedule, float]]
+
+
 @dataclass
 class SequenceTuner:
-    """Tune one (n, k) GEMM for every m in [1, max_m] (paper §6, sliding window and reuse)."""
+    """Tune one (n, k) GEMM for every m in [1, max_m] (paper §6, sliding window and reuse).
+
+    Up to ``min_reuse_m - 1`` (the dense part of the ladder, where m's remainder decides the
+    tile) each m fast-starts ``prune`` micro-kernels and finetunes the best two; past it the
+    shape is no longer skinny, so ``prune_large`` micro-kernels and one finetune suffice.
+    """
 
     n: int
     k: int
@@ -169,7 +201,8 @@ class SequenceTuner:
     mks: Sequence[MicroKernel]
     max_m: int = 2048
     window: int = 16  # σ
-    prune: int = 6  # micro-kernels kept per m by the analytic prior
+    prune: int = 5  # micro-kernels kept per m by the analytic prior (dense part)
+    prune_large: int = 3  # ... and past it
     patience: int = 3  # stable winners in a row before the schedule is reused
     tolerance: float = 0.05  # "stable": GFLOPS within 5% of the previous winners' average
     min_reuse_m: int = 17  # every m up to 16 is searched: tails still decide the tile there
@@ -190,6 +223,9 @@ class SequenceTuner:
             ms.append(self.max_m)
         return ms
 
+    def dense(self, m: int) -> bool:
+        return m < self.min_reuse_m
+
     def candidates(self, m: int) -> list[MicroKernel]:
         """The window: every micro-kernel for the first σ shapes, then the σ last chosen ones."""
         pool = list(self.mks)
@@ -203,28 +239,34 @@ class SequenceTuner:
             pool = recent
         fitting = [mk for mk in pool if mk.mr <= m] or sorted(pool, key=lambda mk: mk.mr)[:1]
         fitting.sort(key=lambda mk: -model_score(mk, m))
-        return fitting[: self.prune]
+        return fitting[: self.prune if self.dense(m) else self.prune_large]
 
-    def tune(
-        self,
-        search_one: Callable[[Problem, list[MicroKernel]], tuple[GemmSchedule, float]],
-        progress: Callable[[Tuned], None] | None = None,
-    ) -> list[Tuned]:
-        """Search each m of the ladder until the winner is stable, then reuse it for the rest."""
+    def tune(self, search_one: SearchOne, progress: Callable[[Tuned], None] | None = None,
+             refine_one: RefineOne | None = None) -> list[Tuned]:
+        """Search each m of the ladder until the winner is stable, then reuse it for the rest.
+
+        With ``refine_one``, the reused schedule is re-checked (``refine``) at every power of
+        two: its slice may grow there, and the grown one is reused from then on.
+        """
         out: list[Tuned] = []
         streak = 0
         for m in self.ladder():
+            problem = Problem(m, self.n, self.k, self.threads)
             if streak >= self.patience:
-                t = Tuned(m, out[-1].schedule, math.nan, searched=False)
+                if refine_one is not None and m & (m - 1) == 0:
+                    sch, g = refine_one(problem, out[-1].schedule)
+                    t = Tuned(m, sch, g, searched=True)
+                else:
+                    t = Tuned(m, out[-1].schedule, math.nan, searched=False)
             else:
-                sch, g = search_one(Problem(m, self.n, self.k, self.threads), self.candidates(m))
+                sch, g = search_one(problem, self.candidates(m), 2 if self.dense(m) else 1)
                 self.chosen.append(sch.mk)
                 # Stable: past the dense part of the ladder (where m's remainder still decides
                 # the tile and flat plateaus are common), GFLOPS within tolerance of the last
                 # winners'. Winners with near-equal GFLOPS alternate between tiles, so the
                 # micro-kernel itself is not required to repeat.
                 recent = [t for t in out[-self.patience:] if t.searched]
-                stable = (m >= self.min_reuse_m and len(recent) == self.patience
+                stable = (not self.dense(m) and len(recent) == self.patience
                           and _stable([t.gflops for t in recent], g, self.tolerance))
                 streak = streak + 1 if stable else 0
                 t = Tuned(m, sch, g, searched=True)

@@ -16,6 +16,7 @@ from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
 from ..tvm_compat import host_isa, host_target, tvm
 from .database import KernelRecord, host_cpu_model, load_record, record_path, save_record
+from .defaults import default_schedule
 from .metaschedule import (
     InProcessBuilder,
     InProcessRunner,
@@ -39,9 +40,20 @@ class MetaScheduleSearch:
         self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)
         self.trials = 0
 
-    def __call__(self, p: Problem, mks: list[MicroKernel]) -> tuple[GemmSchedule, float]:
+    def __call__(self, p: Problem, mks: list[MicroKernel], finetune_top: int = 2
+                 ) -> tuple[GemmSchedule, float]:
+        return self._run(p, mks, SandwichSearchStrategy(p.threads, finetune_top))
+
+    def refine(self, p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
+        """Re-check a reused schedule at m, next to the default schedule for m, and grow it."""
+        default = default_schedule(GemmShape(p.n, p.k), p.m, p.threads, self.isa)
+        alternatives = [default] if default != start else []
+        return self._run(p, [start.mk], SandwichSearchStrategy(p.threads, start=start,
+                                                               alternatives=alternatives))
+
+    def _run(self, p: Problem, mks: list[MicroKernel], strategy: SandwichSearchStrategy
+             ) -> tuple[GemmSchedule, float]:
         mod = linear_workload(p.m, p.n, p.k, self.isa)
-        strategy = SandwichSearchStrategy(p.threads)
         ctx = ms.TuneContext(
             mod, target=self.target, task_name=f"linear_m{p.m}_n{p.n}_k{p.k}", num_threads=1,
             space_generator=ms.space_generator.PostOrderApply(
@@ -82,6 +94,7 @@ def tune_gemm(
     work_dir: Path | None = None,
     progress: Callable[[Tuned], None] | None = None,
     search_one: Callable | None = None,
+    refine_one: Callable | None = None,
 ) -> KernelRecord:
     """Tune ``Y = X @ W.T`` (W: n x k) for every m in [1, max_m]; resume from a saved record.
 
@@ -102,11 +115,18 @@ def tune_gemm(
             Path(work_dir).mkdir(parents=True, exist_ok=True)
             db = ms.database.JSONDatabase(work_dir=str(work_dir))
         search_one = MetaScheduleSearch(host_target(threads), isa, db)
+    if refine_one is None and isinstance(search_one, MetaScheduleSearch):
+        refine_one = search_one.refine
 
-    def cached(p: Problem, mks: list[MicroKernel]) -> tuple[GemmSchedule, float]:
+    def cached(p: Problem, mks: list[MicroKernel], finetune_top: int) -> tuple[GemmSchedule, float]:
         if p.m in done and done[p.m].searched:
             return done[p.m].schedule, done[p.m].gflops
-        return search_one(p, mks)
+        return search_one(p, mks, finetune_top)
+
+    def cached_refine(p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
+        if p.m in done and done[p.m].searched:
+            return done[p.m].schedule, done[p.m].gflops
+        return refine_one(p, start)
 
     last = time.perf_counter()
 
@@ -121,5 +141,5 @@ def tune_gemm(
         if progress:
             progress(t)
 
-    tuner.tune(cached, on_tuned)
+    tuner.tune(cached, on_tuned, cached_refine if refine_one is not None else None)
     return rec

@@ -30,7 +30,7 @@ import math
 import textwrap
 from functools import cache
 
-from ..tvm_compat import T, tvm
+from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 from .rope import rope_primfunc
 
@@ -140,7 +140,7 @@ def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32")
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {ROWS - 1}) // {ROWS}"
     body = textwrap.indent(_prefill_body(h_kv, group, d), " " * 20)
     src = f'''
-@T.prim_func(s_tir=True)
+@D.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
                             var_kv_indptr: T.handle, var_q_rope_position: T.handle,
                             var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
@@ -170,7 +170,7 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
                 with T.sblock("tile"):
 {body}
 '''
-    return tvm.script.from_source(src, extra_vars={"T": T})
+    return parse_tvmscript(src)
 
 
 def _decode_body(h_kv: int, group: int, d: int, page: int, split: int) -> str:
@@ -268,7 +268,7 @@ def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
     body = textwrap.indent(_decode_body(h_kv, group, d, page, split), " " * 16)
     merge = textwrap.indent(_merge_body(h_q, d, split), " " * 16)
     src = f'''
-@T.prim_func(s_tir=True)
+@D.prim_func(s_tir=True)
 def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
                               page_table_values_handle: T.handle, var_length_info: T.handle,
                               k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
@@ -304,7 +304,7 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
             with T.sblock("merge"):
 {merge}
 '''
-    return tvm.script.from_source(src, extra_vars={"T": T})
+    return parse_tvmscript(src)
 
 
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4) -> tvm.IRModule:

@@ -12,7 +12,7 @@ from functools import cache
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..tvm_compat import T, tvm
+from ..tvm_compat import parse_tvmscript, tvm
 
 LANES = 8
 
@@ -25,7 +25,7 @@ def rms_norm_primfunc(hidden: int, eps: float) -> tvm.tirx.PrimFunc:
                 for j in range({h - main}):
                     ss[0] = ss[0] + X[i, {main} + j] * X[i, {main} + j]'''
     src = f'''
-@T.prim_func(s_tir=True)
+@D.prim_func(s_tir=True)
 def rms_norm_h{h}(var_x: T.handle, w: T.Buffer(({h},), "float32"), var_y: T.handle):
     T.func_attr({{"global_symbol": "rms_norm_h{h}", "tir.noalias": True, "tirx.is_scheduled": True}})
     m = T.int64()
@@ -46,7 +46,7 @@ def rms_norm_h{h}(var_x: T.handle, w: T.Buffer(({h},), "float32"), var_y: T.hand
                 for j in T.vectorized({h}):
                     Y[i, j] = X[i, j] * ss[0] * w[j]
 '''
-    return tvm.script.from_source(src, extra_vars={"T": T})
+    return parse_tvmscript(src)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 
-from ..tvm_compat import T, tvm
+from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 
 
@@ -39,7 +39,7 @@ def _rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...]) -> tvm
     on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
     init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
     src = f'''
-@T.prim_func(s_tir=True)
+@D.prim_func(s_tir=True)
 def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
                var_v: T.handle, apply_rope: T.int64):
     T.func_attr({{"global_symbol": "fused_rope", "tir.noalias": True, "tirx.is_scheduled": True}})
@@ -73,7 +73,7 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                     for j in T.vectorized({d}):
                         v[s, h, j] = qkv[s, h + {h_q + h_kv}, j]
 '''
-    return tvm.script.from_source(src, extra_vars={"T": T})
+    return parse_tvmscript(src)
 
 
 def rope_primfunc(cfg: LlamaConfig) -> tvm.tirx.PrimFunc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice, polymerizations
 from sandwich_tvm.kernels.search import (
@@ -9,6 +11,7 @@ from sandwich_tvm.kernels.search import (
     SequenceTuner,
     caps,
     fast_start,
+    refine,
     run_search,
     slice_search,
 )
@@ -72,8 +75,9 @@ def test_split_k_is_chosen_when_it_measures_faster():
 def _fake_search(winner_for):
     calls = []
 
-    def search_one(p: Problem, mks: list[MicroKernel]):
+    def search_one(p: Problem, mks: list[MicroKernel], finetune_top: int):
         calls.append((p.m, list(mks)))
+        assert finetune_top == (2 if p.m <= 16 else 1)
         mk = winner_for(p.m, mks)
         return GemmSchedule(mk, Slice(mk.mr, mk.nr, 256), Polymerization(1, p.threads, 1)), 100.0
     return search_one, calls
@@ -114,3 +118,42 @@ def test_a_flat_plateau_at_small_m_does_not_trigger_reuse():
     searched = [t.m for t in tuned if t.searched]
     assert searched == [*range(1, 17), 19, 23, 27]  # m = 19, 23, 27 stable, then reuse
     assert all(not t.searched and t.schedule == tuned[18].schedule for t in tuned[19:])
+
+
+def test_past_the_dense_ladder_fewer_micro_kernels_are_searched():
+    tuner = SequenceTuner(512, 512, 2, REGISTRY["avx2"], max_m=64, patience=100, prune=5, prune_large=3)
+    search_one, calls = _fake_search(lambda m, c: c[0])
+    tuner.tune(search_one)
+    assert all(len(c) == 5 for m, c in calls if 6 <= m <= 16)
+    assert all(len(c) == 3 for m, c in calls if m > 16)
+
+
+def test_refine_grows_a_reused_slice_or_takes_the_alternative():
+    p = Problem(m=512, n=2048, k=8192, threads=2)
+    reused = GemmSchedule(MicroKernel("avx2", 2, 32), Slice(2, 32, 64), Polymerization(1, 2, 1))
+    other = GemmSchedule(MK, Slice(60, 256, 256), Polymerization(1, 2, 1))
+
+    def measure(batch):  # GFLOPS rise with MC up to 32 rows for the reused tile
+        return [120.0 if s.mk == MK else 100.0 + min(s.slice.mc, 32) for s in batch]
+
+    best, g = run_search(refine(p, reused), measure)
+    assert best.mk == reused.mk and best.slice.mc == 32 and g == 132.0
+    best, g = run_search(refine(p, reused, [other]), lambda b: [200.0 if s.mk == MK else 100.0 for s in b])
+    assert best.mk == MK and g == 200.0
+
+
+def test_reuse_is_rechecked_at_powers_of_two():
+    tuner = SequenceTuner(512, 512, 2, REGISTRY["avx2"], max_m=2048, patience=3)
+    search_one, _ = _fake_search(lambda m, c: MK if MK in c else c[0])
+    refined = []
+
+    def refine_one(p: Problem, start: GemmSchedule):
+        refined.append(p.m)
+        return replace(start, slice=Slice(start.slice.mc * 2, start.slice.nc, start.slice.kc)), 150.0
+
+    tuned = tuner.tune(search_one, refine_one=refine_one)
+    assert refined and all(m & (m - 1) == 0 and m > 16 for m in refined)
+    assert refined[-1] == 2048
+    last = next(t for t in tuned if t.m == refined[-2])
+    after = [t for t in tuned if refined[-2] < t.m < 2048]
+    assert after and all(t.schedule == last.schedule and not t.searched for t in after)

@@ -22,7 +22,7 @@ def test_tune_small_gemm_then_resume(tmp_path):
     records = (tmp_path / "ms" / "database_tuning_record.json").read_text().splitlines()
     assert len(records) >= 3  # every measurement committed to MetaSchedule's database
     calls = []
-    tune_gemm(96, 64, threads=2, max_m=3, root=tmp_path, search_one=lambda p, mks: calls.append(p))
+    tune_gemm(96, 64, threads=2, max_m=3, root=tmp_path, search_one=lambda p, mks, top: calls.append(p))
     assert calls == []  # resumed: nothing searched twice
 
 
