@@ -37,6 +37,40 @@ class _Decorators:
         return decorator
 
 
+@lru_cache(maxsize=1)
+def preload_tensor_intrinsics() -> None:
+    """Import ``tvm.s_tir.tensor_intrin`` (every ``MetaSchedule.TuneContext`` does) cheaply.
+
+    The import parses a few hundred ``@T.prim_func`` intrinsics, and each decorator calls
+    ``inspect.stack()``, which reads the source context of every frame: ~30 s here. The
+    decorator only looks at the context of the first three frames (and at frame locals), so
+    for this import the deeper frames are listed without their source.
+    """
+    import inspect
+    import sys
+
+    real = inspect.stack
+
+    def stack(context: int = 1) -> list:
+        frames, frame, depth = [], sys._getframe(1), 0
+        while frame is not None:
+            if depth < 4:
+                info = inspect.getframeinfo(frame, context)
+                frames.append(inspect.FrameInfo(frame, *info, positions=info.positions))
+            else:
+                code = frame.f_code
+                frames.append(inspect.FrameInfo(frame, code.co_filename, frame.f_lineno, code.co_name,
+                                                None, None, positions=None))
+            frame, depth = frame.f_back, depth + 1
+        return frames
+
+    inspect.stack = stack
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+    finally:
+        inspect.stack = real
+
+
 def parse_tvmscript(src: str):
     """Parse generated TVMScript whose function is decorated ``@D.prim_func(s_tir=True)``."""
     return tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators})

@@ -1,6 +1,9 @@
 """`python -m sandwich_tvm.bench e2e`: TTFT and TPOT of the whole model, Sandwich against baselines.
 
-TTFT is the median of ``--repeat`` prefills, TPOT the median decode step over the greedy tokens.
+Each of ``--repeat`` rounds runs one whole request (prefill, then the greedy tokens) per system;
+TTFT and TPOT (the median decode step of a request) are medians over the rounds. Sandwich and
+llama.cpp alternate round by round, and their ratios are the median of the per-round ratios, so
+the host's memory-bandwidth drift (minutes long, up to ~1.7x here) cancels out.
 Systems, each on the same thread count and the same weights: Sandwich (the plan's prefill and
 decode cores, hot switching), HF ``transformers`` on torch, TVM's stock Relax build (its
 unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``) and
@@ -34,9 +37,12 @@ def add_e2e_parser(sub) -> None:
                    help="comma-separated: sandwich, llamacpp, torch, stock (default all; llamacpp is "
                         "skipped with a note when the extra is not installed)")
     e.add_argument("--repeat", type=int, default=3,
-                   help="prefills per prompt length; TTFT is their median (default 3; TVM stock: 1)")
+                   help="requests per prompt length and system; medians over them (default 3; TVM stock: 1)")
     e.add_argument("--stock-max-prompt", type=int, default=128,
                    help="longest prompt given to TVM's stock build (default 128)")
+    e.add_argument("--cached-profile", action="store_true",
+                   help="predict from the cached machine profile instead of re-measuring it in this run "
+                        "(memory bandwidth drifts: the default measures it right after the timed requests)")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
@@ -56,15 +62,11 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
         if stock and p > args.stock_max_prompt:
             return None
         new = args.new_tokens if not stock else min(args.new_tokens, 16)
-        prompt = synthetic_prompt(p, cfg.vocab_size)
-        gen = engine.generate(prompt, new)
-        extra = 0 if stock else args.repeat - 1
-        ttfts = [gen.ttft_ms] + [engine.generate(prompt, 1).ttft_ms for _ in range(extra)]
+        gen = engine.generate(synthetic_prompt(p, cfg.vocab_size), new)
         decode_total = sum(gen.decode_ms)
-        row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p,
-               "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
-               "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens),
-               "switch_ms": gen.switch_ms, "tokens": gen.tokens[:16],
+        row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
+               "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens), "switch_ms": gen.switch_ms,
+               "tokens": gen.tokens[:16], "weights_huge_page_share": engine.huge_page_share,
                "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None}
         log(f"{row['system']}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
         return row
@@ -162,26 +164,46 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
 
     def run(p: int) -> dict:
         os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
-        prompt = synthetic_prompt(p, cfg.vocab_size)
-        ttft, steps, tokens = engine.generate(prompt, args.new_tokens)
-        ttfts = [ttft] + [engine.generate(prompt, 1)[0] for _ in range(args.repeat - 1)]
-        row = {"system": "llama.cpp", "prompt": p, "ttft_ms": float(np.median(ttfts)), "ttft_runs_ms": ttfts,
-               "tpot_ms": float(np.median(steps)), "output_tokens": len(tokens), "tokens": tokens[:16]}
+        ttft, steps, tokens = engine.generate(synthetic_prompt(p, cfg.vocab_size), args.new_tokens)
+        row = {"system": "llama.cpp", "prompt": p, "ttft_ms": ttft, "tpot_ms": float(np.median(steps)),
+               "output_tokens": len(tokens), "tokens": tokens[:16]}
         log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
         return row
 
     return run
 
 
-def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log) -> list[dict]:
-    """The simulator's TTFT/TPOT for the plan on this machine (its measured profile)."""
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row per (system, prompt): medians over the rounds, the per-round values kept."""
+    row = dict(rounds[0])
+    for key in ("ttft_ms", "tpot_ms"):
+        runs = [r[key] for r in rounds]
+        row[key.replace("_ms", "_runs_ms")] = runs
+        row[key] = float(np.median(runs))
+    if rounds[0].get("switch_ms") is not None:
+        row["switch_ms"] = float(np.median([r["switch_ms"] for r in rounds]))
+    return row
+
+
+def paired_ratio(row: dict, base: dict, key: str) -> float:
+    """Median of the per-round ratios when both systems ran the same interleaved rounds."""
+    a, b = row.get(f"{key}_runs_ms"), base.get(f"{key}_runs_ms")
+    if a and b and len(a) == len(b):
+        return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
+    return row[f"{key}_ms"] / base[f"{key}_ms"]
+
+
+def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
+              refresh: bool = True) -> list[dict]:
+    """The simulator's TTFT/TPOT for the plan on this machine (its profile, measured now when
+    ``refresh``)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
     from ..topology.simulator import LatencySimulator, Trace
 
     tree, found = load_tree()
-    profile = measure_profile(tree, found.cpu_model, log=log)
+    profile = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
     p = np.array(prompts, dtype=float)
     sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
     pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
@@ -205,8 +227,8 @@ def bench_e2e(args, console: Console) -> dict:
     unknown = set(systems) - {"sandwich", "llamacpp", "torch", "stock"}
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}")
-    # Sandwich and llama.cpp are interleaved per prompt length (alternating which goes first):
-    # decode is bound by memory bandwidth the VM shares with its host, which drifts over minutes.
+    # Sandwich and llama.cpp alternate request by request (and which goes first): decode is
+    # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
     runners = []
     if "sandwich" in systems:
         runners.append(tvm_runner(args, cfg, plan, prompts, False, log))
@@ -214,8 +236,13 @@ def bench_e2e(args, console: Console) -> dict:
         runners.append(llamacpp_runner(args, cfg, prompts, plan.prefill_threads, notes, log))
     runners = [r for r in runners if r is not None]
     for i, p in enumerate(prompts):
-        for run in (runners if i % 2 == 0 else runners[::-1]):
-            rows.append(run(p))
+        rounds: list[list[dict]] = [[] for _ in runners]
+        for r in range(max(1, args.repeat)):
+            order = list(enumerate(runners))
+            for j, run in (order if (i + r) % 2 == 0 else order[::-1]):
+                rounds[j].append(run(p))
+        rows += [merge_rounds(x) for x in rounds]
+    pred = predicted(cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile)
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:
@@ -223,15 +250,14 @@ def bench_e2e(args, console: Console) -> dict:
         gc.collect()
     if "stock" in systems:
         stock = tvm_runner(args, cfg, plan, prompts, True, log)
-        rows += [row for p in prompts if (row := stock(p)) is not None]
-    pred = predicted(cfg, plan, prompts, args.new_tokens, log)
+        rows += [merge_rounds([row]) for p in prompts if (row := stock(p)) is not None]
     for r in rows:
         if r["system"] == "sandwich":
             for other, tag in (("torch", "torch"), ("llama.cpp", "llamacpp")):
                 base = next((b for b in rows if b["system"] == other and b["prompt"] == r["prompt"]), None)
                 if base:
-                    r[f"ttft_ratio_vs_{tag}"] = r["ttft_ms"] / base["ttft_ms"]
-                    r[f"tpot_ratio_vs_{tag}"] = r["tpot_ms"] / base["tpot_ms"]
+                    r[f"ttft_ratio_vs_{tag}"] = paired_ratio(r, base, "ttft")
+                    r[f"tpot_ratio_vs_{tag}"] = paired_ratio(r, base, "tpot")
                     if "tokens" in base:
                         r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
             pr = next(x for x in pred if x["prompt"] == r["prompt"])

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error:[/] {exc}")
         return 2
     if args.json:
-        print(json.dumps(gen.to_json()))
+        print(json.dumps(gen.to_json() | {"weights_huge_page_share": engine.huge_page_share}))
     else:
         print()
         err.print(f"prompt {gen.prompt_tokens} tokens, {len(gen.tokens)} generated; "

@@ -29,8 +29,9 @@ from ..tvm_compat import host_isa, host_target, tvm
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 
 FORMAT = 1
-_SOURCES = ("kernels/codegen.py", "kernels/defaults.py", "model/linear.py", "model/llama.py", "model/norm.py",
-            "model/attention.py", "model/rope.py", "compiler/pipeline.py", "compiler/artifact.py")
+_SOURCES = ("kernels/codegen.py", "kernels/vecmath.py", "kernels/defaults.py", "model/linear.py",
+            "model/llama.py", "model/norm.py", "model/attention.py", "model/rope.py",
+            "compiler/pipeline.py", "compiler/artifact.py")
 
 
 class CompileError(RuntimeError):

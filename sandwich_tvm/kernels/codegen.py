@@ -8,6 +8,14 @@ Tails are explicit: rows past m are never stored, the last column tile stores on
 columns, the last KC block has its own static length. Split-K threads write partial sums
 that a final parallel pass adds up.
 
+Epilogues are fused into the store of the register tile: ``residual`` adds ``R[m, n]`` (the
+decoder's skip connection), ``bias`` adds ``B[n]``. ``silu_mul`` is the MLP's
+``silu(gate) * up`` on a gate_up weight packed with ``interleave_gate_up``: gate and up
+columns alternate every ``lanes`` columns, so a tile of an even number of vectors holds whole
+(gate, up) pairs and writes ``Y[m, n / 2]`` straight from its registers. Tiles of an odd
+number of vectors, split-K and several KC blocks per thread need the whole sum first: they
+write the GEMM to a scratch buffer and a parallel pass applies the epilogue.
+
 Trap (notes §2): the accumulator must be a small *global*-scope block buffer: TVM then puts
 it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
 allocation whose stores stay in the hot loop (3x slower).
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from ..tvm_compat import parse_tvmscript, tvm
 from .microkernel import ISAS, REGISTRY
 from .schedule import GemmSchedule, GemmShape, cdiv
+from .vecmath import silu_mul
 
 
 class KernelError(ValueError):
@@ -38,6 +47,9 @@ def packed_panels(n: int, isa: str) -> int:
 def packed_shape(n: int, k: int, isa: str) -> tuple[int, int, int]:
     """Shape of the packed ``W[n, k]``: ``(panels, k, lanes)``."""
     return packed_panels(n, isa), k, ISAS[isa].lanes
+
+
+EPILOGUES = ("none", "residual", "bias", "silu_mul")
 
 
 @dataclass(frozen=True)
@@ -58,10 +70,17 @@ def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
         raise KernelError(f"NR={mk.nr} is not a multiple of {mk.lanes} lanes")
 
 
-def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear") -> str:
-    """TVMScript text of one dynamic-m kernel that dispatches on m over ``buckets``."""
+def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
+                  epilogue: str = "none") -> str:
+    """TVMScript text of one dynamic-m kernel that dispatches on m over ``buckets``.
+
+    Parameters: ``A[m, k]``, the packed weight, ``R[m, n]`` (``residual``) or ``B[n]``
+    (``bias``), then the output ``Y[m, n]`` (``Y[m, n / 2]`` for ``silu_mul``).
+    """
     if not buckets:
         raise KernelError("a kernel needs at least one bucket")
+    if epilogue not in EPILOGUES:
+        raise KernelError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
     isas = {b.schedule.mk.isa for b in buckets}
     if len(isas) != 1:
         raise KernelError(f"buckets mix ISAs {sorted(isas)}")
@@ -69,21 +88,29 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     for b in buckets:
         check_schedule(shape, b.schedule)
     n, k, lanes = shape.n, shape.k, isa.lanes
+    if epilogue == "silu_mul" and n % (2 * lanes):
+        raise KernelError(f"silu_mul needs n = 2 x intermediate a multiple of {2 * lanes}, not {n}")
+    n_out = n // 2 if epilogue == "silu_mul" else n
     panels = packed_panels(n, isa.name)
+    extra_param = {"residual": "var_R: T.handle, ",
+                   "bias": f'B: T.Buffer(({n},), "float32"), '}.get(epilogue, "")
+    extra_buffer = ""
+    if epilogue == "residual":
+        extra_buffer = f'\n        R = T.match_buffer(var_R, (m, {n}), "float32")'
     head = f'''
     @D.prim_func(s_tir=True)
     def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k}, {lanes}), "float32"),
-             var_Y: T.handle):
+             {extra_param}var_Y: T.handle):
         T.func_attr({{"global_symbol": "{name}", "tir.noalias": True, "tirx.is_scheduled": True}})
         m = T.int64()
-        A = T.match_buffer(var_A, (m, {k}), "float32")
-        Y = T.match_buffer(var_Y, (m, {n}), "float32")
+        A = T.match_buffer(var_A, (m, {k}), "float32"){extra_buffer}
+        Y = T.match_buffer(var_Y, (m, {n_out}), "float32")
         with T.sblock("root"):
     '''
     lines = textwrap.dedent(head).strip("\n").split("\n")
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
-        body = _variant(shape, b.schedule, i)
+        body = _variant(shape, b.schedule, i, epilogue)
         if len(ordered) == 1:
             lines += _indent(body, 3)
             break
@@ -99,7 +126,7 @@ def _indent(lines: list[str], level: int) -> list[str]:
     return ["    " * level + ln for ln in lines]
 
 
-def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
+def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none") -> list[str]:
     """The statements computing Y with one schedule (names suffixed by ``v``)."""
     n, k = shape.n, shape.k
     mk, s, p = sch.mk, sch.slice, sch.poly
@@ -119,6 +146,11 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
     jt = f"({b} * {nchunk} + jc * {nct} + jr)"
     pc = f"({c} * {kchunk} + pcl)"
     ap, part = f"Ap{v}", f"P{v}"
+    # silu_mul from the registers needs whole (gate, up) pairs per tile and no split-K; with
+    # several KC blocks the partial sums wait in scratch G until the last block's store.
+    pairs = epilogue == "silu_mul" and nv % 2 == 0 and p.pk == 1
+    y = f"G{v}" if epilogue == "silu_mul" else "Y"
+    scratch = epilogue == "silu_mul" and (not pairs or kchunk > 1)
 
     conds = [f"{it} < T.min({mt}, ({a} + 1) * {mchunk})", f"jc * {nct} + jr < {nchunk}"]
     if nchunk * p.pn != nt or nct * cdiv(nchunk, nct) != nchunk:
@@ -128,6 +160,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
 
     out = [f'with T.sblock("v{v}"):']
     out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "float32")')
+    if scratch:
+        out.append(f'    {y} = T.sblock_alloc_buffer((m, {n}), "float32")')
     if p.pk > 1:
         out.append(f'    {part} = T.sblock_alloc_buffer(({p.pk - 1}, m, {n}), "float32")')
     out += [
@@ -185,8 +219,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
             loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
             guard = [] if vector else [f"if {col} < {n}:"]
             total = " + ".join(f"acc[{u}, ii, jj]" for u in range(ku))
-            first = [loop] + _indent(guard + _indent([f"{dst} = {total}"], len(guard)), 1)
             rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
+            if target == "Y[":  # the first store of the output carries the epilogue
+                total += {"none": "", "residual": f" + R[{row}, {col}]", "bias": f" + B[{col}]"}[epilogue]
+            first = [loop] + _indent(guard + _indent([f"{dst} = {total}"], len(guard)), 1)
             if kchunk == 1:
                 return first
             return ["if pcl == 0:"] + _indent(first, 1) + ["else:"] + _indent(rest, 1)
@@ -199,10 +235,29 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
             lines += _indent(split, 2)
         return lines
 
-    if p.pk == 1:
-        tile += store("Y[")
+    def store_pairs() -> list[str]:
+        """silu_mul from registers: vector pair q of the tile is (gate, up) of output block q."""
+        half, row = nv // 2, f"{it} * {mr} + ii"
+        blk = f"({jt} * {half} + q)"
+
+        def total(vec: str) -> str:
+            prior = [f"{y}[{row}, {jt} * {nr} + {vec} * {lanes} + w]"] if kchunk > 1 else []
+            return " + ".join([f"acc[{u}, ii, {vec} * {lanes} + w]" for u in range(ku)] + prior)
+
+        value = silu_mul(total("2 * q"), total("(2 * q + 1)"))
+        inner = [f"for w in T.vectorized({lanes}):", f"    Y[{row}, {blk} * {lanes} + w] = {value}"]
+        guard = [] if full_nt == nt else [f"if {blk} * {lanes} < {n // 2}:"]
+        return [f"for ii in T.unroll({mr}):", f"    if {row} < m:", f"        for q in T.unroll({half}):",
+                *_indent(guard + _indent(inner, len(guard)), 3)]
+
+    if pairs and kchunk == 1:
+        tile += store_pairs()
+    elif pairs:
+        tile += [f"if pcl < {kchunk - 1}:", *_indent(store(f"{y}["), 1), "else:", *_indent(store_pairs(), 1)]
+    elif p.pk == 1:
+        tile += store(f"{y}[")
     else:
-        tile += [f"if {c} == 0:"] + _indent(store("Y["), 1)
+        tile += [f"if {c} == 0:"] + _indent(store(f"{y}["), 1)
         for cc in range(1, p.pk):
             tile += [f"elif {c} == {cc}:"] + _indent(store(f"{part}[{cc - 1}, "), 1)
     out += _indent(tile, 9)
@@ -215,18 +270,52 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int) -> list[str]:
             "        for i in range(m):",
             f"            for j in range({nch}):",
             f"                if t * {nch} + j < {n}:",
-            f"                    Y[i, t * {nch} + j] = Y[i, t * {nch} + j] + {parts}",
+            f"                    {y}[i, t * {nch} + j] = {y}[i, t * {nch} + j] + {parts}",
+        ]
+    if pairs and scratch:
+        # G is touched only inside the tile block; TVM would allocate it there (the accesses'
+        # lowest common ancestor), fresh for every tile. This never-taken store keeps it here.
+        out += ["    if m < T.int64(0):", f"        {y}[0, 0] = T.float32(0)"]
+    if epilogue == "silu_mul" and not pairs:  # silu_mul over the scratch GEMM, block by block
+        blocks = n // 2 // lanes
+        bch = cdiv(blocks, threads)
+        jb = f"(t * {bch} + jb)"
+        value = silu_mul(f"{y}[i, 2 * {jb} * {lanes} + w]", f"{y}[i, (2 * {jb} + 1) * {lanes} + w]")
+        out += [
+            f"    for t in T.parallel({threads}):",
+            "        for i in range(m):",
+            f"            for jb in range({bch}):",
+            f"                if {jb} < {blocks}:",
+            f"                    for w in T.vectorized({lanes}):",
+            f"                        Y[i, {jb} * {lanes} + w] = {value}",
         ]
     return out
 
 
-def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear") -> tvm.tirx.PrimFunc:
+def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
+                    epilogue: str = "none") -> tvm.tirx.PrimFunc:
     """Parse the generated kernel into a PrimFunc."""
-    src = linear_source(shape, buckets, name)
+    src = linear_source(shape, buckets, name, epilogue)
     try:
         return parse_tvmscript(src)
     except Exception as err:  # the generator's bug, not the user's: keep the source for the report
         raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
+
+
+def fuses_silu_mul(intermediate: int, isa: str) -> bool:
+    """Whether the MLP's gate_up weight is interleaved and runs the ``silu_mul`` epilogue."""
+    return intermediate % ISAS[isa].lanes == 0
+
+
+def interleave_gate_up(w, lanes: int):
+    """``cat(gate, up)[2I, k]`` with gate and up rows alternating every ``lanes`` rows (the
+    layout the ``silu_mul`` epilogue reads)."""
+    two_i, k = w.shape
+    i = two_i // 2
+    if two_i % 2 or i % lanes:
+        raise KernelError(f"gate_up of {two_i} rows does not interleave in blocks of {lanes}")
+    halves = w.reshape(2, i // lanes, lanes, k)
+    return halves.transpose(1, 0, 2, 3).reshape(two_i, k)
 
 
 def pack_weight(w, isa: str, out=None):

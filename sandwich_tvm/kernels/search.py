@@ -191,8 +191,8 @@ class SequenceTuner:
     """Tune one (n, k) GEMM for every m in [1, max_m] (paper §6, sliding window and reuse).
 
     Up to ``min_reuse_m - 1`` (the dense part of the ladder, where m's remainder decides the
-    tile) each m fast-starts ``prune`` micro-kernels and finetunes the best two; past it the
-    shape is no longer skinny, so ``prune_large`` micro-kernels and one finetune suffice.
+    tile) each m fast-starts ``prune`` micro-kernels, past it (the shape is no longer skinny)
+    ``prune_large``; the best one is finetuned over every polymerization.
     """
 
     n: int
@@ -259,7 +259,7 @@ class SequenceTuner:
                 else:
                     t = Tuned(m, out[-1].schedule, math.nan, searched=False)
             else:
-                sch, g = search_one(problem, self.candidates(m), 2 if self.dense(m) else 1)
+                sch, g = search_one(problem, self.candidates(m), 1)
                 self.chosen.append(sch.mk)
                 # Stable: past the dense part of the ladder (where m's remainder still decides
                 # the tile and flat plateaus are common), GFLOPS within tolerance of the last

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
-from ..tvm_compat import host_isa, host_target, tvm
+from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import KernelRecord, host_cpu_model, load_record, record_path, save_record
 from .defaults import default_schedule
 from .metaschedule import (
@@ -35,6 +35,7 @@ class MetaScheduleSearch:
 
     def __init__(self, target: tvm.target.Target, isa: str, database: ms.database.Database | None = None,
                  max_trials: int = 400) -> None:
+        preload_tensor_intrinsics()  # what TuneContext imports, minus ~25 s of inspect.stack
         self.target, self.isa, self.database, self.max_trials = target, isa, database, max_trials
         self.cache = KernelCache(target)
         self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)

@@ -26,10 +26,10 @@ and accumulator arrays are, and are touched once per key block).
 
 from __future__ import annotations
 
-import math
 import textwrap
 from functools import cache
 
+from ..kernels.vecmath import LOG2E, exp2
 from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 from .rope import rope_primfunc
@@ -39,21 +39,6 @@ KEYS = 8    # keys per online-softmax step in prefill
 KTILE = 4   # keys per score register tile: 4 keys x 2 vectors = 8 accumulators
 DCOLS = 4   # head-dim columns per P.V register tile: 4 x 2 vectors
 LANES = 8
-LOG2E = math.log2(math.e)
-_EXP2_TAYLOR = [math.log(2) ** i / math.factorial(i) for i in range(7)]
-
-
-def exp2(x: str) -> str:
-    """TVMScript for 2**x, x in [-126, 0]: x = n + f with |f| <= 1/2, a degree-6 polynomial
-    for 2**f, 2**n built in the exponent bits. ``x`` should be a buffer load (it is repeated)."""
-    f = f"({x} - T.round({x}))"
-    poly = f"T.float32({_EXP2_TAYLOR[-1]!r})"
-    for c in reversed(_EXP2_TAYLOR[:-1]):
-        poly = f"({poly} * {f} + T.float32({c!r}))"
-    scale = f'T.reinterpret("float32", T.shift_left(T.Cast("int32", T.round({x})) + 127, 23))'
-    return f"{poly} * {scale}"
-
-
 def _prefill_body(h_kv: int, group: int, d: int) -> str:
     qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
     rows = f"({qlen} * {group})"

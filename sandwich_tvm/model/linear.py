@@ -52,7 +52,7 @@ class KernelSet:
     root: Path | None = None
     isa: str = field(default_factory=host_isa)
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
-    _funcs: dict[tuple[str, GemmShape], tvm.tirx.PrimFunc] = field(default_factory=dict)
+    _funcs: dict[tuple[str, GemmShape, str], tvm.tirx.PrimFunc] = field(default_factory=dict)
 
     def threads(self, phase_name: str) -> int:
         return self.prefill_threads if phase_name == "prefill" else self.decode_threads
@@ -76,31 +76,44 @@ class KernelSet:
         out[-1] = Bucket(1 << 62, out[-1].schedule)
         return out
 
-    def primfunc(self, shape: GemmShape, phase_name: str) -> tuple[str, tvm.tirx.PrimFunc]:
-        name = f"sandwich_linear_{shape.name}_{phase_name}"
-        key = (phase_name, shape)
+    def primfunc(self, shape: GemmShape, phase_name: str, epilogue: str = "none"
+                 ) -> tuple[str, tvm.tirx.PrimFunc]:
+        suffix = "" if epilogue == "none" else f"_{epilogue}"
+        name = f"sandwich_linear_{shape.name}_{phase_name}{suffix}"
+        key = (phase_name, shape, epilogue)
         if key not in self._funcs:
-            self._funcs[key] = linear_primfunc(shape, self.buckets(shape, phase_name), name)
+            self._funcs[key] = linear_primfunc(shape, self.buckets(shape, phase_name), name, epilogue)
         return name, self._funcs[key]
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T`` without bias; ``W[n, k]`` is stored prepacked as ``[panels, k, lanes]``."""
+    """``y = x @ W.T (+ residual)`` without bias; ``W[n, k]`` is stored prepacked as
+    ``[panels, k, lanes]``. The residual add is fused into the kernel's store; ``silu_mul``
+    (an interleaved gate_up weight, see ``kernels.codegen``) returns ``silu(gate) * up``."""
 
     def __init__(self, in_features: int, out_features: int, kernels: KernelSet, dtype: str = "float32"):
         self.in_features, self.out_features = in_features, out_features
         self.kernels = kernels
         self.weight = nn.Parameter(packed_shape(out_features, in_features, kernels.isa), dtype)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return packed_matmul(x, self.weight, self.out_features, self.kernels)
+    def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
+        return packed_matmul(x, self.weight, self.out_features, self.kernels, residual, silu_mul)
 
 
-def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet) -> nn.Tensor:
-    """``x[..., k] @ W.T`` through the current phase's kernel for (n, k); ``weight`` is packed."""
+def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
+                  residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
+    """``x[..., k] @ W.T (+ residual[..., n])`` through the current phase's kernel for (n, k);
+    ``weight`` is packed. With ``silu_mul`` the result is ``silu(gate) * up``, ``[..., n / 2]``."""
     k = int(x.shape[-1])
     lead = list(x.shape[:-1])
-    x2 = op.reshape(x, (-1, k)) if len(lead) != 1 else x
-    name, func = kernels.primfunc(GemmShape(n, k, x.dtype), _PHASE.get())
-    y = op.tensor_ir_op(func, name, args=[x2, weight], out=nn.Tensor.placeholder((x2.shape[0], n), x.dtype))
-    return op.reshape(y, (*lead, n)) if len(lead) != 1 else y
+
+    def rows(t: nn.Tensor, width: int) -> nn.Tensor:
+        return op.reshape(t, (-1, width)) if len(lead) != 1 else t
+
+    x2 = rows(x, k)
+    args = [x2, weight] + ([] if residual is None else [rows(residual, n)])
+    epilogue = "silu_mul" if silu_mul else "none" if residual is None else "residual"
+    name, func = kernels.primfunc(GemmShape(n, k, x.dtype), _PHASE.get(), epilogue)
+    n_out = n // 2 if silu_mul else n
+    y = op.tensor_ir_op(func, name, args=args, out=nn.Tensor.placeholder((x2.shape[0], n_out), x.dtype))
+    return op.reshape(y, (*lead, n_out)) if len(lead) != 1 else y

@@ -15,7 +15,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..kernels.codegen import packed_shape
+from ..kernels.codegen import fuses_silu_mul, packed_shape
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, phase
@@ -26,6 +26,13 @@ def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None) -> nn.M
     if kernels is None:
         return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
     return PackedLinear(k, n, kernels, cfg.dtype)
+
+
+def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
+    """``linear(x) + residual``: fused into Sandwich's kernel, a separate add in the stock build."""
+    if isinstance(linear, PackedLinear):
+        return linear(x, residual)
+    return linear(x) + residual
 
 
 def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
@@ -42,11 +49,12 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels)
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels)
 
-    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
+        """``residual + o_proj(attention(x))``."""
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
-        return self.o_proj(op.reshape(out, (b, s, self.heads * self.head_dim)))
+        return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual)
 
 
 class MLP(nn.Module):
@@ -55,9 +63,16 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels)
         self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+    def forward(self, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
+        """``residual + down_proj(silu(gate) * up)``; silu·mul is gate_up's fused epilogue on
+        Sandwich's kernels (its weight is interleaved at conversion), a Relax op otherwise."""
+        proj = self.gate_up_proj
+        if isinstance(proj, PackedLinear) and fuses_silu_mul(self.inter, proj.kernels.isa):
+            h = proj(x, silu_mul=True)
+        else:
+            gate, up = op.split(proj(x), 2, axis=-1)
+            h = op.silu(gate) * up
+        return _project(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -68,8 +83,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(cfg, kernels)
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int) -> nn.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), kv, layer_id, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Embedding(nn.Module):

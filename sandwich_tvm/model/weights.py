@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels.codegen import pack_weight
+from ..kernels.codegen import fuses_silu_mul, interleave_gate_up, pack_weight
+from ..kernels.microkernel import ISAS
 from ..memory import aligned_empty
 from ..topology.profile import cache_dir
 from .config import LlamaConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: gate_up interleaved for the silu_mul epilogue
 
 
 class ModelLoadError(ValueError):
@@ -151,6 +152,8 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
             if hf.ndim != 2 or hf.shape[1] != shape[1] or hf.shape[0] > shape[0] * shape[2]:
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
                                      f"implies [n <= {shape[0] * shape[2]}, {shape[1]}]")
+            if name.endswith("mlp.gate_up_proj.weight") and fuses_silu_mul(cfg.intermediate_size, isa):
+                hf = interleave_gate_up(hf, ISAS[isa].lanes)  # for the silu_mul epilogue
             arr = pack_weight(hf, isa, out=aligned_empty(shape))
         else:
             if tuple(hf.shape) != tuple(shape):

@@ -75,6 +75,7 @@ class Engine:
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self.phase: str | None = None
         self.switches: list[float] = []
+        self.huge_page_share: float | None = None  # of the weights' memory, set by the loader
 
     # ------------------------------------------------------------------ thread plans
     def use(self, phase: str) -> float:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..compiler.artifact import CompiledModel, compile_model
+from ..memory import huge_page_share
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
 from ..tvm_compat import host_isa
@@ -21,4 +22,9 @@ def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, sched
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
                              log=log)
     params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
-    return Engine(compiled, params, plan, context=context), load_tokenizer(model), compiled
+    engine = Engine(compiled, params, plan, context=context)
+    engine.huge_page_share = huge_page_share(params)
+    if engine.huge_page_share is not None:
+        gb = sum(a.nbytes for a in params) / 1e9
+        log(f"weights: {gb:.2f} GB, {engine.huge_page_share:.0%} in 2 MiB pages")
+    return engine, load_tokenizer(model), compiled

@@ -76,3 +76,57 @@ def test_packed_weight_covers_the_last_tile_of_every_width(isa):
         for mk in REGISTRY[isa]:
             last_tile_end = cdiv(n, mk.nr) * mk.nr  # columns the last NR tile reads
             assert last_tile_end <= panels * lanes, (n, mk.name)
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "bias"])
+def test_fused_epilogues(epilogue):
+    """The epilogue is added once, on the first store, under split-K and several KC blocks too."""
+    shape = GemmShape(200, 100)
+    buckets = [
+        Bucket(2, sch(1, 16, 1, 32, 32)),  # 4 KC blocks per thread: stores accumulate
+        Bucket(20, sch(4, 24, 8, 48, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(1 << 62, sch(6, 16, 12, 64, 128, pm=2, pn=1)),
+    ]
+    func = linear_primfunc(shape, buckets, epilogue=epilogue)
+    fn = tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((shape.n, shape.k)).astype("float32")
+    wp = tvm.runtime.tensor(pack_weight(w, "avx2"))
+    for m in (1, 2, 3, 17, 20, 61):
+        a = rng.standard_normal((m, shape.k)).astype("float32")
+        extra = rng.standard_normal((m, shape.n) if epilogue == "residual" else (shape.n,)).astype("float32")
+        y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wp, tvm.runtime.tensor(extra), y)
+        np.testing.assert_allclose(y.numpy(), a @ w.T + extra, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
+    with pytest.raises(KernelError, match="unknown epilogue"):
+        linear_primfunc(shape, buckets, epilogue="gelu")
+
+
+def test_silu_mul_epilogue_on_the_interleaved_gate_up():
+    """silu(gate) * up for tiles of even (in registers, one or several KC blocks) and odd vector
+    counts, split-K, and n not a multiple of the tile."""
+    from sandwich_tvm.kernels.codegen import interleave_gate_up
+
+    inter, k = 104, 100  # 2 x 104 = 208 columns: 13 x 16, not a multiple of 24 or 32
+    shape = GemmShape(2 * inter, k)
+    buckets = [
+        Bucket(1, sch(1, 16, 1, 32, 128)),  # 2 vectors, KC covers k: pairs straight from registers
+        Bucket(3, sch(3, 16, 3, 32, 32)),  # 2 vectors, 4 KC blocks: pairs on the last block
+        Bucket(5, sch(2, 24, 4, 48, 64, pm=2, pn=1)),  # 3 vectors: scratch, then a pass
+        Bucket(20, sch(4, 16, 8, 32, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(1 << 62, sch(4, 32, 8, 64, 256)),
+    ]
+    func = linear_primfunc(shape, buckets, epilogue="silu_mul")
+    fn = tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((shape.n, k)).astype("float32") * 0.3
+    wp = tvm.runtime.tensor(pack_weight(interleave_gate_up(w, 8), "avx2"))
+    for m in (1, 2, 3, 4, 5, 9, 20, 33):
+        a = rng.standard_normal((m, k)).astype("float32")
+        g, u = np.split(a.astype(np.float64) @ w.T.astype(np.float64), 2, axis=1)
+        want = g / (1 + np.exp(-g)) * u
+        y = tvm.runtime.empty((m, inter), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wp, y)
+        np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
+    with pytest.raises(KernelError, match="multiple of 16"):
+        linear_primfunc(GemmShape(200, k), buckets, epilogue="silu_mul")

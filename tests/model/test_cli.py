@@ -67,6 +67,7 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
     plot = tmp_path / "e2e.png"
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                            "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
+                           "--repeat", "2", "--cached-profile",
                            "--plot", str(plot)])
     assert code == 0 and plot.stat().st_size > 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -74,3 +75,5 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
     for r in rows:
         assert r["system"] == "sandwich" and r["output_tokens"] == 4
         assert r["ttft_ms"] > 0 and r["predicted_ttft_ms"] > 0 and r["predicted_tpot_ms"] > 0
+        runs = r["tpot_runs_ms"]
+        assert len(runs) == 2 and min(runs) <= r["tpot_ms"] <= max(runs)

@@ -1,0 +1,33 @@
+"""Vectorizable math as TVMScript expression text, for generated kernels.
+
+LLVM turns ``T.exp`` on a vector into one scalar libm call per lane; these polynomials stay
+in vector registers. Arguments are repeated in the result (let-bindings inside vectorized
+loops do not survive TVM 0.27's vectorizer), so pass buffer loads or cheap expressions.
+"""
+
+from __future__ import annotations
+
+import math
+
+LOG2E = math.log2(math.e)
+_EXP2_TAYLOR = [math.log(2) ** i / math.factorial(i) for i in range(7)]
+
+
+def exp2(x: str) -> str:
+    """2**x for x in [-126, 0]: x = n + f with |f| <= 1/2, a degree-6 polynomial for 2**f
+    (|error| < 2e-7 relative), 2**n built in the exponent bits."""
+    f = f"({x} - T.round({x}))"
+    poly = f"T.float32({_EXP2_TAYLOR[-1]!r})"
+    for c in reversed(_EXP2_TAYLOR[:-1]):
+        poly = f"({poly} * {f} + T.float32({c!r}))"
+    scale = f'T.reinterpret("float32", T.shift_left(T.Cast("int32", T.round({x})) + 127, 23))'
+    return f"{poly} * {scale}"
+
+
+def silu_mul(gate: str, up: str) -> str:
+    """``silu(gate) * up`` = gate * sigmoid(gate) * up, with e = exp(-|gate|) in (0, 1]:
+    sigmoid is 1 / (1 + e) for gate >= 0 and e / (1 + e) below, so nothing overflows."""
+    g = f"({gate})"
+    e = exp2(f"T.max(T.fabs({g}) * T.float32({-LOG2E!r}), T.float32(-126))")
+    sig = f"(T.if_then_else({g} >= T.float32(0), T.float32(1), {e}) / (T.float32(1) + {e}))"
+    return f"{g} * {sig} * ({up})"
