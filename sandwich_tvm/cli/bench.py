@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metaschedule-trials", type=int, default=0,
                    help="also tune MetaSchedule's default search with this many trials (0: skip)")
     g.add_argument("--metaschedule-m", type=int, default=128, help="m of the MetaSchedule run (default 128)")
+    g.add_argument("--rounds", type=int, default=3,
+                   help="sweeps per library; each (library, m) is the median over them (default 3)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
-               hot: bool = False, ms_trials: int = 0, ms_m: int = 128) -> dict:
+               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 3) -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -92,13 +94,12 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
     with threadpool_limits(threads):
         peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
-        secs_sw, errs = {}, {}
+        errs = {}
         for m in ms:
             ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
             fn(ta, wps[0], y)
             ref = xs[m] @ w.T
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
-            secs_sw[m] = median_seconds(rotating(fn, [(ta, wp, y) for wp in wps]))
         if ms_row is not None:
             ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
             y = tvm.runtime.empty((ms_m, n), "float32", tvm.cpu())
@@ -108,12 +109,24 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
             secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
-        time.sleep(0.5)
-        secs_np = {m: median_seconds(rotating(np.matmul, [(xs[m], wi.T) for wi in ws])) for m in ms}
-        time.sleep(0.5)
         xt = {m: torch.from_numpy(xs[m]) for m in ms}
-        secs_th = {m: median_seconds(rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts]))
-                   for m in ms}
+        # Rounds of one sweep per library: memory-bound m drift with the host's bandwidth
+        # within seconds, so each (library, m) is the median over rounds taken minutes apart.
+        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in ("sw", "np", "th")}
+        for r in range(rounds):
+            log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch over m = {ms[0]}..{ms[-1]}")
+            for m in ms:
+                ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
+                sweeps["sw"][m].append(median_seconds(rotating(fn, [(ta, wp, y) for wp in wps])))
+            time.sleep(0.5)
+            for m in ms:
+                sweeps["np"][m].append(median_seconds(rotating(np.matmul, [(xs[m], wi.T) for wi in ws])))
+            time.sleep(0.5)
+            for m in ms:
+                sweeps["th"][m].append(median_seconds(rotating(torch.nn.functional.linear,
+                                                               [(xt[m], wt) for wt in wts])))
+        secs_sw, secs_np, secs_th = ({m: float(np.median(v)) for m, v in sweeps[lib].items()}
+                                     for lib in ("sw", "np", "th"))
     rows = []
     for m in ms:
         flops = 2.0 * m * n * k
@@ -176,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
                             hot=args.hot_weights, ms_trials=args.metaschedule_trials,
-                            ms_m=args.metaschedule_m)
+                            ms_m=args.metaschedule_m, rounds=args.rounds)
     except (ScheduleDbError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
