@@ -26,8 +26,10 @@ def table(result: dict) -> str:
             return f"{x['ttft_ms']:.0f} / {x['tpot_ms']:.2f}" if x else "-"
 
         ratio = "- | -"
-        if cpp:
-            ratio = f"{r['ttft_ms'] / cpp['ttft_ms']:.2f} | {r['tpot_ms'] / cpp['tpot_ms']:.2f}"
+        if cpp:  # the benchmark's paired ratios (median of per-round ratios) when it has them
+            tt = r.get("ttft_ratio_vs_llamacpp", r["ttft_ms"] / cpp["ttft_ms"])
+            tp = r.get("tpot_ratio_vs_llamacpp", r["tpot_ms"] / cpp["tpot_ms"])
+            ratio = f"{tt:.2f} | {tp:.2f}"
         out.append(f"| {p} | {pair(r)} | {pair(cpp)} | {ratio} | {pair(pt)} | "
                    f"{r['predicted_ttft_ms']:.0f} / {r['predicted_tpot_ms']:.2f} |")
     return "\n".join(out)

@@ -50,7 +50,7 @@ def add_e2e_parser(sub) -> None:
 Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
 
 
-def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log) -> Runner:
+def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None) -> Runner:
     from ..runtime.loader import open_engine
 
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
@@ -62,7 +62,11 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
         if stock and p > args.stock_max_prompt:
             return None
         new = args.new_tokens if not stock else min(args.new_tokens, 16)
+        if probe is not None:
+            probe.sample()
         gen = engine.generate(synthetic_prompt(p, cfg.vocab_size), new)
+        if probe is not None:  # the bandwidth of the minutes this request decoded in
+            probe.sample()
         decode_total = sum(gen.decode_ms)
         row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
                "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens), "switch_ms": gen.switch_ms,
@@ -194,9 +198,10 @@ def paired_ratio(row: dict, base: dict, key: str) -> float:
 
 
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
-              refresh: bool = True) -> list[dict]:
-    """The simulator's TTFT/TPOT for the plan on this machine (its profile, measured now when
-    ``refresh``)."""
+              refresh: bool = True, decode_gbs: float | None = None) -> list[dict]:
+    """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
+    ``refresh``), the memory-bandwidth curve scaled to ``decode_gbs`` on the decode cores when
+    given (the bandwidth sampled around the timed requests)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
@@ -204,6 +209,8 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
 
     tree, found = load_tree()
     profile = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
+    if decode_gbs is not None:
+        profile = with_bandwidth(profile, len(plan.decode_cpus), decode_gbs)
     p = np.array(prompts, dtype=float)
     sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
     pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
@@ -211,6 +218,17 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     ttft, tpot = sim.ttft_ms(pre, p), sim.tpot_ms(dec, p + new_tokens / 2)
     return [{"prompt": int(n), "ttft_ms": float(a), "tpot_ms": float(b)}
             for n, a, b in zip(p, ttft, tpot, strict=True)]
+
+
+def with_bandwidth(profile, cores: int, gbs: float):
+    """``profile`` with every memory resource's curve scaled so ``cores`` cores read ``gbs``."""
+    from dataclasses import replace
+
+    def scaled(r):
+        factor = gbs / r.bandwidth(cores)
+        return replace(r, bw_gbs=tuple(round(b * factor, 2) for b in r.bw_gbs))
+
+    return replace(profile, resources=tuple(scaled(r) for r in profile.resources))
 
 
 def bench_e2e(args, console: Console) -> dict:
@@ -230,8 +248,12 @@ def bench_e2e(args, console: Console) -> dict:
     # Sandwich and llama.cpp alternate request by request (and which goes first): decode is
     # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
     runners = []
+    probe = None
     if "sandwich" in systems:
-        runners.append(tvm_runner(args, cfg, plan, prompts, False, log))
+        from ..topology.microbench import BandwidthProbe
+
+        probe = BandwidthProbe(list(plan.decode_cpus))
+        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, probe))
     if "llamacpp" in systems:
         runners.append(llamacpp_runner(args, cfg, prompts, plan.prefill_threads, notes, log))
     runners = [r for r in runners if r is not None]
@@ -242,7 +264,9 @@ def bench_e2e(args, console: Console) -> dict:
             for j, run in (order if (i + r) % 2 == 0 else order[::-1]):
                 rounds[j].append(run(p))
         rows += [merge_rounds(x) for x in rounds]
-    pred = predicted(cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile)
+    gbs = float(np.median(probe.samples)) if probe is not None and probe.samples else None
+    pred = predicted(cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
+                     decode_gbs=gbs)
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:
@@ -263,7 +287,8 @@ def bench_e2e(args, console: Console) -> dict:
             pr = next(x for x in pred if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
-            "new_tokens": args.new_tokens, "rows": rows, "notes": notes}
+            "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
+            "decode_bandwidth_gbs": gbs, "bandwidth_samples_gbs": probe.samples if probe else []}
 
 
 def print_e2e(result: dict, console: Console) -> None:

@@ -90,6 +90,42 @@ def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) 
     return curve
 
 
+class BandwidthProbe:
+    """A quick streaming read on ``cpus`` (all at once), to sample the memory bandwidth next to
+    a measurement: this VM's host alternates between phases ~1.6x apart (minutes long), so a
+    prediction checked against a timing needs the bandwidth of the same minutes."""
+
+    def __init__(self, cpus: list[int], nbytes: int = 256 << 20) -> None:
+        from ..memory import aligned_empty
+        from ..tvm_compat import host_target, tvm
+
+        k = 2048
+        rows = max(nbytes // (k * 32 * 4), 64)
+        exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
+        host = aligned_empty((rows, k, 4, 8))
+        host[...] = 1.0
+        self.cpus = list(cpus)
+        self.nbytes = host.nbytes
+        self._data = tvm.runtime.from_dlpack(host)
+        self._out = tvm.runtime.empty((rows, 4, 8), "float32", tvm.cpu())
+        self._timer = exe.mod.time_evaluator("read_sum", tvm.cpu(), number=1, repeat=5)
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """GB/s (median of 5 reads) with the pool on ``cpus``; the previous pool shape is restored."""
+        from ..tvm_compat import pin_thread_pool
+
+        before = os.sched_getaffinity(0)
+        try:
+            pin_thread_pool(self.cpus)
+            gbs = self.nbytes / float(np.median(self._timer(self._data, self._out).results)) / 1e9
+        finally:
+            pin_thread_pool(sorted(before)[:int(os.environ.get("TVM_NUM_THREADS", len(before)))])
+            os.sched_setaffinity(0, before)
+        self.samples.append(gbs)
+        return gbs
+
+
 def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int = 64) -> float:
     """GFLOPS of the model's causal prefill attention kernel on one core (``cpu``)."""
     from ..model.attention import prefill_ragged_primfunc
