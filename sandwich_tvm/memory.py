@@ -33,8 +33,9 @@ def aligned_empty(shape: Iterable[int], dtype: str = "float32") -> np.ndarray:
 
 
 def huge_page_share(arrays: Iterable[np.ndarray]) -> float | None:
-    """Fraction of the memory mappings holding ``arrays`` that is backed by transparent huge
-    pages (``AnonHugePages`` / ``Size`` in ``/proc/self/smaps``); None where unreadable.
+    """Fraction of the resident memory of the mappings holding ``arrays`` that is backed by
+    transparent huge pages (``AnonHugePages`` / ``Rss`` in ``/proc/self/smaps``; the untouched
+    alignment slack of a mapping does not count); None where unreadable.
 
     Decode streams every weight once per token, and 4 KiB pages make that ~1.4x slower, so a
     low share explains a slow run (THP ``madvise`` mode gives huge pages only where the kernel
@@ -54,7 +55,7 @@ def huge_page_share(arrays: Iterable[np.ndarray]) -> float | None:
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = any(lo <= s < hi for s in starts)
-        elif inside and head == "Size:":
+        elif inside and head == "Rss:":
             size += int(line.split()[1])
         elif inside and head == "AnonHugePages:":
             huge += int(line.split()[1])
