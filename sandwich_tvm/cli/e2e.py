@@ -8,7 +8,8 @@ Systems, each on the same thread count and the same weights: Sandwich (the plan'
 decode cores, hot switching), HF ``transformers`` on torch, TVM's stock Relax build (its
 unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``) and
 llama.cpp when ``llama_cpp`` and ``gguf`` are installed. The simulator's predictions for the
-plan are printed next to the measured Sandwich numbers.
+plan are printed next to the measured Sandwich numbers; its TPOT uses the memory bandwidth
+sampled before and after each of that prompt length's Sandwich requests.
 """
 
 from __future__ import annotations
@@ -198,26 +199,28 @@ def paired_ratio(row: dict, base: dict, key: str) -> float:
 
 
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
-              refresh: bool = True, decode_gbs: float | None = None) -> list[dict]:
+              refresh: bool = True, decode_gbs: dict[int, float] | None = None) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
-    ``refresh``), the memory-bandwidth curve scaled to ``decode_gbs`` on the decode cores when
-    given (the bandwidth sampled around the timed requests)."""
+    ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
+    on the decode cores when given (the bandwidth sampled around that length's requests)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
     from ..topology.simulator import LatencySimulator, Trace
 
     tree, found = load_tree()
-    profile = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
-    if decode_gbs is not None:
-        profile = with_bandwidth(profile, len(plan.decode_cpus), decode_gbs)
-    p = np.array(prompts, dtype=float)
-    sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
+    measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
     pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
     dec = ServiceConfig((tuple(plan.decode_cpus),), ((0,),))
-    ttft, tpot = sim.ttft_ms(pre, p), sim.tpot_ms(dec, p + new_tokens / 2)
-    return [{"prompt": int(n), "ttft_ms": float(a), "tpot_ms": float(b)}
-            for n, a, b in zip(p, ttft, tpot, strict=True)]
+    out = []
+    for n in prompts:
+        gbs = (decode_gbs or {}).get(n)
+        profile = measured if gbs is None else with_bandwidth(measured, len(plan.decode_cpus), gbs)
+        p = np.array([n], dtype=float)
+        sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
+        out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
+                    "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs})
+    return out
 
 
 def with_bandwidth(profile, cores: int, gbs: float):
@@ -257,14 +260,17 @@ def bench_e2e(args, console: Console) -> dict:
     if "llamacpp" in systems:
         runners.append(llamacpp_runner(args, cfg, prompts, plan.prefill_threads, notes, log))
     runners = [r for r in runners if r is not None]
+    gbs: dict[int, float] = {}
     for i, p in enumerate(prompts):
+        first = len(probe.samples) if probe is not None else 0
         rounds: list[list[dict]] = [[] for _ in runners]
         for r in range(max(1, args.repeat)):
             order = list(enumerate(runners))
             for j, run in (order if (i + r) % 2 == 0 else order[::-1]):
                 rounds[j].append(run(p))
         rows += [merge_rounds(x) for x in rounds]
-    gbs = float(np.median(probe.samples)) if probe is not None and probe.samples else None
+        if probe is not None and probe.samples[first:]:  # the minutes this length decoded in
+            gbs[p] = float(np.median(probe.samples[first:]))
     pred = predicted(cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
                      decode_gbs=gbs)
     del runners
@@ -286,9 +292,10 @@ def bench_e2e(args, console: Console) -> dict:
                         r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
             pr = next(x for x in pred if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
+            r["decode_bandwidth_gbs"] = pr["decode_gbs"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
-            "decode_bandwidth_gbs": gbs, "bandwidth_samples_gbs": probe.samples if probe else []}
+            "bandwidth_samples_gbs": probe.samples if probe else []}
 
 
 def print_e2e(result: dict, console: Console) -> None:
