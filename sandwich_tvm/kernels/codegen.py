@@ -248,7 +248,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
         # gate and up go through a 2-vector stack buffer first: silu_mul repeats its arguments,
         # and as plain loads LLVM keeps them in registers (repeated sums of heap loads were
-        # re-evaluated, 40% on top of the GEMM).
+        # re-evaluated).
         inner = [f"for w in T.vectorized({lanes}):", f"    ep[0, w] = {total('2 * q')}",
                  f"    ep[1, w] = {total('(2 * q + 1)')}",
                  f"for w in T.vectorized({lanes}):",

@@ -119,15 +119,15 @@ def tune_gemm(
     if refine_one is None and isinstance(search_one, MetaScheduleSearch):
         refine_one = search_one.refine
 
+    def replay(p: Problem) -> tuple[GemmSchedule, float] | None:
+        t = done.get(p.m)
+        return (t.schedule, t.gflops) if t is not None and t.searched else None
+
     def cached(p: Problem, mks: list[MicroKernel], finetune_top: int) -> tuple[GemmSchedule, float]:
-        if p.m in done and done[p.m].searched:
-            return done[p.m].schedule, done[p.m].gflops
-        return search_one(p, mks, finetune_top)
+        return replay(p) or search_one(p, mks, finetune_top)
 
     def cached_refine(p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
-        if p.m in done and done[p.m].searched:
-            return done[p.m].schedule, done[p.m].gflops
-        return refine_one(p, start)
+        return replay(p) or refine_one(p, start)
 
     last = time.perf_counter()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compiler.artifact import CompiledModel
+from ..memory import huge_page_share
 from ..tvm_compat import pin_thread_pool, tvm
 from .plan import ExecPlan
 
@@ -75,7 +76,7 @@ class Engine:
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self.phase: str | None = None
         self.switches: list[float] = []
-        self.huge_page_share: float | None = None  # of the weights' memory, set by the loader
+        self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
 
     # ------------------------------------------------------------------ thread plans
     def use(self, phase: str) -> float:

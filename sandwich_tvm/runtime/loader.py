@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..compiler.artifact import CompiledModel, compile_model
-from ..memory import huge_page_share
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
 from ..tvm_compat import host_isa
@@ -23,7 +22,6 @@ def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, sched
                              log=log)
     params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
     engine = Engine(compiled, params, plan, context=context)
-    engine.huge_page_share = huge_page_share(params)
     if engine.huge_page_share is not None:
         gb = sum(a.nbytes for a in params) / 1e9
         log(f"weights: {gb:.2f} GB, {engine.huge_page_share:.0%} in 2 MiB pages")

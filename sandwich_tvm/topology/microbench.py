@@ -64,30 +64,9 @@ def _read_kernel(rows: int, k: int):
 
 def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) -> list[float]:
     """GB/s of a streaming read with the first 1..len(cpus) of `cpus` (TVM threads, pinned)."""
-    from ..memory import aligned_empty
-    from ..tvm_compat import host_target, pin_thread_pool, tvm
-
-    k = 2048
-    rows = max(nbytes // (k * 32 * 4), 64)
-    exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
-    dev = tvm.cpu()
-    # Huge pages, as the runtime's weights use (a 4 KiB-page read runs ~1.4x slower).
-    host = aligned_empty((rows, k, 4, 8))
-    host[...] = 1.0  # touched: real pages
-    data = tvm.runtime.from_dlpack(host)
-    out = tvm.runtime.empty((rows, 4, 8), "float32", dev)
     max_threads = int(os.environ.get("TVM_NUM_THREADS", len(cpus)))
-    before = os.sched_getaffinity(0)
-    curve = []
-    try:
-        for n in range(1, min(len(cpus), max_threads) + 1):
-            pin_thread_pool(cpus[:n])
-            timer = exe.mod.time_evaluator("read_sum", dev, number=1, repeat=repeats)
-            curve.append(data.numpy().nbytes / float(np.median(timer(data, out).results)) / 1e9)
-    finally:
-        pin_thread_pool(sorted(before)[:max_threads])
-        os.sched_setaffinity(0, before)
-    return curve
+    probe = BandwidthProbe(cpus, nbytes, repeats)
+    return [probe.sample(cpus[:n]) for n in range(1, min(len(cpus), max_threads) + 1)]
 
 
 class BandwidthProbe:
@@ -95,29 +74,31 @@ class BandwidthProbe:
     a measurement: this VM's host alternates between phases ~1.6x apart (minutes long), so a
     prediction checked against a timing needs the bandwidth of the same minutes."""
 
-    def __init__(self, cpus: list[int], nbytes: int = 256 << 20) -> None:
+    def __init__(self, cpus: list[int], nbytes: int = 256 << 20, repeats: int = 5) -> None:
         from ..memory import aligned_empty
         from ..tvm_compat import host_target, tvm
 
         k = 2048
         rows = max(nbytes // (k * 32 * 4), 64)
         exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
+        # Huge pages, as the runtime's weights use (a 4 KiB-page read runs ~1.4x slower).
         host = aligned_empty((rows, k, 4, 8))
-        host[...] = 1.0
+        host[...] = 1.0  # touched: real pages
         self.cpus = list(cpus)
         self.nbytes = host.nbytes
         self._data = tvm.runtime.from_dlpack(host)
         self._out = tvm.runtime.empty((rows, 4, 8), "float32", tvm.cpu())
-        self._timer = exe.mod.time_evaluator("read_sum", tvm.cpu(), number=1, repeat=5)
+        self._timer = exe.mod.time_evaluator("read_sum", tvm.cpu(), number=1, repeat=repeats)
         self.samples: list[float] = []
 
-    def sample(self) -> float:
-        """GB/s (median of 5 reads) with the pool on ``cpus``; the previous pool shape is restored."""
+    def sample(self, cpus: list[int] | None = None) -> float:
+        """GB/s (median of the reads) with the pool on ``cpus`` (default: the probe's); the
+        previous pool shape is restored."""
         from ..tvm_compat import pin_thread_pool
 
         before = os.sched_getaffinity(0)
         try:
-            pin_thread_pool(self.cpus)
+            pin_thread_pool(cpus or self.cpus)
             gbs = self.nbytes / float(np.median(self._timer(self._data, self._out).results)) / 1e9
         finally:
             pin_thread_pool(sorted(before)[:int(os.environ.get("TVM_NUM_THREADS", len(before)))])
