@@ -1,7 +1,9 @@
 """Every TVM import and host-target decision in one place (names moved between versions).
 
 Importing this module sets ``TVM_NUM_THREADS`` to the CPUs this process may use before
-TVM's thread pool starts: on x86 TVM otherwise assumes SMT and starts half as many.
+TVM's thread pool starts: on x86 TVM otherwise assumes SMT and starts half as many. A value
+the user set is checked (``host.tvm_num_threads``): not a number, or more threads than CPUs,
+raises ``HostError`` before TVM reads it.
 """
 
 from __future__ import annotations
@@ -9,14 +11,16 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-# The CPUs this process may use, read before TVM's pool re-pins the calling thread (notes §5).
-PROCESS_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
-os.environ.setdefault("TVM_NUM_THREADS", str(len(PROCESS_CPUS)))
+from .host import PROCESS_CPUS, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
+
+# Read before TVM's pool starts (and re-pins the calling thread, notes §5).
+os.environ["TVM_NUM_THREADS"] = str(tvm_num_threads())
 
 import tvm  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402,F401
 
-__all__ = ["tvm", "T", "host_target", "host_isa", "cpu_flags", "parse_tvmscript", "PROCESS_CPUS"]
+__all__ = ["tvm", "T", "host_target", "host_isa", "isa_target", "cpu_flags", "parse_tvmscript",
+           "PROCESS_CPUS"]
 
 
 class _Decorators:
@@ -76,31 +80,6 @@ def parse_tvmscript(src: str):
     return tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators})
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def host_isa() -> str:
-    """'avx512', 'avx2', 'neon' or 'generic'."""
-    flags = cpu_flags()
-    if "avx512f" in flags:
-        return "avx512"
-    if {"avx2", "fma"} <= flags:
-        return "avx2"
-    if "asimd" in flags:
-        return "neon"
-    return "generic"
-
-
 def _mcpu() -> str:
     # LLVM names this Zen3 VM "znver4" and would emit AVX-512 it does not have, so the
     # CPU name is trusted only when its ISA matches the flags the kernel reports.
@@ -114,9 +93,35 @@ def _mcpu() -> str:
 
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:
-    """An llvm target for this machine (dict form; MetaSchedule needs num-cores)."""
+    """An llvm target for this machine (dict form; MetaSchedule needs num-cores).
+
+    ``mattr`` lists the features the CPU flags report (AMX, AVX512-BF16, ...), which LLVM's
+    name for a masked or virtual CPU may lack ("rocketlake" for a Sapphire Rapids VM), and
+    switches off the wide ones it lacks (LLVM calls some AVX2-only Zen VMs "znver4").
+    """
     cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
-    return tvm.target.Target({"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores})
+    target = {"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores}
+    mattr = llvm_mattr()
+    if mattr:
+        target["mattr"] = mattr
+    return tvm.target.Target(target)
+
+
+# A representative LLVM target per ISA, to build (not run) kernels for CPUs other than this one.
+_ISA_TARGETS = {
+    "avx2": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
+    "avx512": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4"},
+    "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
+}
+
+
+def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
+    """The host target when ``isa`` is this CPU's, else a generic target of that ISA."""
+    if isa == host_isa():
+        return host_target(num_cores)
+    if isa not in _ISA_TARGETS:
+        raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")
+    return tvm.target.Target({"kind": "llvm", **_ISA_TARGETS[isa], "num-cores": num_cores})
 
 
 _POOL_STARTED = False

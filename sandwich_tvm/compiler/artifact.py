@@ -1,37 +1,46 @@
 """Compile the Relax Llama once and cache the shared library with what it was built for.
 
 An artifact directory holds ``model.so`` (the Relax VM executable) and ``meta.json`` (model
-config, parameter names and shapes, thread counts, which kernels were tuned or default). It is
-keyed by everything that changes the code: the config, the plan's thread counts, the tuned
-schedule files it used, the ISA and this package's compiler sources, so it reloads without
-recompiling until one of them changes.
+config, parameter names and shapes, thread counts, which kernels were tuned or default, and
+the SHA-256 of ``model.so``). It is keyed by everything that changes the code: the config, the
+plan's thread counts, the tuned schedule records it used, the CPU signature and target, the
+TVM version and every source of this package that shapes generated code, so it reloads
+without recompiling until one of them changes. A damaged ``model.so`` (checksum mismatch) is
+rebuilt; ``compile --out DIR`` writes only ``DIR/model.so`` and ``DIR/meta.json``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..kernels.database import record_path
+from ..host import HostError, cache_dir, ensure_writable, host_signature, save_atomic, sha256_file
+from ..kernels.codegen import KernelError
+from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.shapes import linear_shapes
 from ..model.attention import replace_cache_kernels
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
 from ..runtime.plan import ExecPlan
-from ..topology.profile import cache_dir, save_atomic
 from ..tvm_compat import host_isa, host_target, tvm
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 
-FORMAT = 1
-_SOURCES = ("kernels/codegen.py", "kernels/vecmath.py", "kernels/defaults.py", "model/linear.py",
-            "model/llama.py", "model/norm.py", "model/attention.py", "model/rope.py",
-            "compiler/pipeline.py", "compiler/artifact.py")
+FORMAT = 2
+PACKAGE = Path(__file__).resolve().parents[1]
+# Everything that shapes generated code: the kernel generator and search, the model, the
+# passes, and the TVM/host glue (target features, TVMScript parsing).
+_SOURCE_GLOBS = ("kernels/*.py", "model/*.py", "compiler/*.py", "tvm_compat.py", "host.py")
+
+
+def source_files() -> list[Path]:
+    return sorted({f for pattern in _SOURCE_GLOBS for f in PACKAGE.glob(pattern)})
 
 
 class CompileError(RuntimeError):
@@ -63,30 +72,40 @@ class CompiledModel:
 
     @classmethod
     def load(cls, path: Path) -> CompiledModel:
-        meta_file = Path(path) / "meta.json"
-        if not meta_file.is_file() or not (Path(path) / "model.so").is_file():
+        """Read ``meta.json`` and verify ``model.so`` against its checksum (a truncated library
+        would crash the process with a bus error when loaded)."""
+        path = Path(path)
+        meta_file, lib = path / "meta.json", path / "model.so"
+        if not meta_file.is_file() or not lib.is_file():
             raise CompileError(f"{path} is not a compiled model (no meta.json/model.so); run "
                                "`python -m sandwich_tvm.compile`")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("format") != FORMAT:
-            raise CompileError(f"{path} was compiled by another sandwich-tvm version; recompile it")
-        return cls(Path(path), meta)
+        try:
+            meta = json.loads(meta_file.read_text())
+            fmt, digest, size = meta.get("format"), meta.get("sha256"), meta.get("bytes")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            raise CompileError(f"{meta_file} is damaged ({err}); recompile with --force") from err
+        if fmt != FORMAT:
+            raise CompileError(f"{path} was compiled by another sandwich-tvm version; recompile with --force")
+        if lib.stat().st_size != size or sha256_file(lib) != digest:
+            raise CompileError(f"{lib} is damaged (its size or SHA-256 differs from meta.json); "
+                               "recompile with --force, or delete it")
+        return cls(path, meta)
 
 
 def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None) -> str:
-    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, host_isa(),
-                                   plan.prefill_threads, plan.decode_threads, tvm.__version__],
-                                  sort_keys=True).encode())
-    pkg = Path(__file__).resolve().parents[1]
-    for src in _SOURCES:
-        h.update((pkg / src).read_bytes())
+    target = host_target(max(plan.prefill_threads, plan.decode_threads))
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, host_signature().to_json(),
+                                   str(target), plan.prefill_threads, plan.decode_threads,
+                                   tvm.__version__], sort_keys=True).encode())
+    for src in source_files():
+        h.update(src.name.encode() + src.read_bytes())
     if not stock:
         shapes = list(linear_shapes(cfg).values())
-        for threads in {plan.prefill_threads, plan.decode_threads}:
+        for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:
-                rec = record_path(shape, threads, root)
-                if rec.is_file():
-                    h.update(rec.read_bytes())
+                rec = find_record(shape, threads, root)
+                if rec is not None:
+                    h.update(json.dumps(rec.to_json(), sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -101,28 +120,40 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
                   log: Callable[[str], None] = lambda _msg: None) -> CompiledModel:
     """Build (or reuse) the model for ``plan``. ``stock=True``: TVM's own build (``nn.Linear``,
     the default Relax pipeline), the baseline."""
-    key = build_key(cfg, plan, stock, max_batch, root)
-    out = out or cache_dir() / "compiled" / f"{cfg.name}-{'stock' if stock else 'sandwich'}-{key}"
+    try:
+        key = build_key(cfg, plan, stock, max_batch, root)
+    except ScheduleDbError as err:
+        raise CompileError(str(err)) from err
+    flavour = "stock" if stock else "sandwich"
+    out = Path(out) if out else cache_dir() / "compiled" / f"{cfg.name}-{flavour}-{key}"
+    _check_out_dir(out)
     if not force and (out / "meta.json").is_file():
         try:
             cached = CompiledModel.load(out)
             if cached.meta.get("key") == key:
                 log(f"reusing the compiled model in {out}")
                 return cached
-        except (CompileError, json.JSONDecodeError):
-            pass
+        except CompileError as err:
+            log(f"{err}: rebuilding it")
+    try:
+        ensure_writable(out, "artifact directory")
+    except HostError as err:
+        raise CompileError(str(err)) from err
     kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root)
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
-    mod, params = export_module(cfg, kernels)
+    try:
+        mod, params = export_module(cfg, kernels)
+    except (ScheduleDbError, KernelError) as err:
+        raise CompileError(str(err)) from err
     log(f"compiling with {'the default' if stock else 'the sandwich'} Relax pipeline for {target}")
     try:
         if stock:
             exe = tvm.compile(mod, target)
             naive = []
         else:
-            mod = replace_cache_kernels(mod, cfg, plan.decode_threads)
+            mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa)
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)
@@ -130,19 +161,37 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(lowered, target, relax_pipeline=None)
     except Exception as err:  # TVM raises many types; report where it happened
         raise CompileError(f"compiling {cfg.name} failed: {err}") from err
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    exe.export_library(str(tmp / "model.so"))
+    lib = _export_atomic(exe, out)
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
+        "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,
         "kernels": {f"{p}/{s}": src for (p, s), src in (kernels.sources.items() if kernels else [])},
         "unscheduled": naive, "seconds": round(time.perf_counter() - t0, 1),
+        "sha256": sha256_file(lib), "bytes": lib.stat().st_size,
     }
-    save_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    save_atomic(out / "meta.json", json.dumps(meta, indent=1))
     log(f"compiled in {meta['seconds']} s -> {out}")
     return CompiledModel(out, meta)
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse a directory whose ``model.so`` is not one of ours: it is not ours to overwrite."""
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"--out {out} is a file, not a directory")
+    if (out / "model.so").exists() and not (out / "meta.json").is_file():
+        raise CompileError(f"{out} holds a model.so that sandwich-tvm did not write (no meta.json); "
+                           "choose another --out directory")
+
+
+def _export_atomic(exe, out: Path) -> Path:
+    """Write ``out/model.so`` via a temporary file in ``out`` and a rename; nothing else is touched."""
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".so")
+    os.close(fd)
+    try:
+        exe.export_library(tmp)
+        os.replace(tmp, out / "model.so")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out / "model.so"

@@ -1,45 +1,36 @@
 """Tuned dynamic-shape kernels on disk: ``schedules/<cpu>/t<threads>/linear_<n>_<k>_<dtype>.json``.
 
-A file records the CPU model, ISA and thread count it was tuned for, every tuned m and the
-buckets (``m <= m_max`` -> schedule) the runtime kernel dispatches on. Files are rewritten
-atomically after every tuned m, so an interrupted tuning resumes where it stopped.
+A file records the CPU signature (``host.CpuSignature``: vendor, family/model/stepping, ISA
+features, cache sizes; not the model name, which clouds mask), the thread count, every tuned
+m and the buckets (``m <= m_max`` -> schedule) the runtime kernel dispatches on. ``<cpu>`` is
+the signature's slug. A record is used on a host whose signature agrees on every field both
+know; one from another CPU is refused with what differs. Files are rewritten atomically
+after every tuned m, so an interrupted tuning resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..topology.profile import save_atomic
-from ..tvm_compat import cpu_flags, host_isa
-from .codegen import Bucket
+from ..host import CpuSignature, host_signature, save_atomic
+from .codegen import Bucket, KernelError, check_schedule
+from .microkernel import REGISTRY
 from .schedule import GemmSchedule, GemmShape
 from .search import Tuned
 
 SCHEDULES_DIR = Path(__file__).resolve().parents[2] / "schedules"
-FORMAT = 1
+FORMAT = 2
 
 
 class ScheduleDbError(ValueError):
     """A tuning database that does not belong to this machine or cannot be read."""
 
 
-def host_cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+def retune_hint(threads: int) -> str:
+    return f"re-tune with `python -m sandwich_tvm.tune kernels --threads {threads}`"
 
 
 @dataclass
@@ -48,10 +39,13 @@ class KernelRecord:
 
     shape: GemmShape
     threads: int
-    cpu: str
-    isa: str
+    cpu: CpuSignature
     tuned: list[Tuned] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def isa(self) -> str:
+        return self.cpu.isa
 
     def buckets(self) -> list[Bucket]:
         """Consecutive tuned m with one schedule merged; each covers up to the next tuned m."""
@@ -76,7 +70,7 @@ class KernelRecord:
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "cpu": self.cpu,
+            "cpu": self.cpu.to_json(),
             "isa": self.isa,
             "threads": self.threads,
             "n": self.shape.n,
@@ -93,18 +87,43 @@ class KernelRecord:
 
     @classmethod
     def from_json(cls, d: dict) -> KernelRecord:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, this version reads {FORMAT}")
         tuned = [
             Tuned(int(t["m"]), GemmSchedule.from_json(t["schedule"]),
                   float("nan") if t["gflops"] is None else float(t["gflops"]), bool(t["searched"]))
             for t in d["tuned"]
         ]
         shape = GemmShape(int(d["n"]), int(d["k"]), d.get("dtype", "float32"))
-        return cls(shape, int(d["threads"]), d["cpu"], d["isa"], tuned, float(d.get("seconds", 0.0)))
+        rec = cls(shape, int(d["threads"]), CpuSignature.from_json(d["cpu"]), tuned,
+                  float(d.get("seconds", 0.0)))
+        rec.validate()
+        return rec
+
+    def validate(self) -> None:
+        """Every schedule must be one the generator can build for this record's ISA and threads."""
+        if self.shape.n < 1 or self.shape.k < 1 or self.threads < 1:
+            raise ValueError(f"shape {self.shape} or threads {self.threads} out of range")
+        if not self.tuned:
+            raise ValueError("no tuned sequence lengths")
+        for t in self.tuned:
+            sch = t.schedule
+            if t.m < 1:
+                raise ValueError(f"tuned m={t.m} is not positive")
+            if sch.mk.isa != self.isa or sch.mk not in REGISTRY.get(sch.mk.isa, ()):
+                raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.isa} register tile")
+            if min(sch.poly.pm, sch.poly.pn, sch.poly.pk) < 1 or sch.poly.threads != self.threads:
+                raise ValueError(f"m={t.m}: polymerization {sch.poly} does not use {self.threads} threads")
+            try:
+                check_schedule(self.shape, sch)
+            except KernelError as err:
+                raise ValueError(f"m={t.m}: {err}") from None
 
 
-def record_path(shape: GemmShape, threads: int, root: Path | None = None, cpu: str | None = None) -> Path:
+def record_path(shape: GemmShape, threads: int, root: Path | None = None,
+                cpu: CpuSignature | None = None) -> Path:
     root = SCHEDULES_DIR if root is None else root
-    return root / _slug(cpu or host_cpu_model()) / f"t{threads}" / f"linear_{shape.name}.json"
+    return root / (cpu or host_signature()).slug / f"t{threads}" / f"linear_{shape.name}.json"
 
 
 def save_record(rec: KernelRecord, root: Path | None = None) -> Path:
@@ -113,26 +132,55 @@ def save_record(rec: KernelRecord, root: Path | None = None) -> Path:
     return path
 
 
-def load_record(path: Path, *, check_host: bool = True) -> KernelRecord:
-    """Read a record; refuse one tuned on another CPU or ISA (its kernels would be wrong or slow)."""
+def read_record(path: Path) -> KernelRecord:
+    """Read and validate a record, whatever CPU it was tuned on."""
     try:
-        rec = KernelRecord.from_json(json.loads(Path(path).read_text()))
+        return KernelRecord.from_json(json.loads(Path(path).read_text()))
     except FileNotFoundError:
         raise ScheduleDbError(
             f"{path}: no such tuning database; run `python -m sandwich_tvm.tune kernels`") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise ScheduleDbError(
-            f"{path}: not a Sandwich kernel database ({err}); delete it and re-tune") from err
+            f"{path}: not a usable Sandwich kernel database ({type(err).__name__}: {err}); "
+            "delete it, or re-tune: `python -m sandwich_tvm.tune kernels` sets it aside and starts "
+            "afresh") from err
+
+
+def check_signature(rec: KernelRecord, path: Path, here: CpuSignature | None = None) -> None:
+    """Refuse a record tuned on another CPU: its kernels would be slow or use missing instructions."""
+    here = here or host_signature()
+    diff = here.differences(rec.cpu)
+    if diff:
+        raise ScheduleDbError(
+            f"{path} was tuned on {rec.cpu.describe()}, but this machine is {here.describe()}; "
+            f"they differ in {'; '.join(diff)}. Its schedules do not apply here: "
+            f"{retune_hint(rec.threads)} (the record for this CPU goes to schedules/{here.slug}/)")
+
+
+def load_record(path: Path, *, check_host: bool = True) -> KernelRecord:
+    """Read a record; with ``check_host``, refuse one tuned on another CPU signature."""
+    rec = read_record(path)
     if check_host:
-        here, isa = host_cpu_model(), host_isa()
-        if rec.isa != isa or (rec.isa not in cpu_flags() and _slug(rec.cpu) != _slug(here)):
-            raise ScheduleDbError(
-                f"{path} was tuned on {rec.cpu!r} ({rec.isa}) but this machine is {here!r} ({isa}); "
-                "its schedules do not apply here. Re-tune with `python -m sandwich_tvm.tune kernels`."
-            )
+        check_signature(rec, path)
     return rec
 
 
-def find_record(shape: GemmShape, threads: int, root: Path | None = None) -> KernelRecord | None:
-    path = record_path(shape, threads, root)
-    return load_record(path) if path.exists() else None
+def find_record(shape: GemmShape, threads: int, root: Path | None = None,
+                cpu: CpuSignature | None = None) -> KernelRecord | None:
+    """The record of ``cpu`` (default this host): its own signature's file, else one whose
+    (partial) signature agrees with it on every field both know."""
+    here = cpu or host_signature()
+    path = record_path(shape, threads, root, here)
+    if path.exists():
+        rec = read_record(path)
+        check_signature(rec, path, here)
+        return rec
+    base = SCHEDULES_DIR if root is None else root
+    for other in sorted(base.glob(f"*/t{threads}/{path.name}")):
+        try:
+            rec = read_record(other)
+        except ScheduleDbError:
+            continue  # another CPU's damaged file is not ours to judge
+        if not here.differences(rec.cpu):
+            return rec
+    return None

@@ -7,31 +7,33 @@ naive loops. Tuning (``python -m sandwich_tvm.tune kernels``) replaces them.
 
 from __future__ import annotations
 
-from ..tvm_compat import host_isa
+from ..host import host_isa
 from .codegen import Bucket
-from .microkernel import REGISTRY, MicroKernel
+from .microkernel import ISAS, REGISTRY, MicroKernel
 from .schedule import GemmSchedule, GemmShape, Polymerization, Slice, cdiv
 from .search import Problem, caps
 
-# (largest m of the bucket, MR, NR): thin tiles for decode-sized m, 6x16 (BLIS's AVX2 tile) beyond.
-_AVX2_TILES = ((1, 1, 32), (2, 2, 24), (4, 4, 24), (1 << 62, 6, 16))
+
+def _tiles(isa: str) -> tuple[tuple[int, int, int], ...]:
+    if isa not in ISAS:
+        raise ValueError(f"no micro-kernels for ISA {isa!r}; known: {sorted(ISAS)}")
+    return ISAS[isa].default_tiles
 
 
-def _mk(isa: str, mr: int, nr: int) -> MicroKernel:
-    by_name = {(m.mr, m.nr): m for m in REGISTRY[isa]}
-    if (mr, nr) in by_name:
-        return by_name[(mr, nr)]
-    # Other ISAs: the largest tile with at most ``mr`` rows.
-    fits = [m for m in REGISTRY[isa] if m.mr <= mr]
-    return max(fits, key=lambda m: (m.mr * m.nr, m.nr))
+def _mk(isa: str, mr: int, vectors: int) -> MicroKernel:
+    mk = MicroKernel(isa, mr, vectors * ISAS[isa].lanes)
+    if mk in REGISTRY[isa]:
+        return mk
+    # A tile the register file cannot hold: the largest one with at most ``mr`` rows.
+    return max((m for m in REGISTRY[isa] if m.mr <= mr), key=lambda m: (m.mr * m.nr, m.nr))
 
 
 def default_schedule(shape: GemmShape, m: int, threads: int, isa: str | None = None) -> GemmSchedule:
     """One schedule for rows around ``m``: columns split over the threads, KC = 256."""
     isa = isa or host_isa()
     m_rep = min(m, 256)
-    mr, nr = next((mr, nr) for top, mr, nr in _AVX2_TILES if m_rep <= top)
-    mk = _mk(isa, mr, nr)
+    mr, vectors = next((mr, v) for top, mr, v in _tiles(isa) if m_rep <= top)
+    mk = _mk(isa, mr, vectors)
     poly = Polymerization(1, threads, 1)
     cap = caps(Problem(m_rep, shape.n, shape.k, threads), mk, poly)
     mc = min(cap.mc, cdiv(64, mk.mr) * mk.mr)
@@ -43,8 +45,9 @@ def default_schedule(shape: GemmShape, m: int, threads: int, isa: str | None = N
 def default_buckets(shape: GemmShape, threads: int, max_m: int | None = None,
                     isa: str | None = None) -> list[Bucket]:
     """Default buckets, only those reachable when ``m <= max_m`` (decode kernels)."""
+    isa = isa or host_isa()
     out = []
-    for top, _, _ in _AVX2_TILES:
+    for top, _, _ in _tiles(isa):
         rep = top if top < (1 << 62) else 256
         out.append(Bucket(top, default_schedule(shape, rep, threads, isa)))
         if max_m is not None and max_m <= top:

@@ -13,12 +13,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Isa:
-    """What a micro-kernel needs to know about a vector ISA."""
+    """What a micro-kernel needs to know about a vector ISA (BLIS's ``config/<arch>``).
+
+    ``default_tiles`` are the untuned register tiles, ``(largest m, MR, NR in vectors)`` per m
+    range (thin tiles for decode-sized m): on AVX2 BLIS's 6x16 for large m; on 32-register
+    ISAs 6 rows of 4 vectors (24 accumulators), the widest tile that leaves a spare B vector.
+    """
 
     name: str
     lanes: int  # fp32 lanes per vector register
     registers: int  # architectural vector registers
     cache_line: int = 64  # bytes
+    default_tiles: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def max_nr(self) -> int:
@@ -30,10 +36,14 @@ class Isa:
         return self.cache_line // 4
 
 
+_LARGE = 1 << 62
 ISAS: dict[str, Isa] = {
-    "avx2": Isa("avx2", lanes=8, registers=16),
-    "avx512": Isa("avx512", lanes=16, registers=32),
-    "neon": Isa("neon", lanes=4, registers=32),
+    "avx2": Isa("avx2", lanes=8, registers=16,
+                default_tiles=((1, 1, 4), (2, 2, 3), (4, 4, 3), (_LARGE, 6, 2))),
+    "avx512": Isa("avx512", lanes=16, registers=32,
+                  default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4))),
+    "neon": Isa("neon", lanes=4, registers=32,
+                default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4))),
 }
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
+from ..host import host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
-from .database import KernelRecord, host_cpu_model, load_record, record_path, save_record
+from .database import KernelRecord, ScheduleDbError, load_record, record_path, save_record
 from .defaults import default_schedule
 from .metaschedule import (
     InProcessBuilder,
@@ -94,6 +95,7 @@ def tune_gemm(
     root: Path | None = None,
     work_dir: Path | None = None,
     progress: Callable[[Tuned], None] | None = None,
+    log: Callable[[str], None] = lambda _msg: None,
     search_one: Callable | None = None,
     refine_one: Callable | None = None,
 ) -> KernelRecord:
@@ -101,11 +103,14 @@ def tune_gemm(
 
     The result is saved (atomically, after every m) under ``schedules/`` or ``root``.
     """
+    if n < 1 or k < 1 or threads < 1 or max_m < 1 or window < 1:
+        raise ValueError(f"n={n}, k={k}, threads={threads}, max_m={max_m} and window={window} "
+                         "must all be positive")
     shape, isa = GemmShape(n, k), host_isa()
     if isa not in REGISTRY:
         raise ValueError(f"no micro-kernels for this CPU's ISA ({isa})")
     path = record_path(shape, threads, root)
-    rec = load_record(path) if path.exists() else KernelRecord(shape, threads, host_cpu_model(), isa)
+    rec = _resume(path, log) or KernelRecord(shape, threads, host_signature())
     done = {t.m: t for t in rec.tuned}
     tuner = SequenceTuner(n, k, threads, REGISTRY[isa], max_m=max_m, window=window)
     # resume: replay the window history
@@ -144,3 +149,16 @@ def tune_gemm(
 
     tuner.tune(cached, on_tuned, cached_refine if refine_one is not None else None)
     return rec
+
+
+def _resume(path: Path, log: Callable[[str], None]) -> KernelRecord | None:
+    """The record to resume from; a damaged or foreign file is set aside (kept, renamed), not used."""
+    if not path.exists():
+        return None
+    try:
+        return load_record(path)
+    except ScheduleDbError as err:
+        aside = path.with_name(f"{path.stem}.unusable-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path.replace(aside)
+        log(f"{err}\nset it aside as {aside} and tuning afresh")
+        return None

@@ -5,8 +5,9 @@ scalar loop nests (at 512 tokens prefill attention was two thirds of llama-160m'
 These kernels keep the signatures and semantics (scores in the log2 domain, the log-sum-exp
 written for merging with the paged prefix) and are swapped in by ``replace_cache_kernels``.
 
-Prefill works on tiles of ``ROWS`` query rows, a row being one (token, head) of a KV head's
-group, so grouped-query heads share their K/V loads. The rows are the vector lanes:
+Prefill works on tiles of ``ROWS`` query rows (two vectors of the ISA's fp32 lanes), a row
+being one (token, head) of a KV head's group, so grouped-query heads share their K/V loads.
+The rows are the vector lanes:
 
 - Q is transposed once per tile (``qt[d, ROWS]``, pre-scaled by ``sm_scale·log2 e``), so a
   score block ``s[key, rows] += k[key, dd] · qt[dd, rows]`` is a broadcast-FMA register tile
@@ -29,17 +30,27 @@ from __future__ import annotations
 import textwrap
 from functools import cache
 
+from ..host import host_isa
+from ..kernels.microkernel import ISAS
 from ..kernels.vecmath import LOG2E, exp2
 from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 from .rope import rope_primfunc
 
-ROWS = 16   # query rows per prefill tile (two 8-lane vectors)
 KEYS = 8    # keys per online-softmax step in prefill
 KTILE = 4   # keys per score register tile: 4 keys x 2 vectors = 8 accumulators
 DCOLS = 4   # head-dim columns per P.V register tile: 4 x 2 vectors
-LANES = 8
-def _prefill_body(h_kv: int, group: int, d: int) -> str:
+
+
+def vector_lanes(isa: str, d: int) -> int:
+    """fp32 lanes of the ISA's vectors, at most the largest power of two dividing ``d``."""
+    lanes = ISAS[isa].lanes if isa in ISAS else 4
+    while d % lanes:
+        lanes //= 2
+    return lanes
+
+
+def _prefill_body(h_kv: int, group: int, d: int, ROWS: int) -> str:  # noqa: N803 (a tile size)
     qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
     rows = f"({qlen} * {group})"
     ntiles = f"(({rows} + {ROWS - 1}) // {ROWS})"
@@ -117,13 +128,14 @@ for r in range({ROWS}):
 
 
 @cache
-def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tvm.tirx.PrimFunc:
+def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32",
+                            isa: str | None = None) -> tvm.tirx.PrimFunc:
     """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
     if dtype != "float32" or d % DCOLS:
         raise ValueError(f"attention kernel needs float32 and head_dim % {DCOLS} == 0 (got {dtype}, {d})")
-    group = h_q // h_kv
-    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {ROWS - 1}) // {ROWS}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d), " " * 20)
+    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
+    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows), " " * 20)
     src = f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -158,7 +170,7 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     return parse_tvmscript(src)
 
 
-def _decode_body(h_kv: int, group: int, d: int, page: int, split: int) -> str:
+def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: int) -> str:  # noqa: N803
     h_q = h_kv * group
     b, c = f"(task // {split})", f"(task % {split})"
     npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
@@ -243,14 +255,12 @@ lse[{b}, {h}] = st[0] + T.log2(st[1])
 
 
 @cache
-def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
-                          split: int = 4) -> tvm.tirx.PrimFunc:
+def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, split: int = 4,
+                          isa: str | None = None) -> tvm.tirx.PrimFunc:
     """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
     its paged K/V, each sequence's pages cut into ``split`` chunks that run in parallel."""
-    if d % LANES:
-        raise ValueError(f"decode attention needs head_dim % {LANES} == 0 (got {d})")
-    group = h_q // h_kv
-    body = textwrap.indent(_decode_body(h_kv, group, d, page, split), " " * 16)
+    group, lanes = h_q // h_kv, vector_lanes(isa or host_isa(), d)
+    body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes), " " * 16)
     merge = textwrap.indent(_merge_body(h_q, d, split), " " * 16)
     src = f'''
 @D.prim_func(s_tir=True)
@@ -292,13 +302,15 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
     return parse_tvmscript(src)
 
 
-def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4) -> tvm.IRModule:
+def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
+                          isa: str | None = None) -> tvm.IRModule:
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
     so the cache's runtime calls them unchanged). Decode splits each sequence's pages into
     two chunks per decode thread."""
     h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d),
-            "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads),
+    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, isa=isa),
+            "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
+                                                               isa=isa),
             "fused_rope": rope_primfunc(cfg)}
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in ours and isinstance(func, tvm.tirx.PrimFunc):

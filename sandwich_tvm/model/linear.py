@@ -15,11 +15,12 @@ from pathlib import Path
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from ..host import CpuSignature, host_isa, host_signature
 from ..kernels.codegen import Bucket, linear_primfunc, packed_shape
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
 from ..kernels.schedule import GemmShape
-from ..tvm_compat import host_isa, tvm
+from ..tvm_compat import tvm
 
 PHASES = ("prefill", "decode")
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("sandwich_phase", default="prefill")
@@ -43,7 +44,8 @@ class KernelSet:
 
     A shape tuned for the phase's thread count (``schedules/``) uses its buckets up to the
     largest tuned m and the default schedules above it; an untuned shape gets the defaults.
-    Decode kernels keep only the buckets for m <= max_batch.
+    Decode kernels keep only the buckets for m <= max_batch. Records are those of ``cpu``
+    (default: this host), and only when its ISA is the one the kernels are built for.
     """
 
     prefill_threads: int
@@ -51,6 +53,7 @@ class KernelSet:
     max_batch: int = 8
     root: Path | None = None
     isa: str = field(default_factory=host_isa)
+    cpu: CpuSignature | None = None
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
     _funcs: dict[tuple[str, GemmShape, str], tvm.tirx.PrimFunc] = field(default_factory=dict)
 
@@ -60,7 +63,8 @@ class KernelSet:
     def buckets(self, shape: GemmShape, phase_name: str) -> list[Bucket]:
         threads = self.threads(phase_name)
         max_m = self.max_batch if phase_name == "decode" else None
-        record = find_record(shape, threads, self.root)
+        cpu = self.cpu or host_signature()
+        record = find_record(shape, threads, self.root, cpu) if cpu.isa == self.isa else None
         if record is None:
             self.sources[(phase_name, shape.name)] = "default"
             return default_buckets(shape, threads, max_m, self.isa)

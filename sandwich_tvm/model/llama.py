@@ -38,7 +38,7 @@ def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
 def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
     if kernels is None:
         return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, kernels.isa)
 
 
 class Attention(nn.Module):

@@ -1,4 +1,4 @@
-"""RMSNorm as a generated TIR kernel: rows in parallel, 8-lane partial sums, one pass to scale.
+"""RMSNorm as a generated TIR kernel: rows in parallel, one vector of partial sums, one pass to scale.
 
 DLight's CPU reduction rule mis-schedules the decode shape [1, 1, hidden] (unit loops are
 dropped, the reduction is recomputed inside a parallel loop over the hidden dimension and
@@ -12,14 +12,16 @@ from functools import cache
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from ..host import host_isa
+from ..kernels.microkernel import ISAS
 from ..tvm_compat import parse_tvmscript, tvm
-
-LANES = 8
 
 
 @cache
-def rms_norm_primfunc(hidden: int, eps: float) -> tvm.tirx.PrimFunc:
-    """``Y[i, :] = X[i, :] * rsqrt(mean(X[i, :]^2) + eps) * w`` for a symbolic number of rows."""
+def rms_norm_primfunc(hidden: int, eps: float, isa: str | None = None) -> tvm.tirx.PrimFunc:
+    """``Y[i, :] = X[i, :] * rsqrt(mean(X[i, :]^2) + eps) * w`` for a symbolic number of rows;
+    the sum of squares runs in vectors of the ISA's fp32 lanes."""
+    LANES = ISAS[isa or host_isa()].lanes  # noqa: N806
     h, main = hidden, hidden // LANES * LANES
     tail = "" if main == h else f'''
                 for j in range({h - main}):
@@ -52,14 +54,14 @@ def rms_norm_h{h}(var_x: T.handle, w: T.Buffer(({h},), "float32"), var_y: T.hand
 class RMSNorm(nn.Module):
     """Drop-in for ``nn.RMSNorm`` (same parameter name) calling the generated kernel."""
 
-    def __init__(self, hidden: int, eps: float, dtype: str = "float32"):
-        self.hidden, self.eps = hidden, eps
+    def __init__(self, hidden: int, eps: float, dtype: str = "float32", isa: str | None = None):
+        self.hidden, self.eps, self.isa = hidden, eps, isa
         self.weight = nn.Parameter((hidden,), dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         lead = list(x.shape[:-1])
         x2 = op.reshape(x, (-1, self.hidden))
-        func = rms_norm_primfunc(self.hidden, float(self.eps))
+        func = rms_norm_primfunc(self.hidden, float(self.eps), self.isa)
         y = op.tensor_ir_op(func, f"rms_norm_h{self.hidden}", args=[x2, self.weight],
                             out=nn.Tensor.placeholder((x2.shape[0], self.hidden), x.dtype))
         return op.reshape(y, (*lead, self.hidden))

@@ -1,4 +1,5 @@
-"""Generated kernels against numpy, for every m in 1..300 and odd n and k."""
+"""Generated kernels against numpy, for every m in 1..300 and odd n and k, on every ISA this CPU
+runs; every ISA's kernel is also built and its assembly checked for that ISA's registers."""
 
 from __future__ import annotations
 
@@ -6,16 +7,22 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc, pack_weight
-from sandwich_tvm.kernels.microkernel import MicroKernel
+from sandwich_tvm.kernels.defaults import default_buckets
+from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel
 from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
 from sandwich_tvm.model.config import load_config
-from sandwich_tvm.tvm_compat import host_target, tvm
+from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
+
+from ..isas import VECTOR_REGISTER, assembly, every_isa, require_runnable
 
 pytestmark = pytest.mark.compile
 
 
-def sch(mr, nr, mc, nc, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
-    return GemmSchedule(MicroKernel("avx2", mr, nr), Slice(mc, nc, kc), Polymerization(pm, pn, pk))
+def sch(isa, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
+    """MR x (vectors of the ISA) tile; NC counted in vectors too, so one table serves every ISA."""
+    lanes = ISAS[isa].lanes
+    return GemmSchedule(MicroKernel(isa, mr, vectors * lanes), Slice(mc, nc_vectors * lanes, kc),
+                        Polymerization(pm, pn, pk))
 
 
 def build(shape: GemmShape, buckets):
@@ -23,9 +30,9 @@ def build(shape: GemmShape, buckets):
     return tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
 
 
-def check(fn, shape: GemmShape, ms, rng):
+def check(fn, shape: GemmShape, ms, rng, isa):
     w = rng.standard_normal((shape.n, shape.k)).astype("float32")
-    wp = tvm.runtime.tensor(pack_weight(w, "avx2"))
+    wp = tvm.runtime.tensor(pack_weight(w, isa))
     for m in ms:
         a = rng.standard_normal((m, shape.k)).astype("float32")
         y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
@@ -34,37 +41,53 @@ def check(fn, shape: GemmShape, ms, rng):
         np.testing.assert_allclose(y.numpy(), a @ w.T, rtol=2e-4, atol=tol, err_msg=f"m={m}")
 
 
-def test_every_m_with_tails_and_split_k():
-    # n = 200: not a multiple of 16 or 24; k = 100: not a multiple of KC = 48
+@every_isa
+def test_every_m_with_tails_and_split_k(isa):
+    require_runnable(isa)
+    # n = 200: not a multiple of 2 or 3 vectors; k = 100: not a multiple of KC = 48
     shape = GemmShape(200, 100)
     buckets = [
-        Bucket(1, sch(1, 16, 1, 32, 48)),
-        Bucket(5, sch(2, 24, 4, 48, 32, pk=1, pn=1, pm=2)),
-        Bucket(40, sch(4, 24, 8, 48, 48, pm=1, pn=1, pk=2)),  # split-K
-        Bucket(1 << 62, sch(6, 16, 12, 64, 48, pm=2, pn=1)),
+        Bucket(1, sch(isa, 1, 2, 1, 4, 48)),
+        Bucket(5, sch(isa, 2, 3, 4, 6, 32, pk=1, pn=1, pm=2)),
+        Bucket(40, sch(isa, 4, 3, 8, 6, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(1 << 62, sch(isa, 6, 2, 12, 8, 48, pm=2, pn=1)),
     ]
-    check(build(shape, buckets), shape, range(1, 301), np.random.default_rng(0))
+    check(build(shape, buckets), shape, range(1, 301), np.random.default_rng(0), isa)
 
 
 @pytest.mark.parametrize("preset", ["llama-160m", "tinyllama-1.1b"])
-def test_model_shapes_random_m(preset):
+@every_isa
+def test_model_shapes_random_m(preset, isa):
+    require_runnable(isa)
     cfg = load_config(preset)
     rng = np.random.default_rng(1)
     h, d = cfg.hidden_size, cfg.head_dim
     shape = GemmShape((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h)  # fused qkv
-    buckets = [Bucket(3, sch(3, 16, 3, 64, 256)), Bucket(1 << 62, sch(6, 16, 24, 128, 512, pk=2, pn=1))]
+    buckets = [Bucket(3, sch(isa, 3, 2, 3, 8, 256)),
+               Bucket(1 << 62, sch(isa, 6, 2, 24, 16, 512, pk=2, pn=1))]
     fn = build(shape, buckets)
-    check(fn, shape, [1, 2, 3, 4, 7, *rng.integers(8, 700, size=3).tolist()], rng)
+    check(fn, shape, [1, 2, 3, 4, 7, *rng.integers(8, 700, size=3).tolist()], rng, isa)
+
+
+@every_isa
+def test_default_kernel_builds_with_the_isas_vector_registers(isa):
+    """Built (not run) for every ISA: the assembly uses that ISA's full-width registers."""
+    shape = GemmShape(200, 96)
+    func = linear_primfunc(shape, default_buckets(shape, 2, None, isa))
+    asm = assembly(tvm.compile(tvm.IRModule({"linear": func}), target=isa_target(isa, 2)))
+    assert VECTOR_REGISTER[isa] in asm
+    if isa == "avx2":
+        assert "%zmm" not in asm  # no AVX-512 in AVX2 code, whatever this host has
 
 
 def test_bad_schedule_is_refused():
     with pytest.raises(KernelError, match="whole number"):
-        linear_primfunc(GemmShape(64, 64), [Bucket(1, sch(6, 16, 8, 16, 64))])
+        linear_primfunc(GemmShape(64, 64), [Bucket(1, sch("avx2", 6, 2, 8, 2, 64))])
     with pytest.raises(KernelError, match="float32"):
-        linear_primfunc(GemmShape(64, 64, "float16"), [Bucket(1, sch(6, 16, 6, 16, 64))])
+        linear_primfunc(GemmShape(64, 64, "float16"), [Bucket(1, sch("avx2", 6, 2, 6, 2, 64))])
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "neon"])
+@every_isa
 def test_packed_weight_covers_the_last_tile_of_every_width(isa):
     from sandwich_tvm.kernels.codegen import packed_panels
     from sandwich_tvm.kernels.microkernel import ISAS, REGISTRY
@@ -79,19 +102,21 @@ def test_packed_weight_covers_the_last_tile_of_every_width(isa):
 
 
 @pytest.mark.parametrize("epilogue", ["residual", "bias"])
-def test_fused_epilogues(epilogue):
+@every_isa
+def test_fused_epilogues(epilogue, isa):
     """The epilogue is added once, on the first store, under split-K and several KC blocks too."""
+    require_runnable(isa)
     shape = GemmShape(200, 100)
     buckets = [
-        Bucket(2, sch(1, 16, 1, 32, 32)),  # 4 KC blocks per thread: stores accumulate
-        Bucket(20, sch(4, 24, 8, 48, 48, pm=1, pn=1, pk=2)),  # split-K
-        Bucket(1 << 62, sch(6, 16, 12, 64, 128, pm=2, pn=1)),
+        Bucket(2, sch(isa, 1, 2, 1, 4, 32)),  # 4 KC blocks per thread: stores accumulate
+        Bucket(20, sch(isa, 4, 3, 8, 6, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(1 << 62, sch(isa, 6, 2, 12, 8, 128, pm=2, pn=1)),
     ]
     func = linear_primfunc(shape, buckets, epilogue=epilogue)
     fn = tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
     rng = np.random.default_rng(2)
     w = rng.standard_normal((shape.n, shape.k)).astype("float32")
-    wp = tvm.runtime.tensor(pack_weight(w, "avx2"))
+    wp = tvm.runtime.tensor(pack_weight(w, isa))
     for m in (1, 2, 3, 17, 20, 61):
         a = rng.standard_normal((m, shape.k)).astype("float32")
         extra = rng.standard_normal((m, shape.n) if epilogue == "residual" else (shape.n,)).astype("float32")
@@ -102,25 +127,28 @@ def test_fused_epilogues(epilogue):
         linear_primfunc(shape, buckets, epilogue="gelu")
 
 
-def test_silu_mul_epilogue_on_the_interleaved_gate_up():
+@every_isa
+def test_silu_mul_epilogue_on_the_interleaved_gate_up(isa):
     """silu(gate) * up for tiles of even (in registers, one or several KC blocks) and odd vector
     counts, split-K, and n not a multiple of the tile."""
     from sandwich_tvm.kernels.codegen import interleave_gate_up
 
-    inter, k = 104, 100  # 2 x 104 = 208 columns: 13 x 16, not a multiple of 24 or 32
+    require_runnable(isa)
+    lanes = ISAS[isa].lanes
+    inter, k = 13 * lanes, 100  # 2 x 13 vectors of columns: not a multiple of 3 or 4 vectors
     shape = GemmShape(2 * inter, k)
     buckets = [
-        Bucket(1, sch(1, 16, 1, 32, 128)),  # 2 vectors, KC covers k: pairs straight from registers
-        Bucket(3, sch(3, 16, 3, 32, 32)),  # 2 vectors, 4 KC blocks: pairs on the last block
-        Bucket(5, sch(2, 24, 4, 48, 64, pm=2, pn=1)),  # 3 vectors: scratch, then a pass
-        Bucket(20, sch(4, 16, 8, 32, 48, pm=1, pn=1, pk=2)),  # split-K
-        Bucket(1 << 62, sch(4, 32, 8, 64, 256)),
+        Bucket(1, sch(isa, 1, 2, 1, 4, 128)),  # 2 vectors, KC covers k: pairs straight from registers
+        Bucket(3, sch(isa, 3, 2, 3, 4, 32)),  # 2 vectors, 4 KC blocks: pairs on the last block
+        Bucket(5, sch(isa, 2, 3, 4, 6, 64, pm=2, pn=1)),  # 3 vectors: scratch, then a pass
+        Bucket(20, sch(isa, 4, 2, 8, 4, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(1 << 62, sch(isa, 4, 4, 8, 8, 256)),
     ]
     func = linear_primfunc(shape, buckets, epilogue="silu_mul")
     fn = tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
     rng = np.random.default_rng(3)
     w = rng.standard_normal((shape.n, k)).astype("float32") * 0.3
-    wp = tvm.runtime.tensor(pack_weight(interleave_gate_up(w, 8), "avx2"))
+    wp = tvm.runtime.tensor(pack_weight(interleave_gate_up(w, lanes), isa))
     for m in (1, 2, 3, 4, 5, 9, 20, 33):
         a = rng.standard_normal((m, k)).astype("float32")
         g, u = np.split(a.astype(np.float64) @ w.T.astype(np.float64), 2, axis=1)
@@ -128,5 +156,5 @@ def test_silu_mul_epilogue_on_the_interleaved_gate_up():
         y = tvm.runtime.empty((m, inter), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), wp, y)
         np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
-    with pytest.raises(KernelError, match="multiple of 16"):
+    with pytest.raises(KernelError, match=rf"multiple of {2 * lanes}"):
         linear_primfunc(GemmShape(200, k), buckets, epilogue="silu_mul")

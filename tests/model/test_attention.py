@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.model.attention import decode_paged_primfunc, exp2, prefill_ragged_primfunc
-from sandwich_tvm.tvm_compat import T, host_target, tvm
+from sandwich_tvm.model.norm import rms_norm_primfunc
+from sandwich_tvm.tvm_compat import T, host_target, isa_target, tvm
 
+from ..isas import VECTOR_REGISTER, assembly, every_isa
+
+pytestmark = pytest.mark.compile
 D = 64
 
 
@@ -106,3 +110,14 @@ def test_bench_attention_compares_with_tvms_kernels(capsys):
         assert row["max_abs_diff"] < 1e-4
         assert row["sandwich_ms"] > 0 and row["tvm_ms"] > 0
         assert row["ratio"] == pytest.approx(row["sandwich_ms"] / row["tvm_ms"])
+
+
+@every_isa
+def test_attention_and_norm_build_with_the_isas_vector_registers(isa):
+    """Built (not run) for every ISA: the kernels vectorize to that ISA's full-width registers."""
+    funcs = {"prefill": prefill_ragged_primfunc(2, 8, D, isa=isa),
+             "decode": decode_paged_primfunc(2, 8, D, 16, 4, isa=isa),
+             "norm": rms_norm_primfunc(96, 1e-5, isa)}
+    for name, func in funcs.items():
+        asm = assembly(tvm.compile(tvm.IRModule({name: func}), target=isa_target(isa, 2)))
+        assert VECTOR_REGISTER[isa] in asm, name

@@ -1,0 +1,274 @@
+"""Facts about the machine we run on, in one place: CPU signature, ISA, caches, cache dirs, files.
+
+Pure Python (no TVM import), so every layer may use it. The CPU *signature* identifies the
+hardware a tuning record, a machine profile or a compiled artifact is valid for. It does not
+trust the model name (clouds mask it: "Intel(R) Xeon(R) Processor", "AMD EPYC"): it is the
+vendor, family/model/stepping, the ISA features that change generated code and the cache sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+
+class HostError(RuntimeError):
+    """The environment or a host directory is unusable; the message says what to change."""
+
+
+# /proc/cpuinfo flags that change the code LLVM may emit, and their LLVM feature names.
+LLVM_FEATURES: dict[str, str] = {
+    "sse4_2": "sse4.2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+    "avx512f": "avx512f", "avx512cd": "avx512cd", "avx512bw": "avx512bw", "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16",
+    "avx512_fp16": "avx512fp16", "avx512vbmi": "avx512vbmi", "avx_vnni": "avxvnni",
+    "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
+    # Arm (the cpuinfo "Features" line)
+    "asimd": "neon", "asimdhp": "fullfp16", "sve": "sve", "sve2": "sve2", "bf16": "bf16", "i8mm": "i8mm",
+}
+_X86_FAMILIES = ("avx512f", "amx_tile", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+@lru_cache(maxsize=1)
+def cpuinfo() -> dict[str, str]:
+    """The first processor block of /proc/cpuinfo (empty off Linux)."""
+    out: dict[str, str] = {}
+    for line in _read("/proc/cpuinfo").splitlines():
+        if not line.strip():
+            if out:
+                break
+            continue
+        key, _, value = line.partition(":")
+        out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags (x86 ``flags``, Arm ``Features``)."""
+    info = cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
+def isa_of(flags: frozenset[str] | set[str]) -> str:
+    """The widest vector ISA the kernels know for a set of flags: avx512, avx2, neon or generic."""
+    if "avx512f" in flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    if "asimd" in flags:
+        return "neon"
+    return "generic"
+
+
+def host_isa() -> str:
+    return isa_of(cpu_flags())
+
+
+def _cache_sizes_kib() -> tuple[int, int, int]:
+    """Per-instance L1d, L2 and L3 sizes in KiB of CPU 0 (0 where sysfs does not say)."""
+    sizes = {1: 0, 2: 0, 3: 0}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(root.glob("index*")) if root.is_dir() else []:
+        kind = _read(str(index / "type")).strip()
+        level = _read(str(index / "level")).strip()
+        size = _read(str(index / "size")).strip().upper()
+        match = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if kind == "Instruction" or not level.isdigit() or not match:
+            continue
+        kib = int(match[1]) * {"": 1 / 1024, "K": 1, "M": 1024, "G": 1 << 20}[match[2]]
+        sizes[int(level)] = int(kib)
+    return sizes[1], sizes[2], sizes[3]
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text, 0) if text else None
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class CpuSignature:
+    """What tuned kernels depend on. ``None`` fields are unknown and constrain nothing."""
+
+    vendor: str
+    model_name: str
+    family: int | None
+    model: int | None
+    stepping: int | None
+    isa: str
+    features: tuple[str, ...] | None  # the LLVM_FEATURES flags present, sorted
+    l1d_kib: int | None
+    l2_kib: int | None
+    l3_kib: int | None
+
+    @property
+    def slug(self) -> str:
+        """A directory name: readable prefix + a hash of the whole signature."""
+        vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(self.vendor, self.vendor.lower())
+        fms = "-".join(f"{k}{v}" for k, v in (("f", self.family), ("m", self.model), ("s", self.stepping))
+                       if v is not None)
+        digest = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:8]
+        return _slug("-".join(p for p in (vendor or "cpu", fms, self.isa, digest) if p))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["features"] = None if self.features is None else list(self.features)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> CpuSignature:
+        known = {f.name for f in fields(cls)}
+        missing = known - set(d)
+        if missing:
+            raise ValueError(f"CPU signature lacks {sorted(missing)}")
+        feats = d["features"]
+        if not (feats is None or isinstance(feats, list) and all(isinstance(f, str) for f in feats)):
+            raise ValueError(f"CPU signature features must be a list of flags, not {feats!r}")
+        feats = None if feats is None else tuple(sorted(feats))
+        return cls(**{**{k: d[k] for k in known}, "features": feats})
+
+    def differences(self, other: CpuSignature) -> list[str]:
+        """Fields that differ where both sides know them, as ``name: ours != theirs``."""
+        out = []
+        for f in fields(self):
+            if f.name == "model_name":  # informational: masked names must not decide
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a is None or b is None or a == b:
+                continue
+            if f.name == "features":
+                only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+                out.append(f"features: only here {only_a or '-'}, only there {only_b or '-'}")
+            else:
+                out.append(f"{f.name}: {a!r} != {b!r}")
+        return out
+
+    def describe(self) -> str:
+        fms = "/".join(str(v) for v in (self.family, self.model, self.stepping))
+        caches = "/".join("?" if v is None else f"{v}K" for v in (self.l1d_kib, self.l2_kib, self.l3_kib))
+        name = self.model_name or self.vendor
+        return f"{name} (family/model/stepping {fms}, {self.isa}, L1d/L2/L3 {caches})"
+
+
+@lru_cache(maxsize=1)
+def host_signature() -> CpuSignature:
+    info, flags = cpuinfo(), cpu_flags()
+    l1, l2, l3 = _cache_sizes_kib()
+    return CpuSignature(
+        vendor=info.get("vendor_id") or info.get("CPU implementer") or "unknown",
+        model_name=info.get("model name") or info.get("Hardware") or "",
+        family=_int(info.get("cpu family") or info.get("CPU architecture")),
+        model=_int(info.get("model") or info.get("CPU part")),
+        stepping=_int(info.get("stepping") or info.get("CPU revision")),
+        isa=isa_of(flags),
+        features=tuple(sorted(f for f in flags if f in LLVM_FEATURES)),
+        l1d_kib=l1 or None, l2_kib=l2 or None, l3_kib=l3 or None,
+    )
+
+
+def llvm_mattr(flags: frozenset[str] | set[str] | None = None) -> list[str]:
+    """``-mattr`` for LLVM from the CPU flags: every known feature the CPU has, and on x86 the
+    wide families it lacks switched off, so a mis-guessed ``mcpu`` cannot emit them."""
+    flags = cpu_flags() if flags is None else flags
+    on = [f"+{LLVM_FEATURES[f]}" for f in sorted(flags) if f in LLVM_FEATURES]
+    if "asimd" in flags or not flags:
+        return on
+    return on + [f"-{LLVM_FEATURES[f]}" for f in _X86_FAMILIES if f not in flags]
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0 (L3, else L2), or 32 MiB when sysfs says nothing."""
+    l1, l2, l3 = _cache_sizes_kib()
+    return (l3 or l2 or 32 << 10) * 1024
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+PROCESS_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0))
+
+
+def tvm_num_threads() -> int:
+    """The thread-pool size for TVM: ``TVM_NUM_THREADS`` if valid, else the CPUs we may use.
+
+    More threads than CPUs make every parallel region wait on descheduled workers (decode
+    measured up to ~1500x slower), so a larger value is refused.
+    """
+    raw = os.environ.get("TVM_NUM_THREADS")
+    if raw is None:
+        return len(PROCESS_CPUS)
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise HostError(f"TVM_NUM_THREADS={raw!r} is not a positive integer; unset it or set it to "
+                        f"at most {len(PROCESS_CPUS)} (the CPUs this process may use)")
+    if int(raw) > len(PROCESS_CPUS):
+        raise HostError(f"TVM_NUM_THREADS={raw} exceeds the {len(PROCESS_CPUS)} CPUs this process may "
+                        f"use ({sorted(PROCESS_CPUS)}); oversubscribed threads make decode orders of "
+                        "magnitude slower. Unset it or lower it")
+    return int(raw)
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """Where profiles, converted weights and compiled models go (``SANDWICH_CACHE``)."""
+    return Path(os.environ.get("SANDWICH_CACHE", Path.home() / ".cache" / "sandwich_tvm"))
+
+
+def ensure_writable(path: Path, what: str = "directory") -> Path:
+    """Create ``path`` if needed and check a file can be written in it, before any long work."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        hint = " (set SANDWICH_CACHE to a writable directory)" if path == cache_dir() else ""
+        raise HostError(f"cannot write to the {what} {path}: {err.strerror or err}{hint}") from err
+    return path
+
+
+def save_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename: readers never see half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+_ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}
+
+
+def can_run(isa: str) -> bool:
+    """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code)."""
+    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()

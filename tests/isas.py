@@ -1,0 +1,28 @@
+"""The ISAs tests cover: every ISA's code is built; it runs only where this CPU can run it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sandwich_tvm.host import can_run, host_isa
+from sandwich_tvm.kernels.microkernel import ISAS
+
+ALL_ISAS = sorted(ISAS)
+every_isa = pytest.mark.parametrize("isa", ALL_ISAS)
+
+# What a vector register looks like in each ISA's assembly.
+VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "neon": ".4s"}
+
+
+def require_runnable(isa: str) -> None:
+    """Skip the *execution* of code this CPU cannot run, saying why."""
+    if not can_run(isa):
+        pytest.skip(f"this CPU ({host_isa()}) cannot execute {isa} code; it is built, not run")
+
+
+def assembly(executable) -> str:
+    mod = executable.mod if hasattr(executable, "mod") else executable
+    for m in [mod, *mod.imports]:
+        if getattr(m, "kind", "") == "llvm" or m.type_key == "llvm":
+            return m.inspect_source("asm")
+    return mod.inspect_source("asm")
