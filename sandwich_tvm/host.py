@@ -191,6 +191,12 @@ def llvm_mattr(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     return on + [f"-{LLVM_FEATURES[f]}" for f in _X86_FAMILIES if f not in flags]
 
 
+def half_precision_units(flags: frozenset[str] | set[str] | None = None) -> list[str]:
+    """The CPU's bf16 matrix/dot-product units (AMX, AVX512-BF16): where bf16 beats fp32."""
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+
+
 def last_level_cache_bytes() -> int:
     """The largest cache of CPU 0 (L3, else L2), or 32 MiB when sysfs says nothing."""
     l1, l2, l3 = _cache_sizes_kib()

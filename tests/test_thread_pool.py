@@ -36,6 +36,7 @@ print(one, len(seen))
 """
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_pool_grows_back_after_a_smaller_first_configuration(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))[:2]

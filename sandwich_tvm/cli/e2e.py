@@ -44,6 +44,9 @@ def add_e2e_parser(sub) -> None:
     e.add_argument("--cached-profile", action="store_true",
                    help="predict from the cached machine profile instead of re-measuring it in this run "
                         "(memory bandwidth drifts: the default measures it right after the timed requests)")
+    e.add_argument("--torch-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the torch baseline (default auto: bfloat16 where the CPU has AMX or "
+                        "AVX512-BF16, as its users would run it; float32 elsewhere)")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
@@ -105,7 +108,21 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     return model.eval()
 
 
+def torch_dtype(choice: str) -> tuple[str, str]:
+    """The torch baseline's dtype and why: bf16 where the CPU has bf16 units (oneDNN uses them)."""
+    from ..host import half_precision_units
+
+    if choice != "auto":
+        return choice, "requested with --torch-dtype"
+    units = half_precision_units()
+    if units:
+        return "bfloat16", f"this CPU has {', '.join(units)}"
+    return "float32", "this CPU has no AMX or AVX512-BF16"
+
+
 def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> list[dict]:
+    """HF transformers as ``generate`` runs it: logits of the last position only
+    (``logits_to_keep=1``), KV cache on, in the dtype its users would pick on this CPU."""
     import os
 
     import torch
@@ -114,7 +131,9 @@ def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> 
 
     os.sched_setaffinity(0, PROCESS_CPUS)  # TVM's decode plan pinned this thread to its cores
     torch.set_num_threads(threads)
-    model = hf_model(args.model, cfg, args.seed)
+    dtype, why = torch_dtype(getattr(args, "torch_dtype", "auto"))
+    log(f"torch baseline: {dtype} ({why}), logits of the last position only, {threads} threads")
+    model = hf_model(args.model, cfg, args.seed).to(getattr(torch, dtype))
     rows = []
     with torch.inference_mode():
         for p in [8, *prompts]:
@@ -122,19 +141,20 @@ def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> 
             ttfts = []
             for _ in range(1 if p == 8 else args.repeat):
                 t0 = time.perf_counter()
-                out = model(ids, use_cache=True)
+                out = model(ids, use_cache=True, logits_to_keep=1)
                 token = out.logits[0, -1].argmax()
                 ttfts.append((time.perf_counter() - t0) * 1e3)
             ttft = float(np.median(ttfts))
             past, steps = out.past_key_values, []
             for _ in range(args.new_tokens - 1 if p != 8 else 2):
                 t0 = time.perf_counter()
-                out = model(token.view(1, 1), past_key_values=past, use_cache=True)
+                out = model(token.view(1, 1), past_key_values=past, use_cache=True, logits_to_keep=1)
                 past, token = out.past_key_values, out.logits[0, -1].argmax()
                 steps.append((time.perf_counter() - t0) * 1e3)
             if p == 8:
                 continue  # warm-up
-            rows.append({"system": "torch", "prompt": p, "ttft_ms": ttft, "ttft_runs_ms": ttfts,
+            rows.append({"system": "torch", "dtype": dtype, "prompt": p, "ttft_ms": ttft,
+                         "ttft_runs_ms": ttfts,
                          "tpot_ms": float(np.median(steps)),
                          "output_tokens": len(steps) + 1})
             log(f"torch: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
@@ -306,7 +326,8 @@ def print_e2e(result: dict, console: Console) -> None:
     for r in result["rows"]:
         def f(key: str, fmt: str = "{:.1f}", r=r) -> str:
             return fmt.format(r[key]) if r.get(key) is not None else "-"
-        table.add_row(r["system"], str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
+        system = r["system"] + (f" ({r['dtype']})" if "dtype" in r else "")
+        table.add_row(system, str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
                       f("ttft_ratio_vs_torch", "{:.3f}"), f("tpot_ratio_vs_torch", "{:.3f}"),
                       f("ttft_ratio_vs_llamacpp", "{:.3f}"), f("tpot_ratio_vs_llamacpp", "{:.3f}"),
                       f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),

@@ -14,15 +14,18 @@ from ..kernels.search import SequenceTuner
 from ..kernels.shapes import linear_shapes
 from ..kernels.tuner import tune_gemm
 from ..model.config import load_config
+from .args import positive_int
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
-    parser.add_argument("--max-m", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="kernel threads (default: all CPUs this process may use)")
+    parser.add_argument("--max-m", type=positive_int, default=None,
                         help="largest sequence length (default 2048; 4 in the 'all' chain)")
-    parser.add_argument("--decode-max-m", type=int, default=1,
+    parser.add_argument("--decode-max-m", type=positive_int, default=1,
                         help="chain: largest m tuned for the decode thread count (default 1, batch 1)")
-    parser.add_argument("--window", type=int, default=16, help="micro-kernel sliding window σ (default 16)")
+    parser.add_argument("--window", type=positive_int, default=16,
+                        help="micro-kernel sliding window σ (default 16)")
     parser.add_argument("--schedules", type=Path, default=None,
                         help="database root (default: the repository's schedules/)")
 
@@ -40,7 +43,8 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int,
             ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=args.schedules, progress=lambda _t, task=task: bar.advance(task))
+                            root=args.schedules, progress=lambda _t, task=task: bar.advance(task),
+                            log=lambda msg: console.print(msg, markup=False, highlight=False))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),
                           str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",

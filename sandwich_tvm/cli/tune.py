@@ -15,12 +15,15 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..host import HostError, cache_dir, ensure_writable, save_atomic
 from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
-from ..topology.profile import ProfileError, save_atomic
+from ..topology.profile import ProfileError
 from ..topology.search import search_plans
+from .args import positive_int
 from .common import (
     add_machine_args,
     plans_table,
@@ -44,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_args(parser)
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="directory for plans.json (default ./out)")
-    parser.add_argument("--prompt-len", type=int, default=32, help="chain: prompt tokens (default 32)")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="chain: new tokens (default 16)")
+    parser.add_argument("--prompt-len", type=positive_int, default=32,
+                        help="chain: prompt tokens (default 32)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16,
+                        help="chain: new tokens (default 16)")
     parser.add_argument("--no-stock", action="store_true", help="chain: skip TVM's stock build")
     return parser
 
@@ -53,14 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=max(Console().width, 150))
+    cpus = len(os.sched_getaffinity(0))
+    if args.threads is not None and args.threads > cpus:
+        console.print(f"[red]error:[/] --threads {args.threads} exceeds the {cpus} CPUs this process may "
+                      "use; oversubscribed kernels are tuned for the wrong machine")
+        return 2
     if args.stage == "kernels":
         from ..kernels.database import ScheduleDbError
 
-        threads = args.threads or len(os.sched_getaffinity(0))
         try:
-            return tune_model_kernels(args, console, threads, args.max_m or 2048)
+            return tune_model_kernels(args, console, args.threads or cpus,
+                                      2048 if args.max_m is None else args.max_m)
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
-            console.print(f"[red]error:[/] {exc}")
+            console.print("[red]error:[/] " + escape(str(exc)))
             return 2
     code = plan_stage(args, console)
     if code or args.stage == "plan":
@@ -70,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_stage(args: argparse.Namespace, console: Console) -> int:
     try:
+        ensure_writable(args.out, "--out directory")  # before minutes of work, not after
+        ensure_writable(cache_dir(), "cache directory")
         console.rule("[bold]sandwich-tvm tune: plan stage")
         tree, source, profile = resolve_machine(args, log=console.print)
         console.print(f"machine: {source}, {tree.summary()}")
@@ -85,8 +97,8 @@ def plan_stage(args: argparse.Namespace, console: Console) -> int:
                 tree, model, profile, trace, top_k=args.top_k, patience=args.patience,
                 max_group_levels=args.max_group_levels,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total))
-    except (TopologyError, ModelConfigError, ProfileError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+    except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
+        console.print("[red]error:[/] " + escape(str(exc)))
         return 2
     print_search(console, result)
     console.print(plans_table(result, f"Sandwich plans for {model.name}"))
@@ -116,7 +128,7 @@ def run_chain(args: argparse.Namespace, console: Console) -> int:
 
     try:
         plan = ExecPlan.from_file(args.out / "plans.json")
-        max_m = args.max_m or 4
+        max_m = 4 if args.max_m is None else args.max_m
         console.rule(f"[bold]kernels stage: m <= {max_m}, {plan.describe()}")
         for threads in sorted({plan.prefill_threads, plan.decode_threads}, reverse=True):
             limit = max_m if threads == plan.prefill_threads else min(max_m, args.decode_max_m)
@@ -124,5 +136,5 @@ def run_chain(args: argparse.Namespace, console: Console) -> int:
         console.rule("[bold]compile and generate")
         return compare_with_stock(args, plan, console)
     except (*LOAD_ERRORS, ScheduleDbError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print("[red]error:[/] " + escape(str(exc)))
         return 2

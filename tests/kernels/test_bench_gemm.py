@@ -17,7 +17,8 @@ def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
                        "--metaschedule-trials", "4", "--metaschedule-m", "3", "--json",
                        "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["weights"] == "cold" and plot.is_file()
+    assert out["weights"] == "cold" and plot.is_file() and out["weight_copies"] > 1
+    assert out["fma_peak_gflops"] > 0 and all(0 < r["fma_peak_fraction"] < 2 for r in out["rows"])
     assert [r["m"] for r in out["rows"]] == [1, 3]
     for r in out["rows"]:
         assert r["max_rel_err"] < 1e-5
