@@ -1,0 +1,74 @@
+"""Host facts and the environment: thread counts, cache directories, option checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sandwich_tvm.host import HostError, ensure_writable, half_precision_units, tvm_num_threads
+
+
+@pytest.mark.parametrize("value,message", [("abc", "not a positive integer"), ("0", "not a positive integer"),
+                                           ("64", "exceeds the")])
+def test_bad_tvm_num_threads_is_refused(monkeypatch, value, message):
+    if value == "64" and len(os.sched_getaffinity(0)) >= 64:
+        pytest.skip("this machine has 64 CPUs")
+    monkeypatch.setenv("TVM_NUM_THREADS", value)
+    with pytest.raises(HostError, match=message):
+        tvm_num_threads()
+
+
+def test_bad_tvm_num_threads_gives_one_line_not_a_traceback():
+    env = {**os.environ, "TVM_NUM_THREADS": "abc"}
+    proc = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--prompt-len", "4"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "TVM_NUM_THREADS='abc'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unwritable_directory_is_reported_before_the_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(HostError, match="cannot write to the cache directory"):
+        ensure_writable(blocker / "cache", "cache directory")
+    assert ensure_writable(tmp_path / "new" / "dir").is_dir()
+
+
+def test_tune_plan_refuses_an_unwritable_out_before_exploring(tmp_path, capsys):
+    from sandwich_tvm.cli import tune
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert tune.main(["plan", "--out", str(blocker / "out"), "--synthetic", "package:1 core:2 pu:1",
+                      "--machine-profile", "generic", "--lengths", "64:16"]) == 2
+    assert "cannot write to the --out directory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", ["--max-m 0", "--max-m -4", "--window 0", "--threads -1", "--threads x"])
+def test_tune_kernels_refuses_nonsense_options(option, capsys):
+    from sandwich_tvm.cli import tune
+
+    with pytest.raises(SystemExit) as exit_:
+        tune.main(["kernels", *option.split()])
+    assert exit_.value.code == 2
+    assert f"argument {option.split()[0]}" in capsys.readouterr().err
+
+
+def test_tune_kernels_refuses_more_threads_than_cpus(capsys):
+    from sandwich_tvm.cli import tune
+
+    assert tune.main(["kernels", "--threads", str(len(os.sched_getaffinity(0)) + 1)]) == 2
+    assert "exceeds the" in capsys.readouterr().out
+
+
+def test_torch_baseline_dtype_follows_the_cpu():
+    from sandwich_tvm.cli.e2e import torch_dtype
+
+    dtype, why = torch_dtype("auto")
+    assert dtype == ("bfloat16" if half_precision_units() else "float32") and why
+    assert torch_dtype("float32")[0] == "float32"
+    assert half_precision_units({"avx2", "avx512_bf16"}) == ["avx512_bf16"]
+    assert half_precision_units({"avx2", "fma"}) == []
