@@ -18,7 +18,10 @@ write the GEMM to a scratch buffer and a parallel pass applies the epilogue.
 
 Trap (notes §2): the accumulator must be a small *global*-scope block buffer: TVM then puts
 it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
-allocation whose stores stay in the hot loop (3x slower).
+allocation whose stores stay in the hot loop (3x slower). "Small" is under 1 KB (TVM's
+``kMaxStackAlloca``): larger buffers are heap workspaces LLVM cannot keep in registers, which
+an AVX-512 tile such as 6x64 (1.5 KB) would be. So each row of the tile has its own
+accumulator buffer ``acc<ii>[k-partial, NR]`` (at most 256 bytes), and rows are unrolled here.
 """
 
 from __future__ import annotations
@@ -179,23 +182,23 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         '                                with T.sblock("tile"):',
     ]
     ku = mk.k_partials
-    tile = [f'acc = T.sblock_alloc_buffer(({ku}, {mr}, {nr}), "float32", scope="global")']
+    tile = [f'acc{ii} = T.sblock_alloc_buffer(({ku}, {nr}), "float32", scope="global")' for ii in range(mr)]
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
-    tile += [
-        f"for u, ii in T.grid({ku}, {mr}):",
-        f"    for jj in T.vectorized({nr}):",
-        "        acc[u, ii, jj] = T.float32(0)",
-    ]
+    tile += [f"for u in range({ku}):"]
+    tile += [ln for ii in range(mr) for ln in (f"    for jj in T.vectorized({nr}):",
+                                               f"        acc{ii}[u, jj] = T.float32(0)")]
 
     def fma(kidx: str, u: str) -> list[str]:
-        return [
-            f"for ii in T.unroll({mr}):",
-            f"    for q in T.unroll({nv}):",
-            f"        for w in T.vectorized({lanes}):",
-            f"            acc[{u}, ii, q * {lanes} + w] = acc[{u}, ii, q * {lanes} + w] + "
-            f"{ap}[{it}, {kidx}, ii] * Wp[{jt} * {nv} + q, {kidx}, w]",
-        ]
+        lines = []
+        for ii in range(mr):  # A[ii] is broadcast once, then NR/lanes FMAs
+            lines += [
+                f"for q in T.unroll({nv}):",
+                f"    for w in T.vectorized({lanes}):",
+                f"        acc{ii}[{u}, q * {lanes} + w] = acc{ii}[{u}, q * {lanes} + w] + "
+                f"{ap}[{it}, {kidx}, {ii}] * Wp[{jt} * {nv} + q, {kidx}, w]",
+            ]
+        return lines
 
     def kloop(length: int) -> list[str]:
         lines = []
@@ -214,13 +217,16 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
     def store(target: str) -> list[str]:
         """``target`` opens the subscript: ``Y[`` or ``P0[1, `` for split-K partials."""
-        row, col = f"{it} * {mr} + ii", f"{jt} * {nr} + jj"
+        return [ln for ii in range(mr) for ln in store_row(target, ii)]
+
+    def store_row(target: str, ii: int) -> list[str]:
+        row, col = f"{it} * {mr} + {ii}", f"{jt} * {nr} + jj"
         dst = f"{target}{row}, {col}]"
 
         def body(vector: bool) -> list[str]:
             loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
             guard = [] if vector else [f"if {col} < {n}:"]
-            total = " + ".join(f"acc[{u}, ii, jj]" for u in range(ku))
+            total = " + ".join(f"acc{ii}[{u}, jj]" for u in range(ku))
             rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
             if target == "Y[":  # the first store of the output carries the epilogue
                 total += {"none": "", "residual": f" + R[{row}, {col}]", "bias": f" + B[{col}]"}[epilogue]
@@ -229,22 +235,25 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
                 return first
             return ["if pcl == 0:"] + _indent(first, 1) + ["else:"] + _indent(rest, 1)
 
-        lines = [f"for ii in T.unroll({mr}):", f"    if {row} < m:"]
+        lines = [f"if {row} < m:"]
         if full_nt == nt:
-            lines += _indent(body(True), 2)
+            lines += _indent(body(True), 1)
         else:
             split = [f"if {jt} < {full_nt}:", *_indent(body(True), 1), "else:", *_indent(body(False), 1)]
-            lines += _indent(split, 2)
+            lines += _indent(split, 1)
         return lines
 
     def store_pairs() -> list[str]:
+        return [ln for ii in range(mr) for ln in store_pairs_row(ii)]
+
+    def store_pairs_row(ii: int) -> list[str]:
         """silu_mul from registers: vector pair q of the tile is (gate, up) of output block q."""
-        half, row = nv // 2, f"{it} * {mr} + ii"
+        half, row = nv // 2, f"{it} * {mr} + {ii}"
         blk = f"({jt} * {half} + q)"
 
         def total(vec: str) -> str:
             prior = [f"{y}[{row}, {jt} * {nr} + {vec} * {lanes} + w]"] if kchunk > 1 else []
-            return " + ".join([f"acc[{u}, ii, {vec} * {lanes} + w]" for u in range(ku)] + prior)
+            return " + ".join([f"acc{ii}[{u}, {vec} * {lanes} + w]" for u in range(ku)] + prior)
 
         # gate and up go through a 2-vector stack buffer first: silu_mul repeats its arguments,
         # and as plain loads LLVM keeps them in registers (repeated sums of heap loads were
@@ -254,8 +263,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
                  f"for w in T.vectorized({lanes}):",
                  f"    Y[{row}, {blk} * {lanes} + w] = {silu_mul('ep[0, w]', 'ep[1, w]')}"]
         guard = [] if full_nt == nt else [f"if {blk} * {lanes} < {n // 2}:"]
-        return [f"for ii in T.unroll({mr}):", f"    if {row} < m:", f"        for q in T.unroll({half}):",
-                *_indent(guard + _indent(inner, len(guard)), 3)]
+        return [f"if {row} < m:", f"    for q in T.unroll({half}):",
+                *_indent(guard + _indent(inner, len(guard)), 2)]
 
     if pairs and kchunk == 1:
         tile += store_pairs()
