@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..model.config import ModelConfigError, load_config
+from .common import print_error
 from .timing import median_seconds
 
 PAGE = 16
@@ -102,7 +103,7 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
     try:
         cfg = load_config(args.model)
     except (ModelConfigError, OSError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(console, exc)
         return 2
     if args.prompt < 1 or args.context < 1:
         console.print("[red]error:[/] --prompt and --context must be positive")
@@ -127,6 +128,6 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
                           f"{r['ratio']:.3f}", rate, f"{r['max_abs_diff']:.1e}")
         console.print(table)
     if bad:
-        console.print(f"[red]error:[/] Sandwich's {', '.join(bad)} attention differs from TVM's")
+        print_error(console, f"Sandwich's {', '.join(bad)} attention differs from TVM's")
         return 1
     return 0

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from .args import positive_int
 from .attention import add_attention_parser, main_attention
+from .common import print_error
 from .e2e import add_e2e_parser, main_e2e
 from .timing import median_seconds, rotating
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_attention(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if threads > len(os.sched_getaffinity(0)):
-        console.print(f"[red]error:[/] --threads {threads} exceeds the {len(os.sched_getaffinity(0))} CPUs "
+        print_error(console, f"--threads {threads} exceeds the {len(os.sched_getaffinity(0))} CPUs "
                       "this process may use")
         return 2
     try:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ms or ms[0] < 1:
             raise ValueError("--m needs positive integers, e.g. 1,2,4,8")
     except ValueError as exc:
-        console.print(f"[red]error:[/] bad --m {args.m!r}: {exc}")
+        print_error(console, f"bad --m {args.m!r}: {exc}")
         return 2
     from ..kernels.database import ScheduleDbError
 
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                             hot=args.hot_weights, ms_trials=args.metaschedule_trials,
                             ms_m=args.metaschedule_m, rounds=args.rounds)
     except (ScheduleDbError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(console, exc)
         return 2
     plot(result, args.plot)
     if args.json:

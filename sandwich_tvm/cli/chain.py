@@ -8,10 +8,10 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from ..host import save_atomic
 from ..model.config import load_config
 from ..runtime.loader import open_engine
 from ..runtime.plan import ExecPlan
-from ..topology.profile import save_atomic
 from .generate import synthetic_prompt
 
 
@@ -27,21 +27,24 @@ def compare_with_stock(args: argparse.Namespace, plan: ExecPlan, console: Consol
         engine.generate(prompt[:4], 2)  # warm-up
         gen = engine.generate(prompt, args.max_new_tokens)
         results[name] = gen.to_json() | {"kernels": compiled.meta["kernels"]}
-        console.print(f"{name}: TTFT {gen.ttft_ms:.1f} ms, TPOT {gen.tpot_ms:.2f} ms, "
-                      f"tokens {gen.tokens[:8]}...")
+        tpot = "n/a" if results[name]["tpot_ms"] is None else f"{gen.tpot_ms:.2f} ms"
+        console.print(f"{name}: TTFT {gen.ttft_ms:.1f} ms, TPOT {tpot}, tokens {gen.tokens[:8]}...")
     table = Table(title=f"{cfg.name}: prompt {args.prompt_len} tokens, {args.max_new_tokens} new "
                         f"({plan.describe()})")
     for col in ("build", "TTFT ms", "TPOT ms", "TTFT speed-up", "TPOT speed-up"):
         table.add_column(col, justify="right")
     base = results.get("tvm-stock")
     for name, r in results.items():
-        up = ((f"{base['ttft_ms'] / r['ttft_ms']:.1f}x", f"{base['tpot_ms'] / r['tpot_ms']:.1f}x")
-              if base else ("-", "-"))
-        table.add_row(name, f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']:.2f}", *up)
+        tpot_up = (f"{base['tpot_ms'] / r['tpot_ms']:.1f}x"
+                   if base and base["tpot_ms"] and r["tpot_ms"] else "n/a")
+        up = (f"{base['ttft_ms'] / r['ttft_ms']:.1f}x", tpot_up) if base else ("-", "-")
+        tpot = "n/a" if r["tpot_ms"] is None else f"{r['tpot_ms']:.2f}"
+        table.add_row(name, f"{r['ttft_ms']:.1f}", tpot, *up)
     console.print(table)
     if base and base["tokens"] != results["sandwich"]["tokens"]:
         console.print("[yellow]warning:[/] the stock build generated different tokens")
     out = args.out / "chain.json"
-    save_atomic(out, json.dumps({"model": cfg.name, "plan": plan.describe(), "results": results}, indent=1))
+    save_atomic(out, json.dumps({"model": cfg.name, "plan": plan.describe(), "results": results}, indent=1,
+                               allow_nan=False))
     console.print(f"wrote {out}")
     return 0

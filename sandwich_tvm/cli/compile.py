@@ -11,6 +11,7 @@ from rich.console import Console
 from ..compiler.artifact import compile_model
 from ..model.config import load_config
 from ..runtime.plan import resolve_plan
+from .common import print_error
 from .generate import LOAD_ERRORS, add_model_args
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_model(load_config(args.model), plan, stock=args.stock, max_batch=args.max_batch,
                                  out=args.out, root=args.schedules, force=args.force, log=console.print)
     except LOAD_ERRORS as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(console, exc)
         return 2
     kinds = Counter(compiled.meta["kernels"].values())
     if kinds:

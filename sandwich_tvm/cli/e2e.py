@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..model.config import LlamaConfig, load_config
+from .common import print_error
 from .generate import add_model_args, synthetic_prompt
 
 
@@ -73,10 +74,11 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
             probe.sample()
         decode_total = sum(gen.decode_ms)
         row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
-               "tpot_ms": gen.tpot_ms, "output_tokens": len(gen.tokens), "switch_ms": gen.switch_ms,
+               "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
+               "switch_ms": gen.switch_ms,
                "tokens": gen.tokens[:16], "weights_huge_page_share": engine.huge_page_share,
                "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None}
-        log(f"{row['system']}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {gen.tpot_ms:.2f} ms")
+        log(f"{row['system']}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms'] or 0:.2f} ms")
         return row
 
     return run
@@ -166,9 +168,9 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     import os
 
     from ..baselines.llamacpp import LlamaCpp, available, write_gguf
+    from ..host import cache_dir
     from ..model.config import PRESETS
     from ..model.weights import checkpoint_key, random_checkpoint, read_checkpoint
-    from ..topology.profile import cache_dir
     from ..tvm_compat import PROCESS_CPUS
 
     why = available()
@@ -364,7 +366,7 @@ def main_e2e(args: argparse.Namespace, console: Console) -> int:
     try:
         result = bench_e2e(args, console)
     except LOAD_ERRORS as exc:
-        console.print(f"[red]error:[/] {exc}")
+        print_error(console, exc)
         return 2
     plot_e2e(result, args.plot)
     if args.json:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..compiler.artifact import CompileError
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
-from ..model.weights import ModelLoadError
-from ..runtime.engine import EngineError
+from ..model.weights import ModelLoadError, load_tokenizer
+from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
 from ..runtime.plan import PlanError, resolve_plan
+from .args import non_negative_int, positive_int
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +28,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", type=Path, default=None,
                         help="tuned kernel database root (default: the repository's schedules/)")
     parser.add_argument("--stock", action="store_true", help="use TVM's stock build (the baseline)")
-    parser.add_argument("--max-batch", type=int, default=8, help="decode kernels cover m <= this (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--max-batch", type=positive_int, default=8,
+                        help="decode kernels cover m <= this (default 8)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of a preset's random weights")
 
 
 LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError)
@@ -39,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
-    src.add_argument("--prompt-len", type=int, help="a synthetic prompt of N token ids")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--context", type=int, default=None, help="KV cache length (default: the model's)")
+    src.add_argument("--prompt-len", type=positive_int, help="a synthetic prompt of N token ids")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=32,
+                   help="tokens to generate (default 32; 0 runs the prefill only)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="KV cache length in tokens (default: prompt + new tokens rounded up to 256, "
+                        "at most the model's max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -50,50 +57,85 @@ def synthetic_prompt(n: int, vocab: int) -> list[int]:
     return [(7 + 31 * i) % vocab for i in range(n)]
 
 
+class TextStream:
+    """Incremental detokenization, as vLLM's detokenizer does: each step decodes the tokens since
+    the last printed boundary with the previous window as context (so SentencePiece's leading
+    spaces come out right), and holds back text ending in U+FFFD -- a multi-byte character
+    whose remaining bytes a later token brings. ``finish`` prints whatever is left."""
+
+    def __init__(self, tok, write: Callable[[str], object]):
+        self.tok, self.write = tok, write
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read]: the printed window kept as context
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        self._advance(final=False)
+
+    def finish(self) -> None:
+        self._advance(final=True)
+
+    def _advance(self, final: bool) -> None:
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+            return
+        if text[len(before):]:
+            self.write(text[len(before):])
+        self.prefix, self.read = self.read, len(self.ids)
+
+
+def _summary(gen) -> str:
+    tpot = f"{gen.tpot_ms:.2f} ms (median)" if gen.decode_ms else "n/a (no decode step)"
+    return (f"prompt {gen.prompt_tokens} tokens, {len(gen.tokens)} generated; TTFT {gen.ttft_ms:.1f} ms, "
+            f"TPOT {tpot}, plan switch {gen.switch_ms * 1e3:.0f} µs")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
     log = (lambda _m: None) if args.json else (lambda m: err.print(f"[dim]{m}[/]"))
     try:
-        plan = resolve_plan(args.plan)
-        log(plan.describe())
-        engine, tok, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
-                                     context=args.context, max_batch=args.max_batch, seed=args.seed, log=log)
+        cfg = load_config(args.model)
+        tok = load_tokenizer(args.model)
         if args.prompt is not None:
             if tok is None:
                 raise EngineError(f"{args.model} has no tokenizer.json; pass --prompt-len N instead")
             prompt = tok.encode(args.prompt).ids
+            if not prompt:
+                raise EngineError("the prompt is empty after tokenization; pass some text")
         else:
-            prompt = synthetic_prompt(args.prompt_len, load_config(args.model).vocab_size)
+            prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size)
+        # The KV cache is allocated up front: size it to this run, and fail before compiling.
+        if args.context is not None:
+            check_context(cfg, args.context)
+        context = args.context or run_context(cfg, len(prompt) + args.max_new_tokens)
+        check_length(cfg, len(prompt), args.max_new_tokens, context)
+        plan = resolve_plan(args.plan)
+        log(plan.describe())
+        engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
+                                   context=context, max_batch=args.max_batch, seed=args.seed, log=log)
         eos = set()
         if tok is not None:
             ids = (tok.token_to_id(t) for t in ("</s>", "<|end_of_text|>", "<|eot_id|>"))
             eos = {i for i in ids if i is not None}
-        seen: list[int] = []
-        shown = [""]
 
-        def stream(token: int) -> None:
-            """Print the new text (tokens decode in context, so diff the whole decoded string)."""
-            seen.append(token)
-            if args.json:
-                return
-            if tok is not None:
-                text = tok.decode(seen)
-                sys.stdout.write(text[len(shown[0]):])
-                shown[0] = text
-            else:
-                sys.stdout.write(f"{token} ")
+        def write(text: str) -> None:
+            sys.stdout.write(text)
             sys.stdout.flush()
 
-        gen = engine.generate(prompt, args.max_new_tokens, stop=eos, on_token=stream)
+        stream = TextStream(tok, write) if tok is not None and not args.json else None
+        on_token = stream.push if stream else None if args.json else (lambda t: write(f"{t} "))
+        gen = engine.generate(prompt, args.max_new_tokens, stop=eos, on_token=on_token)
+        if stream is not None:
+            stream.finish()
     except LOAD_ERRORS as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, brackets kept
         return 2
     if args.json:
-        print(json.dumps(gen.to_json() | {"weights_huge_page_share": engine.huge_page_share}))
+        out = gen.to_json() | {"weights_huge_page_share": engine.huge_page_share}
+        print(json.dumps(out, allow_nan=False))  # strict JSON: no NaN
     else:
         print()
-        err.print(f"prompt {gen.prompt_tokens} tokens, {len(gen.tokens)} generated; "
-                  f"TTFT {gen.ttft_ms:.1f} ms, TPOT {gen.tpot_ms:.2f} ms (median), "
-                  f"plan switch {gen.switch_ms * 1e3:.0f} µs")
+        err.print(_summary(gen))
     return 0

@@ -7,17 +7,21 @@ import json
 import sys
 
 from rich.console import Console
+from rich.text import Text
 
-from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
-from ..topology.profile import MachineProfile, ProfileError
-from ..topology.search import parse_config, search_plans
+from ..topology.profile import MachineProfile
+from ..topology.search import parse_config
 from .common import (
+    PLAN_ERRORS,
     add_machine_args,
+    bound_note,
     plans_table,
+    print_error,
     print_search,
     resolve_machine,
     resolve_model_and_trace,
+    run_search,
 )
 
 
@@ -49,18 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
     out = Console(width=max(Console().width, 150))
+
+    def log(message: str) -> None:
+        err.print(Text(message, style="dim"), soft_wrap=True)
+
     try:
-        tree, source, profile = resolve_machine(args, log=lambda m: err.print(f"[dim]{m}[/]"))
+        tree, source, profile = resolve_machine(args, log=log)
         if args.profile:
             if args.json:
                 print(profile.to_json())
             else:
-                out.print("\n".join(profile_lines(profile)))
+                out.print("\n".join(profile_lines(profile)), markup=False, emoji=False)
             return 0
         model, trace = resolve_model_and_trace(args)
-        with err.status("exploring TopoTrees ..."):
-            result = search_plans(tree, model, profile, trace, top_k=args.top_k,
-                                  patience=args.patience, max_group_levels=args.max_group_levels)
+        with err.status(f"exploring TopoTrees (at most {args.max_trees}) ..."):
+            result = run_search(args, tree, model, profile, trace)
         evaluated = None
         if args.evaluate:
             pre, _, dec = args.evaluate.partition("/")
@@ -73,25 +80,29 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_ttft_ms": round(pred.ttft_ms, 3),
                          "predicted_tpot_ms": round(pred.tpot_ms, 3),
                          "predicted_latency_ms": round(pred.latency_ms, 3)}
-    except (TopologyError, ModelConfigError, ProfileError, ValueError) as exc:
-        err.print(f"[red]error:[/] {exc}")
+    except PLAN_ERRORS as exc:
+        print_error(err, exc)
         return 2
     if args.json:
+        note = bound_note(result.stats)
+        if note:
+            err.print(Text(note, style="yellow"), soft_wrap=True)
         print(json.dumps({
             "machine": source, "tree": tree.summary(), "profile": profile.name,
             "model": model.name, "requests": len(trace.prompt),
             "stats": vars(result.stats), "plans": [p.to_dict() for p in result.plans],
             "evaluated": evaluated}, indent=2))
         return 0
-    out.print(f"[bold]{source}[/]: {len(tree.pus)} PUs, {tree.count_kind('NUMANode')} NUMA nodes")
-    out.print(tree.render())
+    out.print(Text.assemble((source, "bold"), f": {len(tree.pus)} PUs, "
+                                              f"{tree.count_kind('NUMANode')} NUMA nodes"))
+    out.print(tree.render(), markup=False, emoji=False)
     print_search(out, result)
     out.print(plans_table(result, f"Sandwich plans for {model.name} on {profile.name} "
                                   f"({len(trace.prompt)} requests)"))
     if evaluated:
-        out.print(f"evaluated {args.evaluate}: TTFT {evaluated['predicted_ttft_ms']:.1f} ms, "
-                  f"TPOT {evaluated['predicted_tpot_ms']:.2f} ms"
-                  + ("" if evaluated["tp_allowed"] else " (TP degree not allowed by the model)"))
+        out.print(Text(f"evaluated {args.evaluate}: TTFT {evaluated['predicted_ttft_ms']:.1f} ms, "
+                       f"TPOT {evaluated['predicted_tpot_ms']:.2f} ms"
+                       + ("" if evaluated["tp_allowed"] else " (TP degree not allowed by the model)")))
     return 0
 
 

@@ -15,21 +15,23 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from ..host import HostError, cache_dir, ensure_writable, save_atomic
 from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
 from ..topology.profile import ProfileError
-from ..topology.search import search_plans
 from .args import positive_int
 from .common import (
     add_machine_args,
+    bound_note,
     plans_table,
+    print_error,
     print_search,
     resolve_machine,
     resolve_model_and_trace,
+    run_search,
 )
 from .kernels import add_kernel_args, tune_model_kernels
 from .topo import profile_lines
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(Console().width, 150))
     cpus = len(os.sched_getaffinity(0))
     if args.threads is not None and args.threads > cpus:
-        console.print(f"[red]error:[/] --threads {args.threads} exceeds the {cpus} CPUs this process may "
-                      "use; oversubscribed kernels are tuned for the wrong machine")
+        print_error(console, f"--threads {args.threads} exceeds the {cpus} CPUs this process may use; "
+                    "oversubscribed kernels are tuned for the wrong machine")
         return 2
     if args.stage == "kernels":
         from ..kernels.database import ScheduleDbError
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             return tune_model_kernels(args, console, args.threads or cpus,
                                       2048 if args.max_m is None else args.max_m)
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
-            console.print("[red]error:[/] " + escape(str(exc)))
+            print_error(console, exc)
             return 2
     code = plan_stage(args, console)
     if code or args.stage == "plan":
@@ -83,9 +85,9 @@ def plan_stage(args: argparse.Namespace, console: Console) -> int:
         ensure_writable(args.out, "--out directory")  # before minutes of work, not after
         ensure_writable(cache_dir(), "cache directory")
         console.rule("[bold]sandwich-tvm tune: plan stage")
-        tree, source, profile = resolve_machine(args, log=console.print)
-        console.print(f"machine: {source}, {tree.summary()}")
-        console.print("\n".join(profile_lines(profile)))
+        tree, source, profile = resolve_machine(args, log=lambda msg: console.print(Text(msg)))
+        console.print(Text(f"machine: {source}, {tree.summary()}"))
+        console.print(Text("\n".join(profile_lines(profile))))
         model, trace = resolve_model_and_trace(args)
         console.print(f"model: {model.name} ({model.num_params() / 1e6:.0f}M parameters), "
                       f"{len(trace.prompt)} requests")
@@ -93,14 +95,15 @@ def plan_stage(args: argparse.Namespace, console: Console) -> int:
                    TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False) as bar:
             task = bar.add_task("exploring grouped TopoTrees", total=None)
-            result = search_plans(
-                tree, model, profile, trace, top_k=args.top_k, patience=args.patience,
-                max_group_levels=args.max_group_levels,
+            result = run_search(
+                args, tree, model, profile, trace,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total))
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
-        console.print("[red]error:[/] " + escape(str(exc)))
+        print_error(console, exc)
         return 2
     print_search(console, result)
+    if note := bound_note(result.stats):
+        console.print(Text(note, style="yellow"))
     console.print(plans_table(result, f"Sandwich plans for {model.name}"))
     out = args.out / "plans.json"
     save_atomic(out, json.dumps({
@@ -136,5 +139,5 @@ def run_chain(args: argparse.Namespace, console: Console) -> int:
         console.rule("[bold]compile and generate")
         return compare_with_stock(args, plan, console)
     except (*LOAD_ERRORS, ScheduleDbError) as exc:
-        console.print("[red]error:[/] " + escape(str(exc)))
+        print_error(console, exc)
         return 2

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_DTYPES = ("float32",)
@@ -31,6 +33,11 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        problems = shape_problems(asdict(self))
+        if problems:
+            raise ModelConfigError(f"model {self.name!r}: " + "; ".join(problems))
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +68,38 @@ class LlamaConfig:
         return asdict(self)
 
 
+_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
+def shape_problems(cfg: dict) -> list[str]:
+    """What makes the ``LlamaConfig`` fields ``cfg`` unusable (empty when they are fine): the
+    ranges and divisibility the model's operators rely on."""
+    bad = [f"{k} must be a positive integer, got {cfg[k]!r}" for k in _POSITIVE_INTS
+           if not _is_int(cfg[k]) or cfg[k] < 1]
+    if bad:
+        return bad
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if h % heads:
+        bad.append(f"hidden_size {h} is not a multiple of num_attention_heads {heads}")
+    elif (h // heads) % 2:
+        bad.append(f"head_dim {h // heads} (hidden_size / num_attention_heads) is odd; RoPE rotates pairs")
+    if heads % kv:
+        bad.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (grouped-query "
+                   "attention shares each KV head among a whole number of query heads)")
+    for k in ("rope_theta", "rms_norm_eps"):
+        v = cfg[k]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            bad.append(f"{k} must be a positive number, got {v!r}")
+    if cfg["dtype"] not in ("float32", "float16", "bfloat16"):
+        bad.append(f"dtype {cfg['dtype']!r} is not supported")
+    return bad
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -78,6 +117,8 @@ PRESETS: dict[str, LlamaConfig] = {
 DEFAULT_PRESET = "llama-160m"
 
 
+
+
 def load_config(spec: str | Path) -> LlamaConfig:
     """A preset name or an HF model directory holding `config.json`."""
     if str(spec) in PRESETS:
@@ -92,55 +133,134 @@ def load_config(spec: str | Path) -> LlamaConfig:
         raise ModelConfigError(f"{path} has no config.json; point --model at an HF model directory")
     try:
         raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelConfigError(f"{cfg_file} is not valid JSON ({err}); re-download it") from err
+    except OSError as err:
+        raise ModelConfigError(f"{cfg_file} cannot be read ({err})") from err
     return from_hf_dict(raw, name=path.name if path.is_dir() else path.parent.name, where=cfg_file)
 
 
-def from_hf_dict(raw: dict, name: str, where: Path | str = "config.json") -> LlamaConfig:
-    """Validate an HF Llama config dict and convert it."""
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _json_type(v: object) -> str:
+    return _JSON_TYPES.get(type(v), type(v).__name__)
+
+
+class _Fields:
+    """Typed reads of a config.json object; every error names the file, the field and the value."""
+
+    def __init__(self, raw: dict, where: Path | str):
+        self.raw, self.where = raw, where
+
+    def fail(self, msg: str) -> ModelConfigError:
+        return ModelConfigError(f"{self.where}: {msg}; fix config.json (or re-download it)")
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        v = self.raw.get(key)
+        if v is None and default is not None:
+            return default
+        # JSON has one number type: 1e9 or 2048.0 are integers written as floats.
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not _is_int(v):
+            raise self.fail(f"{key} must be an integer, got {_json_type(v)} {v!r}")
+        if v < minimum:
+            raise self.fail(f"{key} must be >= {minimum}, got {v}")
+        return v
+
+    def float(self, key: str, default: float) -> float:
+        v = self.raw.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise self.fail(f"{key} must be a positive number, got {_json_type(v)} {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.raw.get(key, default)
+        if not isinstance(v, bool):
+            raise self.fail(f"{key} must be true or false, got {_json_type(v)} {v!r}")
+        return v
+
+
+def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> LlamaConfig:
+    """Validate an HF Llama config dict and convert it: the types and ranges of every field the
+    model uses, and the relations between them (heads divide hidden_size, KV heads divide heads)."""
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{where}: expected a JSON object of model fields, got {_json_type(raw)}; "
+                               "fix config.json (or re-download it)")
+    f = _Fields(raw, where)
     archs = raw.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list):
+        raise f.fail(f"architectures must be a list of names, got {_json_type(archs)}")
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llama":
         raise ModelConfigError(
             f"{where}: architecture {archs or raw.get('model_type')} is not supported; "
             f"sandwich-tvm serves {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in raw]
+                           "intermediate_size", "vocab_size") if raw.get(k) is None]
     if missing:
         raise ModelConfigError(f"{where}: missing fields {missing}")
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ModelConfigError(f"{where}: dtype {dtype!r} is not supported")
-    heads = raw["num_attention_heads"]
-    if raw["hidden_size"] % heads:
-        raise ModelConfigError(f"{where}: hidden_size is not a multiple of num_attention_heads")
-    if raw.get("head_dim", raw["hidden_size"] // heads) != raw["hidden_size"] // heads:
-        raise ModelConfigError(f"{where}: head_dim {raw['head_dim']} != hidden_size / heads is not supported")
+    hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    if hidden % heads:
+        raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    if raw.get("head_dim") is not None and f.int("head_dim") != hidden // heads:
+        raise ModelConfigError(f"{where}: head_dim {raw['head_dim']} != hidden_size / num_attention_heads "
+                               f"({hidden // heads}) is not supported")
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
                                "(Llama uses no biases and SiLU)")
     # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope_raw, dict):
+        raise f.fail(f"rope_scaling / rope_parameters must be an object, got {_json_type(rope_raw)}")
+    rope = dict(rope_raw)
+    theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
+        "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("llama3", "default"):
         raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 or none)")
-    scaling = rope if kind == "llama3" else None
-    return LlamaConfig(
-        name=name,
-        hidden_size=raw["hidden_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
+    scaling = _llama3_scaling(rope, where) if kind == "llama3" else None
+    kwargs = dict(
+        hidden_size=hidden,
+        num_hidden_layers=f.int("num_hidden_layers"),
         num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads", heads),
-        intermediate_size=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"],
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        num_key_value_heads=f.int("num_key_value_heads", heads),
+        intermediate_size=f.int("intermediate_size"),
+        vocab_size=f.int("vocab_size"),
+        max_position_embeddings=f.int("max_position_embeddings", 2048),
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
         # Weights are served in fp32 on CPU for now; fp16/bf16 checkpoints are upcast.
         dtype="float32",
     )
+    problems = shape_problems(kwargs)
+    if problems:
+        raise f.fail("; ".join(problems))
+    return LlamaConfig(name=name, **kwargs)
+
+
+def _llama3_scaling(rope: dict, where: Path | str) -> dict:
+    """Llama-3 RoPE scaling with its four numbers checked (the frequencies divide by them)."""
+    f = _Fields(rope, f"{where} (rope_scaling)")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise f.fail(f"llama3 RoPE scaling needs {key}")
+    out = dict(rope, factor=f.float("factor", 1.0), low_freq_factor=f.float("low_freq_factor", 1.0),
+               high_freq_factor=f.float("high_freq_factor", 1.0),
+               original_max_position_embeddings=f.int("original_max_position_embeddings"))
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise f.fail(f"high_freq_factor {out['high_freq_factor']} must exceed low_freq_factor "
+                     f"{out['low_freq_factor']}")
+    return out

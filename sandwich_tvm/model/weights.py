@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kernels.codegen import fuses_silu_mul, interleave_gate_up, pack_weight
+from ..host import cache_dir
+from ..kernels.codegen import fuses_silu_mul, interleave_gate_up, pack_weight, packed_shape
 from ..kernels.microkernel import ISAS
 from ..memory import aligned_empty
-from ..topology.profile import cache_dir
 from .config import LlamaConfig
 
 FORMAT = 2  # 2: gate_up interleaved for the silu_mul epilogue
@@ -94,26 +94,82 @@ def _read_bf16(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor ``cfg`` implies, in HF names: its exact shape and the config fields it
+    follows (for error messages). No ``lm_head.weight`` when the embeddings are tied."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    qs, kvs = "num_attention_heads * head_dim", "num_key_value_heads * head_dim"
+    out = {"model.embed_tokens.weight": ((cfg.vocab_size, h), "vocab_size, hidden_size")}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": ((q, h), f"{qs}, hidden_size"),
+                p + "self_attn.k_proj.weight": ((kv, h), f"{kvs}, hidden_size"),
+                p + "self_attn.v_proj.weight": ((kv, h), f"{kvs}, hidden_size"),
+                p + "self_attn.o_proj.weight": ((h, q), f"hidden_size, {qs}"),
+                p + "mlp.gate_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
+                p + "mlp.up_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
+                p + "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
+                p + "input_layernorm.weight": ((h,), "hidden_size"),
+                p + "post_attention_layernorm.weight": ((h,), "hidden_size")}
+    out["model.norm.weight"] = ((h,), "hidden_size")
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ((cfg.vocab_size, h), "vocab_size, hidden_size")
+    return out
+
+
+def _first(names: list[str], n: int = 4) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(repr(x) for x in names[:n]) + more
+
+
+def check_checkpoint(cfg: LlamaConfig, state: dict[str, np.ndarray], where: str) -> None:
+    """Every tensor ``cfg`` implies is present with its exact shape, and nothing else is there
+    (a wrong shape or extra layers would otherwise run and generate wrong tokens)."""
+    expected = hf_shapes(cfg)
+    missing = []
+    for name, (shape, fields) in expected.items():
+        if name not in state:
+            missing.append(name)
+        elif tuple(state[name].shape) != shape:
+            raise ModelLoadError(f"{where}: {name} has shape {list(state[name].shape)}, but config.json "
+                                 f"implies {list(shape)} ({fields}); the checkpoint does not match its "
+                                 "config.json: fix one of them")
+    if missing:
+        what = f"tensor {missing[0]!r} is" if len(missing) == 1 else f"tensors {_first(missing)} are"
+        raise ModelLoadError(f"{where}: {what} missing; is this a Llama checkpoint matching its config.json?")
+    extra = sorted((n for n in state if n not in expected and not n.endswith("rotary_emb.inv_freq")),
+                   key=_natural)
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        # Some tied checkpoints store the head anyway; a copy of the embedding is harmless.
+        if np.array_equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            extra.remove("lm_head.weight")
+        else:
+            raise ModelLoadError(f"{where}: config.json sets tie_word_embeddings, but lm_head.weight differs "
+                                 "from model.embed_tokens.weight; set tie_word_embeddings to false")
+    if extra:
+        layers = [n for n in extra if n.startswith("model.layers.")]
+        hint = (f"config.json says num_hidden_layers {cfg.num_hidden_layers}: fix it to match the checkpoint"
+                if layers else "this is not a plain LlamaForCausalLM checkpoint: remove them or use one")
+        what = "1 tensor is" if len(extra) == 1 else f"{len(extra)} tensors are"
+        raise ModelLoadError(f"{where}: {what} not part of the model config.json describes: "
+                             f"{_first(extra)}; {hint}")
+
+
+def _natural(name: str) -> list:
+    """Sort key putting layer 10 after layer 9."""
+    return [int(t) if t.isdigit() else t for t in name.split(".")]
+
+
 def random_checkpoint(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random weights in HF names (std 0.02 like HF's initializer, norms at 1)."""
     rng = np.random.default_rng(seed)
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
-
-    def w(n: int, k: int) -> np.ndarray:
-        return (rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
-
-    out = {"model.embed_tokens.weight": w(cfg.vocab_size, h), "model.norm.weight": np.ones(h, np.float32)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
-                p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
-                p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-                p + "mlp.down_proj.weight": w(h, inter),
-                p + "input_layernorm.weight": np.ones(h, np.float32),
-                p + "post_attention_layernorm.weight": np.ones(h, np.float32)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = w(cfg.vocab_size, h)
+    out = {}
+    for name, (shape, _) in hf_shapes(cfg).items():
+        if len(shape) == 1:
+            out[name] = np.ones(shape, np.float32)
+        else:
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     return out
 
 
@@ -144,14 +200,17 @@ def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
 def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[str, tuple[int, ...]]],
             isa: str, where: str = "checkpoint",
             progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
-    """Arrays in ``params`` order (name, expected shape), packed where the shape is 3-D."""
+    """Arrays in ``params`` order (name, expected shape), packed for ``isa`` where the shape is
+    3-D. The checkpoint must match ``cfg`` exactly (``check_checkpoint``)."""
+    check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
         if len(shape) == 3:  # packed panels of W[n, k]
-            if hf.ndim != 2 or hf.shape[1] != shape[1] or hf.shape[0] > shape[0] * shape[2]:
-                raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
-                                     f"implies [n <= {shape[0] * shape[2]}, {shape[1]}]")
+            if hf.ndim != 2 or packed_shape(*hf.shape, isa) != tuple(shape):
+                raise ModelLoadError(f"{name}: the model was built for panels {list(shape)}, but "
+                                     f"{list(hf.shape)} packs to {list(packed_shape(*hf.shape, isa))} for "
+                                     f"{isa}; build and load the model for the same ISA and config")
             if name.endswith("mlp.gate_up_proj.weight") and fuses_silu_mul(cfg.intermediate_size, isa):
                 hf = interleave_gate_up(hf, ISAS[isa].lanes)  # for the silu_mul epilogue
             arr = pack_weight(hf, isa, out=aligned_empty(shape))
@@ -169,17 +228,63 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
 
 # --------------------------------------------------------------------------- the conversion cache
 
-def checkpoint_key(model_dir: Path, layout: str) -> str:
-    """Names, sizes and mtimes of the checkpoint files plus the parameter layout."""
+FULL_HASH_BYTES = 64 << 20  # files up to this size are hashed whole
+SAMPLE_BYTES = 4096  # else: this much from the start, middle and end of every tensor
+
+
+def checkpoint_key(model_dir: Path, layout: str, cfg: LlamaConfig | None = None) -> str:
+    """The conversion cache key: the parameter layout (names, packed shapes, ISA), the config and
+    the checkpoint's content -- not its file names or times, which a different model can share.
+
+    Per safetensors file it hashes the 8-byte header length and the JSON header (every tensor's
+    name, dtype, shape and offsets), then the data: whole for files up to ``FULL_HASH_BYTES``;
+    for larger ones ``SAMPLE_BYTES`` from the start, middle and end of every tensor. Hashing
+    16 GB whole would take longer than reading the cache it guards; a fine-tune or another
+    model with the same shapes changes every element of the tensors it touches, so samples of
+    every tensor tell them apart, while an edit of a few values inside a large tensor would
+    not be seen (delete ``$SANDWICH_CACHE/weights`` to force a conversion then).
+    """
     h = hashlib.sha256(f"{FORMAT}|{layout}".encode())
+    if cfg is not None:
+        h.update(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "name"}, sort_keys=True,
+                            default=str).encode())
     for f in checkpoint_files(model_dir):
-        st = f.stat()
-        h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+        h.update(f.name.encode() + b"\0")
+        try:
+            _hash_safetensors(f, h)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"{f} cannot be read ({err}); re-download it") from err
     return h.hexdigest()[:16]
 
 
-def converted_cache_path(model_dir: Path, layout: str) -> Path:
-    return cache_dir() / "weights" / f"{model_dir.name}-{checkpoint_key(model_dir, layout)}.safetensors"
+def _hash_safetensors(path: Path, h) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        header_len = int.from_bytes(head, "little")
+        if header_len > min(size - 8, 100 << 20):
+            raise ValueError(f"header length {header_len} does not fit the file of {size} bytes")
+        header = fh.read(header_len)
+        h.update(head + header + str(size).encode())
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+            return
+        base = 8 + header_len
+        for name, info in sorted(json.loads(header).items()):
+            if name == "__metadata__":
+                continue
+            lo, hi = info["data_offsets"]
+            for start in sorted({lo, max(lo, (lo + hi - SAMPLE_BYTES) // 2), max(lo, hi - SAMPLE_BYTES)}):
+                fh.seek(base + start)
+                h.update(fh.read(min(SAMPLE_BYTES, hi - start)))
+
+
+def converted_cache_path(model_dir: Path, layout: str, cfg: LlamaConfig | None = None) -> Path:
+    key = checkpoint_key(model_dir, layout, cfg)
+    return cache_dir() / "weights" / f"{model_dir.name}-{key}.safetensors"
 
 
 def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays: list[np.ndarray]) -> None:
@@ -227,7 +332,7 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
         return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}")
     model_dir = Path(spec)
     layout = json.dumps([params, isa])
-    cached = converted_cache_path(model_dir, layout)
+    cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params)
     if arrays is not None:
         log(f"weights from the conversion cache {cached}")

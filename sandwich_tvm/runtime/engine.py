@@ -17,12 +17,58 @@ import numpy as np
 
 from ..compiler.artifact import CompiledModel
 from ..memory import huge_page_share
+from ..model.config import LlamaConfig
 from ..tvm_compat import pin_thread_pool, tvm
 from .plan import ExecPlan
 
 ShapeTuple = tvm.runtime.ShapeTuple
+DEFAULT_CONTEXT = 4096  # KV cache tokens when the caller does not say (capped at the model's)
+CONTEXT_ROUND = 256  # a run's context is rounded up to this many tokens
+
+
 class EngineError(ValueError):
     """A request the engine cannot serve; the message names the limit."""
+
+
+def kv_cache_bytes(cfg: LlamaConfig, tokens: int) -> int:
+    """K and V of every layer for ``tokens`` positions (fp32)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * tokens
+
+
+def run_context(cfg: LlamaConfig, needed: int) -> int:
+    """The KV cache length for a run of ``needed`` tokens (prompt + new tokens): rounded up to
+    ``CONTEXT_ROUND``, capped at the model's ``max_position_embeddings``."""
+    rounded = -(-max(needed, 1) // CONTEXT_ROUND) * CONTEXT_ROUND
+    return min(rounded, cfg.max_position_embeddings)
+
+
+def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context",
+                  available: int | None = None) -> None:
+    """Raise ``EngineError`` when a KV cache of ``tokens`` is longer than the model's context or
+    would not fit in the memory available now (``available`` bytes; psutil's by default)."""
+    if tokens < 1:
+        raise EngineError(f"{option} {tokens} must be at least 1 token")
+    if tokens > cfg.max_position_embeddings:
+        raise EngineError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
+                          "tokens (max_position_embeddings); lower it")
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    need = kv_cache_bytes(cfg, tokens)
+    if need > available:
+        raise EngineError(f"a KV cache of {tokens} tokens needs {need / 2**30:.1f} GiB but only "
+                          f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
+
+
+def check_length(cfg: LlamaConfig, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Raise ``EngineError`` when the prompt and the new tokens do not fit a KV cache of ``context``."""
+    if prompt_tokens + max_new_tokens > context:
+        more = (f", or raise --context (the model allows {cfg.max_position_embeddings})"
+                if context < cfg.max_position_embeddings else "")
+        raise EngineError(
+            f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the context of "
+            f"{context} tokens; shorten the prompt or lower --max-new-tokens{more}")
 
 
 @dataclass
@@ -37,25 +83,32 @@ class Generation:
 
     @property
     def tpot_ms(self) -> float:
-        """Median time per output token after the first (the decode steps)."""
+        """Median time per output token after the first (the decode steps); NaN with none."""
         return float(np.median(self.decode_ms)) if self.decode_ms else float("nan")
 
     def to_json(self) -> dict:
-        return {"ttft_ms": round(self.ttft_ms, 3), "tpot_ms": round(self.tpot_ms, 3),
+        """Valid JSON: ``tpot_ms`` is null when there was no decode step (one token or none)."""
+        tpot = round(self.tpot_ms, 3) if self.decode_ms else None
+        return {"ttft_ms": round(self.ttft_ms, 3), "tpot_ms": tpot,
                 "prompt_tokens": self.prompt_tokens, "output_tokens": len(self.tokens),
                 "switch_ms": round(self.switch_ms, 4), "tokens": self.tokens}
 
 
 class Engine:
     """Runs a compiled model under an execution plan. ``params`` are numpy arrays (ideally in
-    huge pages); they are wrapped zero-copy and shared by every function and phase."""
+    huge pages); they are wrapped zero-copy and shared by every function and phase.
+
+    ``context`` is the KV cache length in tokens: capped at the model's context; by default
+    ``DEFAULT_CONTEXT`` (the cache is allocated up front, so size it to the run: ``run_context``).
+    """
 
     def __init__(self, compiled: CompiledModel, params: Sequence[np.ndarray], plan: ExecPlan, *,
                  context: int | None = None, prefill_chunk: int = 2048, page_size: int = 16,
                  max_batch: int = 1):
         cfg = compiled.config
         self.cfg, self.plan, self.compiled = cfg, plan, compiled
-        self.context = min(context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
+        check_context(cfg, self.context)
         self.prefill_chunk = min(prefill_chunk, self.context)
         pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
         if max(plan.prefill_threads, plan.decode_threads) > pool:
@@ -117,19 +170,19 @@ class Engine:
         return self._step(self._decode, np.array([[token]], dtype=np.int32), seq_id)
 
     def check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if max_new_tokens < 0:
+            raise EngineError(f"max_new_tokens is {max_new_tokens}; ask for 0 (prefill only) or more")
         if not len(prompt):
             raise EngineError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
-        if len(prompt) + max_new_tokens > self.context:
-            raise EngineError(
-                f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the context of "
-                f"{self.context} tokens; shorten the prompt or lower --max-new-tokens")
+        check_length(self.cfg, len(prompt), max_new_tokens, self.context)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,
                  on_token: Callable[[int], None] | None = None, logits_out: list | None = None) -> Generation:
-        """Greedy generation: prefill plan for the prompt, then the decode plan."""
+        """Greedy generation: prefill plan for the prompt, then the decode plan.
+        ``max_new_tokens=0`` runs the prefill only (``ttft_ms`` is its time, no tokens)."""
         self.check_prompt(prompt, max_new_tokens)
         gen = Generation(len(prompt))
         self.start()
@@ -139,7 +192,7 @@ class Engine:
             logits = self.prefill(prompt)
             token = int(np.argmax(logits))
             gen.ttft_ms = (time.perf_counter() - t0) * 1e3
-            while True:
+            while max_new_tokens > 0:
                 gen.tokens.append(token)
                 if logits_out is not None:
                     logits_out.append(logits)

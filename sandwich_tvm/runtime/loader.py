@@ -9,19 +9,24 @@ from ..compiler.artifact import CompiledModel, compile_model
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
 from ..tvm_compat import host_isa
-from .engine import Engine
+from .engine import DEFAULT_CONTEXT, Engine, check_context
 from .plan import ExecPlan
 
 
 def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, schedules: Path | None = None,
                 context: int | None = None, max_batch: int = 8, seed: int = 0, force: bool = False,
                 log: Callable[[str], None] = lambda _m: None) -> tuple[Engine, object, CompiledModel]:
-    """The engine, the tokenizer (None for presets) and the compiled model it runs."""
+    """The engine, the tokenizer (None for presets) and the compiled model it runs.
+
+    ``context``: the KV cache length in tokens (capped at the model's context; default
+    ``DEFAULT_CONTEXT``); checked against memory before anything is compiled or loaded."""
     cfg = load_config(model)
+    check_context(cfg, min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings))
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
                              log=log)
     params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
     engine = Engine(compiled, params, plan, context=context)
+    log(f"KV cache: {engine.context} tokens")
     if engine.huge_page_share is not None:
         gb = sum(a.nbytes for a in params) / 1e9
         log(f"weights: {gb:.2f} GB, {engine.huge_page_share:.0%} in 2 MiB pages")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import os
+import re
 from pathlib import Path
 
-from .hwobj import Discovery, HwObject, TopologyError
+from .hwobj import MAX_PUS, Discovery, HwObject, TopologyError
 
 # Types that are shared resources worth a tree level. L1 caches, memory-side caches,
 # I/O and Misc objects are dropped; NUMA nodes become colours of their parent.
@@ -109,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def discover(*, synthetic: str | None = None, xml: str | os.PathLike | None = None) -> Discovery:
     """Load a topology through hwloc: synthetic string, XML file, or (neither) this machine."""
+    if synthetic is not None:
+        check_synthetic_size(synthetic)
     lib = load_library()
     if lib is None:
         raise TopologyError(
@@ -146,15 +150,45 @@ def _configure(lib: ctypes.CDLL, topo: ctypes.c_void_p, synthetic: str | None, x
         return f"synthetic:{synthetic}"
     if xml is not None:
         path = Path(xml)
+        export = "export one with `lstopo-no-graphics --of xml > machine.xml`"
+        if path.is_dir():
+            raise TopologyError(f"--xml {str(path)!r} is a directory, not an XML file; pass the "
+                                f"topology file itself ({export})")
         if not path.is_file():
-            raise TopologyError(f"topology XML file {str(path)!r} does not exist")
+            raise TopologyError(f"topology XML file {str(path)!r} does not exist; {export}")
+        if not os.access(path, os.R_OK):
+            raise TopologyError(f"topology XML file {str(path)!r} cannot be read (permission denied)")
         if lib.hwloc_topology_set_xml(topo, str(path).encode()) != 0:
-            raise TopologyError(
-                f"hwloc could not parse the XML file {str(path)!r}; export one with "
-                "`lstopo-no-graphics --of xml > machine.xml`"
-            )
+            raise TopologyError(f"hwloc could not parse the XML file {str(path)!r}; {export}")
         return f"xml:{path.name}"
     return "hwloc:this-machine"
+
+
+def synthetic_pus(synthetic: str) -> int | None:
+    """PUs a synthetic description asks for: the product of its level counts.
+
+    Memory levels (``[numa]``) and attributes (``(size=24MiB)``) add none. None when a
+    level does not read as ``type:count`` (hwloc then judges the string).
+    """
+    bare = re.sub(r"\[[^\]]*\]|\([^)]*\)", " ", synthetic)
+    counts = []
+    for level in bare.split():
+        count = level.rpartition(":")[2]
+        if not count.isascii() or not count.isdigit():
+            return None
+        counts.append(int(count))
+    return math.prod(counts) if counts else None
+
+
+def check_synthetic_size(synthetic: str) -> None:
+    """Refuse, before hwloc builds it, a synthetic machine larger than MAX_PUS."""
+    pus = synthetic_pus(synthetic)
+    if pus is not None and pus > MAX_PUS:
+        raise TopologyError(
+            f"the synthetic description {synthetic!r} has {pus} PUs; sandwich-tvm plans for at "
+            f"most {MAX_PUS} PUs (hwloc alone would take minutes to build it). Describe a "
+            "smaller machine, e.g. 'package:2 [numa] l3:8 core:8 pu:2'"
+        )
 
 
 def _convert(lib: ctypes.CDLL, obj: _Obj) -> HwObject:

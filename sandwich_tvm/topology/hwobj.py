@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The largest tree we plan for. Real servers stay below it (8 sockets x 60 cores x 2 SMT is
+# 960 PUs); hwloc needs minutes, in C code Ctrl-C cannot stop, to build synthetic machines
+# of 10^5 PUs, and the search grows faster than the tree.
+MAX_PUS = 2048
+
 
 class TopologyError(ValueError):
     """A topology we cannot read or do not support; the message says what to do."""

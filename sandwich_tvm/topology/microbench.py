@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .profile import MachineProfile, Resource, cache_dir, save_atomic
+from ..host import cache_dir, save_atomic
+from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
 READ_BYTES = 1 << 30
@@ -133,7 +134,11 @@ def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int 
 
 
 def profile_key(tree: TopoTree, cpu_model: str) -> str:
-    text = json.dumps([PROFILE_VERSION, cpu_model, tree.summary(), tree.pus])
+    """The cached profile's name: this CPU's signature (not its model name, which clouds mask)
+    and the tree measured."""
+    from ..host import host_signature
+
+    text = json.dumps([PROFILE_VERSION, cpu_model, host_signature().to_json(), tree.summary(), tree.pus])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

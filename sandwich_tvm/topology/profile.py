@@ -10,8 +10,6 @@ A curve that falls after its peak is contention, which is what `remove` can reli
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -111,16 +109,3 @@ def match_profile(cpu_model: str, pu_count: int) -> MachineProfile | None:
         if profile.pu_count == pu_count and same_cpu:
             return profile
     return None
-
-
-def save_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and rename, so readers never see half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SANDWICH_CACHE", Path.home() / ".cache" / "sandwich_tvm"))

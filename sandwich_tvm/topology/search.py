@@ -9,6 +9,9 @@
 3. Decode configurations are grouped by (process count, NUMA nodes); a group stops being
    evaluated after `patience` consecutive configurations that do not beat its best.
 4. Pairs (prefill, decode) are ranked by predicted mean request latency over the trace.
+
+The exploration is bounded by `max_trees` TopoTrees generated (group() may spend half);
+once spent, every grouped tree's own cuts are still ranked and `stats.bounded` is set.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from .configs import SandwichPlan, ServiceConfig, cross_section, cross_sections
 from .hwobj import TopologyError
 from .profile import MachineProfile
 from .simulator import LatencySimulator, Prediction, Trace
-from .transforms import explore_groups, remove, remove_candidates
+from .transforms import TreeBudget, explore_groups, remove, remove_candidates
 from .tree import TopoTree
 
 Progress = Callable[[str, int, int], None]
+MAX_TREES = 20_000  # typical servers need under 8,000 (Milan 2x64c: ~7,000)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class SearchStats:
     configs_skipped_early_stop: int = 0
     cuts_rejected_tp: int = 0
     groups_early_stopped: int = 0
+    max_trees: int | None = None
+    bounded: bool = False  # max_trees was reached: the search stopped early
     seconds: float = 0.0
 
 
@@ -88,13 +94,24 @@ class _EarlyStop:
 
 def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, trace: Trace, *,
                  top_k: int = 10, patience: int = 32, max_group_levels: int = 2,
-                 power_of_two: bool = True, progress: Progress | None = None) -> SearchResult:
-    """Explore `tree` and return the top-k Sandwich plans by predicted request latency."""
+                 power_of_two: bool = True, max_trees: int | None = MAX_TREES,
+                 progress: Progress | None = None) -> SearchResult:
+    """Explore `tree` and return the top-k Sandwich plans by predicted request latency.
+
+    At most `max_trees` TopoTrees are generated (None: no bound); `stats.bounded` tells
+    whether the bound cut the exploration short.
+    """
+    if top_k < 1 or patience < 1 or max_group_levels < 0 or (max_trees is not None and max_trees < 1):
+        raise ValueError(f"search_plans: top_k ({top_k}), patience ({patience}) and max_trees "
+                         f"({max_trees}) must be >= 1, max_group_levels ({max_group_levels}) >= 0")
     start = time.perf_counter()
-    stats = SearchStats()
+    stats = SearchStats(max_trees=max_trees)
     sim = LatencySimulator(tree, profile, model, trace)
+    group_budget = TreeBudget(None if max_trees is None else max_trees // 2)
     grouped, stats.group_trees_generated = explore_groups(
-        tree, max_new_levels=max_group_levels, power_of_two=power_of_two)
+        tree, max_new_levels=max_group_levels, power_of_two=power_of_two, budget=group_budget)
+    spent = stats.group_trees_generated - 1  # the fundamental tree is free
+    budget = TreeBudget(None if max_trees is None else max_trees - spent)
     stats.group_trees_unique = len(grouped)
     stop = _EarlyStop(patience)
     decode_cost: dict[tuple, float] = {}
@@ -150,6 +167,8 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
             for n, d in remove_candidates(r_tree):
                 if d <= shallowest:  # would leave no cut with the prefill partition
                     continue
+                if not budget.take():
+                    break
                 child = remove(r_tree, n, d)
                 stats.remove_trees_generated += 1
                 if child.merkle not in seen:
@@ -158,6 +177,7 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
     if progress:
         progress("trees", len(grouped), len(grouped))
     stats.groups_early_stopped = len(stop.stopped)
+    stats.bounded = group_budget.exhausted or budget.exhausted
     ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode)) for plan in pairs.values()),
                     key=lambda rp: (round(rp.prediction.latency_ms, 6), len(rp.plan.transforms)))
     stats.seconds = time.perf_counter() - start
@@ -188,7 +208,10 @@ def parse_config(tree: TopoTree, spec: str) -> ServiceConfig:
                             f"of at least {cores} cores (process counts: {counts})")
     from .sysfs import parse_cpulist
 
-    procs = tuple(parse_cpulist(part) for part in spec.split(";"))
+    try:
+        procs = tuple(parse_cpulist(part) for part in spec.split(";"))
+    except ValueError as err:
+        raise TopologyError(f"configuration {spec!r}: {err}") from None
     unknown = sorted(set(c for p in procs for c in p) - set(tree.pus))
     if unknown or not all(procs):
         raise TopologyError(f"configuration {spec!r}: CPUs {unknown} are not in this machine")

@@ -8,22 +8,35 @@ set (as hwloc does) or, failing that, to the machine.
 from __future__ import annotations
 
 import platform
+import re
 from pathlib import Path
 
 from .hwobj import Discovery, HwObject, TopologyError
 
 SYS_CPU = Path("/sys/devices/system/cpu")
 SYS_NODE = Path("/sys/devices/system/node")
+_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
+MAX_CPU_ID = 65535  # far above any Linux build (NR_CPUS is at most 8192)
 
 
 def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11)."""
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); ValueError naming the part it cannot read."""
     cpus: list[int] = []
     for part in text.strip().split(","):
+        part = part.strip()
         if not part:
             continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
+        where = f"{part!r}" + ("" if part == text.strip() else f" in CPU list {text!r}")
+        match = _CPU_RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{where} is not a CPU id or a range LOW-HIGH; write e.g. 0-11,16")
+        first = int(match[1])
+        last = int(match[2]) if match[2] else first
+        if last < first:
+            raise ValueError(f"{where} is a reversed range; write {last}-{first}")
+        if last > MAX_CPU_ID:
+            raise ValueError(f"{where}: CPU id {last} is past {MAX_CPU_ID}, the largest we accept")
+        cpus.extend(range(first, last + 1))
     return tuple(cpus)
 
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from .profile import cache_dir, save_atomic
+from ..host import cache_dir, save_atomic
 from .simulator import Trace
 
 CHARS_PER_TOKEN = 4.0  # BPE tokenizers average ~4 characters of English text per token

@@ -10,7 +10,7 @@ Both act on every node of a level at once (the symmetric and tileable assumption
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .hwobj import TopologyError
 from .tree import Level, TopoTree
@@ -75,19 +75,41 @@ def remove_candidates(tree: TopoTree) -> Iterator[tuple[int, int]]:
             yield n, d
 
 
-def explore_groups(tree: TopoTree, *, max_new_levels: int = 2,
-                   power_of_two: bool = True) -> tuple[list[TopoTree], int]:
+@dataclass
+class TreeBudget:
+    """How many more TopoTrees group()/remove() may generate (None: no bound)."""
+
+    left: int | None = None
+    exhausted: bool = False  # a tree was refused: the exploration is incomplete
+
+    def take(self) -> bool:
+        """Spend one tree; False (and `exhausted`) once the budget is spent."""
+        if self.left is None:
+            return True
+        if self.left <= 0:
+            self.exhausted = True
+            return False
+        self.left -= 1
+        return True
+
+
+def explore_groups(tree: TopoTree, *, max_new_levels: int = 2, power_of_two: bool = True,
+                   budget: TreeBudget | None = None) -> tuple[list[TopoTree], int]:
     """All trees reachable by up to `max_new_levels` groups, de-duplicated by Merkle hash.
 
     Returns the unique trees (the fundamental one first) and how many were generated.
     Group order is inconsequential, so equal trees reached by different orders collapse.
+    With a `budget`, generation stops when it is spent (see `budget.exhausted`).
     """
+    budget = budget or TreeBudget()
     unique = {tree.merkle: tree}
     frontier, generated = [tree], 1
     for _ in range(max_new_levels):
         nxt = []
         for parent in frontier:
             for n, t, d in group_candidates(parent, power_of_two):
+                if not budget.take():
+                    return list(unique.values()), generated
                 child = group(parent, n, t, d)
                 generated += 1
                 if child.merkle not in unique:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from math import prod
 
-from .hwobj import Discovery, HwObject, TopologyError
+from .hwobj import MAX_PUS, Discovery, HwObject, TopologyError
 
 
 @dataclass(frozen=True)
@@ -160,10 +160,22 @@ def from_discovery(found: Discovery, cpus: set[int] | None = None) -> TopoTree:
     asymmetric subtrees, unequal caches within a level), naming the fallback: restrict the
     tree to one homogeneous set of CPUs.
     """
-    root = found.root if cpus is None else found.root.restrict(set(cpus))
-    if root is None:
-        raise TopologyError(f"none of the requested CPUs {sorted(cpus or ())} exist in {found.source}")
+    root = found.root
+    if cpus is not None:
+        have = set(root.pus())
+        missing = set(cpus) - have
+        if not cpus:
+            raise TopologyError(f"--cpus lists no CPUs; {found.source} has CPUs {format_cpus(sorted(have))}")
+        if missing:
+            raise TopologyError(
+                f"--cpus: CPUs {format_cpus(sorted(missing))} do not exist in {found.source}, "
+                f"which has CPUs {format_cpus(sorted(have))}; list only those")
+        root = root.restrict(set(cpus))
     pus = set(root.pus())
+    if len(pus) > MAX_PUS:
+        raise TopologyError(
+            f"{found.source} has {len(pus)} PUs; sandwich-tvm plans for at most {MAX_PUS}. "
+            "Plan for a part of it with --cpus, e.g. --cpus " + format_cpus(sorted(pus)[:MAX_PUS]))
     kinds = [set(kind) & pus for kind in found.cpukinds]
     kinds = [k for k in kinds if k]
     if len(kinds) > 1:

@@ -1,4 +1,5 @@
-"""Tiny random HF Llama checkpoints written with transformers (the reference implementation)."""
+"""Tiny random HF Llama checkpoints written with transformers (the reference implementation),
+and a byte-level BPE tokenizer whose tokens split multi-byte characters."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ CONFIGS = {
                             max_position_embeddings=256, tie_word_embeddings=True, rope_theta=500000.0,
                             rope_scaling=LLAMA3_ROPE),
 }
+# Only written, not compared with HF (test_llama_vs_hf runs every entry of CONFIGS).
+# GQA with 2 KV heads of 16: k_proj/v_proj are [32, 64]; a short context of 128.
+OTHER_CONFIGS = {
+    "gqa-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                      tie_word_embeddings=False),
+}
 
 
 def write_hf_model(name: str, out: Path, seed: int = 0):
@@ -26,6 +34,41 @@ def write_hf_model(name: str, out: Path, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIGS[name])).eval()
+    fields = CONFIGS[name] if name in CONFIGS else OTHER_CONFIGS[name]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(out)
     return model
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what the ByteLevel pre-tokenizer emits)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_level_tokenizer(merges: list[tuple[bytes, bytes]] = ()):
+    """A byte-level BPE ``tokenizers.Tokenizer``: the 256 bytes plus ``merges`` (byte pairs), no
+    pre-splitting, so a merge may join the tail of one character to the next."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    u = _bytes_to_unicode()
+
+    def text(bs: bytes) -> str:
+        return "".join(u[b] for b in bs)
+
+    vocab = {u[b]: b for b in range(256)}
+    pairs = []
+    for a, b in merges:
+        pairs.append((text(a), text(b)))
+        vocab[text(a + b)] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, pairs))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

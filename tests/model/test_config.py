@@ -45,3 +45,58 @@ def test_bad_model_directories(tmp_path, content, message):
 def test_unknown_name():
     with pytest.raises(ModelConfigError, match="neither a preset"):
         load_config("llama-9000")
+
+
+GOOD = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+        "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1, got 0"),
+    ({"vocab_size": -5}, "vocab_size must be >= 1, got -5"),
+    ({"hidden_size": "64"}, "hidden_size must be an integer, got a string '64'"),
+    ({"hidden_size": 64.5}, "hidden_size must be an integer"),
+    ({"intermediate_size": True}, "intermediate_size must be an integer, got a boolean"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
+    ({"hidden_size": 62}, "hidden_size 62 is not a multiple of num_attention_heads 4"),
+    ({"hidden_size": 20}, "head_dim 5 .* is odd"),
+    ({"head_dim": 32}, "head_dim 32 != hidden_size / num_attention_heads"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 1"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number"),
+    ({"rope_theta": "big"}, "rope_theta must be a positive number, got a string"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"rope_scaling": [1, 2]}, "must be an object, got an array"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 RoPE scaling needs low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                       "original_max_position_embeddings": 64}}, "high_freq_factor 1.0 must exceed"),
+])
+def test_bad_fields_name_the_file_field_and_value(tmp_path, change, message):
+    (tmp_path / "config.json").write_text(json.dumps(GOOD | change))
+    with pytest.raises(ModelConfigError, match=message) as err:
+        load_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("content", "what"), [("[1, 2]", "an array"), ('"llama"', "a string"),
+                                               ("null", "null"), ("3", "a number")])
+def test_config_json_that_is_not_an_object(tmp_path, content, what):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ModelConfigError, match=f"expected a JSON object of model fields, got {what}"):
+        load_config(tmp_path)
+
+
+def test_integers_written_as_floats_and_nulls_are_accepted(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        GOOD | {"max_position_embeddings": 1e9, "num_key_value_heads": None, "head_dim": None}))
+    cfg = load_config(tmp_path)
+    assert cfg.max_position_embeddings == 10**9 and isinstance(cfg.max_position_embeddings, int)
+    assert cfg.num_key_value_heads == 4  # null: the HF default, one KV head per query head
+
+
+def test_presets_are_validated_too():
+    from dataclasses import replace
+
+    with pytest.raises(ModelConfigError, match="num_key_value_heads 5 does not divide"):
+        replace(PRESETS["llama-160m"], num_key_value_heads=5)

@@ -11,6 +11,7 @@ import pytest
 
 from sandwich_tvm.compiler.artifact import export_module
 from sandwich_tvm.kernels.codegen import pack_weight
+from sandwich_tvm.kernels.microkernel import ISAS
 from sandwich_tvm.memory import aligned_empty
 from sandwich_tvm.model.config import ModelConfigError, load_config
 from sandwich_tvm.model.linear import KernelSet
@@ -20,14 +21,25 @@ from .hf_models import write_hf_model
 
 pytest.importorskip("torch")
 
+ISA = "avx2"  # packing runs in numpy, so any ISA works on any host: fix one for the bad-input tests
+ALL_ISAS = pytest.mark.parametrize("isa", sorted(ISAS))
+_PARAMS: dict[tuple[str, str], list] = {}
+
+
+def params_for(cfg, isa: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The compiled model's parameter list (names, packed shapes) built for ``isa``."""
+    key = (str(cfg), isa)
+    if key not in _PARAMS:
+        _PARAMS[key] = export_module(cfg, KernelSet(2, 1, isa=isa))[1]
+    return _PARAMS[key]
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("gqa")
     write_hf_model("gqa-tied-llama3", out)
     cfg = load_config(out)
-    _, params = export_module(cfg, KernelSet(2, 1))
-    return out, cfg, params
+    return out, cfg, params_for(cfg, ISA)
 
 
 def test_config_reads_transformers5_rope_parameters(ckpt):
@@ -36,24 +48,74 @@ def test_config_reads_transformers5_rope_parameters(ckpt):
     assert cfg.tie_word_embeddings and cfg.num_key_value_heads == 2
 
 
-def test_packed_params_and_cache(ckpt):
-    model_dir, cfg, params = ckpt
+@ALL_ISAS
+def test_packed_params_and_cache(ckpt, isa):
+    model_dir, cfg, _ = ckpt
+    params = params_for(cfg, isa)
     state = read_checkpoint(model_dir)
-    first = load_params(model_dir, cfg, params, "avx2")
+    first = load_params(model_dir, cfg, params, isa)
     names = [n for n, _ in params]
     qkv = first[names.index("model.layers.1.self_attn.qkv_proj.weight")]
     p = "model.layers.1.self_attn."
     fused = np.concatenate([state[p + f"{x}_proj.weight"] for x in "qkv"])
-    np.testing.assert_array_equal(qkv, pack_weight(fused, "avx2"))
+    np.testing.assert_array_equal(qkv, pack_weight(fused, isa))
     # Tied: the embedding is stored once, packed, and read by both the gather and the lm_head.
     assert "lm_head.weight" not in names
     emb = first[names.index("model.embed_tokens.weight")]
-    np.testing.assert_array_equal(emb, pack_weight(state["model.embed_tokens.weight"], "avx2"))
+    np.testing.assert_array_equal(emb, pack_weight(state["model.embed_tokens.weight"], isa))
     assert all(a.ctypes.data % 64 == 0 for a in first)
     assert list(Path(os.environ["SANDWICH_CACHE"]).glob("weights/*.safetensors")), "conversion cached"
-    again = load_params(model_dir, cfg, params, "avx2")
+    again = load_params(model_dir, cfg, params, isa)
     for a, b in zip(first, again, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_conversion_cache_is_per_isa(ckpt, monkeypatch, tmp_path):
+    model_dir, cfg, _ = ckpt
+    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path / "cache"))
+    for isa in sorted(ISAS):
+        load_params(model_dir, cfg, params_for(cfg, isa), isa)
+    assert len(list((tmp_path / "cache" / "weights").glob("*.safetensors"))) == len(ISAS)
+    # A cached conversion is served only to its own ISA (shapes differ, so would the panels).
+    for isa in sorted(ISAS):
+        arrays = load_params(model_dir, cfg, params_for(cfg, isa), isa)
+        assert [a.shape for a in arrays] == [s for _, s in params_for(cfg, isa)]
+
+
+def test_params_built_for_another_isa_are_refused(ckpt):
+    model_dir, cfg, _ = ckpt
+    with pytest.raises(ModelLoadError, match="same ISA"):
+        load_params(model_dir, cfg, params_for(cfg, "avx512"), "avx2")
+
+
+def _same_name_size_mtime(tmp_path: Path) -> tuple[Path, Path]:
+    """Two different checkpoints in directories of the same name, files of equal size and mtime."""
+    a, b = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    write_hf_model("gqa-tied-llama3", a, seed=0)
+    write_hf_model("gqa-tied-llama3", b, seed=1)
+    for f in ("model.safetensors", "config.json"):
+        assert (a / f).stat().st_size == (b / f).stat().st_size
+        os.utime(a / f, ns=(1_700_000_000 * 10**9,) * 2)
+        os.utime(b / f, ns=(1_700_000_000 * 10**9,) * 2)
+    return a, b
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["whole-file", "sampled"])
+def test_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch, sampled):
+    from sandwich_tvm.model import weights
+
+    if sampled:  # the large-file path: header + start/middle/end of every tensor
+        monkeypatch.setattr(weights, "FULL_HASH_BYTES", 0)
+    a, b = _same_name_size_mtime(tmp_path)
+    cfg = load_config(a)
+    params = params_for(cfg, ISA)
+    first = load_params(a, cfg, params, ISA)
+    second = load_params(b, cfg, params, ISA)
+    assert any(not np.array_equal(x, y) for x, y in zip(first, second, strict=True))
+    fresh = weights.convert(cfg, read_checkpoint(b), params, ISA)
+    for x, y in zip(second, fresh, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert len(list(Path(os.environ["SANDWICH_CACHE"]).glob("weights/model-*.safetensors"))) >= 2
 
 
 def test_sharded_checkpoint_equals_single_file(ckpt, tmp_path):
@@ -76,7 +138,7 @@ def test_truncated_safetensors_names_the_file(ckpt, tmp_path):
     data = (model_dir / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match=r"model.safetensors.*re-download"):
-        load_params(tmp_path, cfg, params, "avx2")
+        load_params(tmp_path, cfg, params, ISA)
 
 
 def test_shape_mismatch_and_missing_tensor(ckpt, tmp_path):
@@ -88,11 +150,11 @@ def test_shape_mismatch_and_missing_tensor(ckpt, tmp_path):
     del state["model.layers.1.input_layernorm.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="down_proj.weight has shape"):
-        load_params(tmp_path, cfg, params, "avx2")
+        load_params(tmp_path, cfg, params, ISA)
     state["model.layers.0.mlp.down_proj.weight"] = np.zeros((96, 200), np.float32)
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="input_layernorm.weight' is missing"):
-        load_params(tmp_path, cfg, params, "avx2")
+        load_params(tmp_path, cfg, params, ISA)
 
 
 def test_bad_model_directories(tmp_path):
@@ -104,7 +166,7 @@ def test_bad_model_directories(tmp_path):
     with pytest.raises(ModelConfigError, match="not supported"):
         load_config(tmp_path)
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
-        load_params(tmp_path, None, [], "avx2")
+        load_params(tmp_path, None, [], ISA)
 
 
 def test_large_arrays_are_huge_page_aligned():

@@ -86,6 +86,23 @@ def test_early_stopping_skips_configurations(trace):
     assert hasty.stats.configs_evaluated < patient.stats.configs_evaluated
 
 
+def test_search_bound_stops_early_and_says_so(trace, capsys):
+    tree, _ = load_tree(synthetic=KUNPENG_192)
+    model, profile = PRESETS["llama-160m"], load_profile("kunpeng920-4s-192c")
+    full = search_plans(tree, model, profile, trace)
+    bounded = search_plans(tree, model, profile, trace, max_trees=60)
+    assert not full.stats.bounded and bounded.stats.bounded
+    generated = bounded.stats.group_trees_generated - 1 + bounded.stats.remove_trees_generated
+    assert generated <= 60 and bounded.plans  # every grouped tree's own cuts are still ranked
+    argv = ["--synthetic", KUNPENG_192, "--machine-profile", "kunpeng920-4s-192c", "--lengths", "128:32",
+            "--max-trees", "60"]
+    assert topo_cli.main(argv) == 0
+    assert "search bounded: stopped at 60 generated TopoTrees (--max-trees)" in capsys.readouterr().out
+    assert topo_cli.main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["stats"]["bounded"] and "search bounded" in captured.err
+
+
 def _cluster_bound_profile() -> MachineProfile:
     """Plenty of DRAM bandwidth, but 4-core clusters that choke with all 4 cores streaming."""
     return MachineProfile("cluster-bound", 40.0, (
