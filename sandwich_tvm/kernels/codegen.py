@@ -20,8 +20,9 @@ Trap (notes §2): the accumulator must be a small *global*-scope block buffer: T
 it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
 allocation whose stores stay in the hot loop (3x slower). "Small" is under 1 KB (TVM's
 ``kMaxStackAlloca``): larger buffers are heap workspaces LLVM cannot keep in registers, which
-an AVX-512 tile such as 6x64 (1.5 KB) would be. So each row of the tile has its own
-accumulator buffer ``acc<ii>[k-partial, NR]`` (at most 256 bytes), and rows are unrolled here.
+an AVX-512 tile such as 6x64 (1.5 KB) would be. Such tiles get one accumulator buffer per row,
+``acc<ii>[k-partial, NR]`` (at most 256 bytes), with the rows unrolled in the generated text;
+smaller tiles keep one ``acc[k-partial, MR, NR]`` and ``T.unroll`` loops (less text to parse).
 """
 
 from __future__ import annotations
@@ -53,6 +54,30 @@ def packed_shape(n: int, k: int, isa: str) -> tuple[int, int, int]:
 
 
 EPILOGUES = ("none", "residual", "bias", "silu_mul")
+STACK_BYTES = 1024  # TVM's kMaxStackAlloca: larger block buffers become heap workspaces
+
+
+class _Acc:
+    """The register tile's accumulator: one buffer, or one per row when it would not fit the
+    stack. ``rows(body)`` emits ``body(ii)`` for every row; ``at(ii, u, col)`` is an element."""
+
+    def __init__(self, ku: int, mr: int, nr: int) -> None:
+        self.ku, self.mr, self.nr = ku, mr, nr
+        self.split = ku * mr * nr * 4 >= STACK_BYTES
+
+    def alloc(self) -> list[str]:
+        if self.split:
+            return [f'acc{ii} = T.sblock_alloc_buffer(({self.ku}, {self.nr}), "float32", scope="global")'
+                    for ii in range(self.mr)]
+        return [f'acc = T.sblock_alloc_buffer(({self.ku}, {self.mr}, {self.nr}), "float32", scope="global")']
+
+    def at(self, ii: str, u: str, col: str) -> str:
+        return f"acc{ii}[{u}, {col}]" if self.split else f"acc[{u}, {ii}, {col}]"
+
+    def rows(self, body) -> list[str]:
+        if self.split:
+            return [ln for ii in range(self.mr) for ln in body(str(ii))]
+        return [f"for ii in T.unroll({self.mr}):", *_indent(body("ii"), 1)]
 
 
 @dataclass(frozen=True)
@@ -182,23 +207,20 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         '                                with T.sblock("tile"):',
     ]
     ku = mk.k_partials
-    tile = [f'acc{ii} = T.sblock_alloc_buffer(({ku}, {nr}), "float32", scope="global")' for ii in range(mr)]
+    acc = _Acc(ku, mr, nr)
+    tile = acc.alloc()
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
     tile += [f"for u in range({ku}):"]
-    tile += [ln for ii in range(mr) for ln in (f"    for jj in T.vectorized({nr}):",
-                                               f"        acc{ii}[u, jj] = T.float32(0)")]
+    tile += _indent(acc.rows(lambda ii: [f"for jj in T.vectorized({nr}):",
+                                         f"    {acc.at(ii, 'u', 'jj')} = T.float32(0)"]), 1)
 
     def fma(kidx: str, u: str) -> list[str]:
-        lines = []
-        for ii in range(mr):  # A[ii] is broadcast once, then NR/lanes FMAs
-            lines += [
-                f"for q in T.unroll({nv}):",
-                f"    for w in T.vectorized({lanes}):",
-                f"        acc{ii}[{u}, q * {lanes} + w] = acc{ii}[{u}, q * {lanes} + w] + "
-                f"{ap}[{it}, {kidx}, {ii}] * Wp[{jt} * {nv} + q, {kidx}, w]",
-            ]
-        return lines
+        def row(ii: str) -> list[str]:  # A[ii] is broadcast once, then NR/lanes FMAs
+            cell = acc.at(ii, u, f"q * {lanes} + w")
+            return [f"for q in T.unroll({nv}):", f"    for w in T.vectorized({lanes}):",
+                    f"        {cell} = {cell} + {ap}[{it}, {kidx}, {ii}] * Wp[{jt} * {nv} + q, {kidx}, w]"]
+        return acc.rows(row)
 
     def kloop(length: int) -> list[str]:
         lines = []
@@ -217,16 +239,16 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
     def store(target: str) -> list[str]:
         """``target`` opens the subscript: ``Y[`` or ``P0[1, `` for split-K partials."""
-        return [ln for ii in range(mr) for ln in store_row(target, ii)]
+        return acc.rows(lambda ii: store_row(target, ii))
 
-    def store_row(target: str, ii: int) -> list[str]:
+    def store_row(target: str, ii: str) -> list[str]:
         row, col = f"{it} * {mr} + {ii}", f"{jt} * {nr} + jj"
         dst = f"{target}{row}, {col}]"
 
         def body(vector: bool) -> list[str]:
             loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
             guard = [] if vector else [f"if {col} < {n}:"]
-            total = " + ".join(f"acc{ii}[{u}, jj]" for u in range(ku))
+            total = " + ".join(acc.at(ii, str(u), "jj") for u in range(ku))
             rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
             if target == "Y[":  # the first store of the output carries the epilogue
                 total += {"none": "", "residual": f" + R[{row}, {col}]", "bias": f" + B[{col}]"}[epilogue]
@@ -244,16 +266,16 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         return lines
 
     def store_pairs() -> list[str]:
-        return [ln for ii in range(mr) for ln in store_pairs_row(ii)]
+        return acc.rows(store_pairs_row)
 
-    def store_pairs_row(ii: int) -> list[str]:
+    def store_pairs_row(ii: str) -> list[str]:
         """silu_mul from registers: vector pair q of the tile is (gate, up) of output block q."""
         half, row = nv // 2, f"{it} * {mr} + {ii}"
         blk = f"({jt} * {half} + q)"
 
         def total(vec: str) -> str:
             prior = [f"{y}[{row}, {jt} * {nr} + {vec} * {lanes} + w]"] if kchunk > 1 else []
-            return " + ".join([f"acc{ii}[{u}, {vec} * {lanes} + w]" for u in range(ku)] + prior)
+            return " + ".join([acc.at(ii, str(u), f"{vec} * {lanes} + w") for u in range(ku)] + prior)
 
         # gate and up go through a 2-vector stack buffer first: silu_mul repeats its arguments,
         # and as plain loads LLVM keeps them in registers (repeated sums of heap loads were

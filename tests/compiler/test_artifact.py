@@ -65,3 +65,36 @@ def test_a_foreign_library_is_not_overwritten(model_dir, tmp_path, capsys):
     assert compile_cli.main(args) == 2
     assert "did not write" in capsys.readouterr().out
     assert (tmp_path / "model.so").read_bytes() == b"someone else's library"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other cpu"])
+def test_a_bad_schedules_database_is_a_clear_error(model_dir, tmp_path, capsys, damage):
+    from dataclasses import replace
+
+    from sandwich_tvm.cli import generate as generate_cli
+    from sandwich_tvm.host import host_signature
+    from sandwich_tvm.kernels.database import KernelRecord, record_path, save_record
+    from sandwich_tvm.kernels.defaults import default_schedule
+    from sandwich_tvm.kernels.schedule import GemmShape
+    from sandwich_tvm.kernels.search import Tuned
+    from sandwich_tvm.model.config import load_config
+
+    cfg = load_config(model_dir)
+    shape = GemmShape(3 * cfg.hidden_size, cfg.hidden_size)  # the fused qkv of this MHA model
+    threads = len(PROCESS_CPUS)
+    path = record_path(shape, threads, tmp_path)
+    if damage == "truncated":
+        path.parent.mkdir(parents=True)
+        path.write_text('{"format": 2, "cpu": {')
+    else:  # a record of another CPU copied into this CPU's directory
+        other = replace(host_signature(), family=(host_signature().family or 0) + 1)
+        rec = KernelRecord(shape, threads, other, [Tuned(1, default_schedule(shape, 1, threads), 1.0, True)])
+        path.parent.mkdir(parents=True)
+        path.write_text(save_record(rec, tmp_path / "elsewhere").read_text())
+    common = ["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+              "--schedules", str(tmp_path)]
+    assert compile_cli.main([*common, "--out", str(tmp_path / "artifact")]) == 2
+    out = capsys.readouterr().out
+    assert path.name in out and ("delete it" in out or "re-tune" in out) and "Traceback" not in out
+    assert generate_cli.main([*common, "--prompt-len", "4", "--max-new-tokens", "1"]) == 2
+    assert path.name in capsys.readouterr().err
