@@ -20,9 +20,10 @@ Trap (notes §2): the accumulator must be a small *global*-scope block buffer: T
 it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
 allocation whose stores stay in the hot loop (3x slower). "Small" is under 1 KB (TVM's
 ``kMaxStackAlloca``): larger buffers are heap workspaces LLVM cannot keep in registers, which
-an AVX-512 tile such as 6x64 (1.5 KB) would be. Such tiles get one accumulator buffer per row,
-``acc<ii>[k-partial, NR]`` (at most 256 bytes), with the rows unrolled in the generated text;
-smaller tiles keep one ``acc[k-partial, MR, NR]`` and ``T.unroll`` loops (less text to parse).
+an AVX-512 tile such as 6x64 (1.5 KB) would be. Such tiles get one accumulator buffer per
+vector column, ``acc<q>[k-partial, MR, lanes]`` (the micro-kernel enumeration keeps a column
+under 1 KB), with the columns unrolled in the generated text; smaller tiles keep one
+``acc[k-partial, MR, NR]``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..tvm_compat import parse_tvmscript, tvm
-from .microkernel import ISAS, REGISTRY
+from .microkernel import ISAS, REGISTRY, STACK_BYTES
 from .schedule import GemmSchedule, GemmShape, cdiv
 from .vecmath import silu_mul
 
@@ -54,30 +55,38 @@ def packed_shape(n: int, k: int, isa: str) -> tuple[int, int, int]:
 
 
 EPILOGUES = ("none", "residual", "bias", "silu_mul")
-STACK_BYTES = 1024  # TVM's kMaxStackAlloca: larger block buffers become heap workspaces
 
 
 class _Acc:
-    """The register tile's accumulator: one buffer, or one per row when it would not fit the
-    stack. ``rows(body)`` emits ``body(ii)`` for every row; ``at(ii, u, col)`` is an element."""
+    """The register tile's accumulator: one buffer, or one per vector column when the tile would
+    not fit TVM's stack allocation. ``columns(ii)`` lists ``(loop var, width, column offset,
+    element)`` for the output columns of row ``ii``; ``vectors(n, body)`` emits ``body(q)`` for
+    vector columns ``q < n`` (a ``T.unroll`` loop, or unrolled text for split buffers)."""
 
-    def __init__(self, ku: int, mr: int, nr: int) -> None:
-        self.ku, self.mr, self.nr = ku, mr, nr
+    def __init__(self, ku: int, mr: int, nr: int, lanes: int) -> None:
+        self.ku, self.mr, self.nr, self.lanes = ku, mr, nr, lanes
         self.split = ku * mr * nr * 4 >= STACK_BYTES
 
     def alloc(self) -> list[str]:
         if self.split:
-            return [f'acc{ii} = T.sblock_alloc_buffer(({self.ku}, {self.nr}), "float32", scope="global")'
-                    for ii in range(self.mr)]
+            return [f'acc{q} = T.sblock_alloc_buffer(({self.ku}, {self.mr}, {self.lanes}), "float32", '
+                    'scope="global")' for q in range(self.nr // self.lanes)]
         return [f'acc = T.sblock_alloc_buffer(({self.ku}, {self.mr}, {self.nr}), "float32", scope="global")']
 
-    def at(self, ii: str, u: str, col: str) -> str:
-        return f"acc{ii}[{u}, {col}]" if self.split else f"acc[{u}, {ii}, {col}]"
+    def vec(self, u: str, ii: str, q: str, w: str) -> str:
+        """Lane ``w`` of vector column ``q`` (a literal when split)."""
+        return f"acc{q}[{u}, {ii}, {w}]" if self.split else f"acc[{u}, {ii}, {q} * {self.lanes} + {w}]"
 
-    def rows(self, body) -> list[str]:
+    def vectors(self, count: int, body) -> list[str]:
         if self.split:
-            return [ln for ii in range(self.mr) for ln in body(str(ii))]
-        return [f"for ii in T.unroll({self.mr}):", *_indent(body("ii"), 1)]
+            return [ln for q in range(count) for ln in body(str(q))]
+        return [f"for q in T.unroll({count}):", *_indent(body("q"), 1)]
+
+    def columns(self, ii: str) -> list[tuple[str, int, str, object]]:
+        if self.split:
+            return [("w", self.lanes, f"{q * self.lanes} + ",
+                     lambda u, q=q: f"acc{q}[{u}, {ii}, w]") for q in range(self.nr // self.lanes)]
+        return [("jj", self.nr, "", lambda u: f"acc[{u}, {ii}, jj]")]
 
 
 @dataclass(frozen=True)
@@ -207,20 +216,21 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         '                                with T.sblock("tile"):',
     ]
     ku = mk.k_partials
-    acc = _Acc(ku, mr, nr)
+    acc = _Acc(ku, mr, nr, lanes)
     tile = acc.alloc()
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
-    tile += [f"for u in range({ku}):"]
-    tile += _indent(acc.rows(lambda ii: [f"for jj in T.vectorized({nr}):",
-                                         f"    {acc.at(ii, 'u', 'jj')} = T.float32(0)"]), 1)
+    tile += [f"for u, ii in T.grid({ku}, {mr}):"]
+    for var, width, _, elem in acc.columns("ii"):
+        tile += [f"    for {var} in T.vectorized({width}):", f"        {elem('u')} = T.float32(0)"]
 
     def fma(kidx: str, u: str) -> list[str]:
-        def row(ii: str) -> list[str]:  # A[ii] is broadcast once, then NR/lanes FMAs
-            cell = acc.at(ii, u, f"q * {lanes} + w")
-            return [f"for q in T.unroll({nv}):", f"    for w in T.vectorized({lanes}):",
-                    f"        {cell} = {cell} + {ap}[{it}, {kidx}, {ii}] * Wp[{jt} * {nv} + q, {kidx}, w]"]
-        return acc.rows(row)
+        def column(q: str) -> list[str]:
+            cell = acc.vec(u, "ii", q, "w")
+            return [f"for w in T.vectorized({lanes}):",
+                    f"    {cell} = {cell} + {ap}[{it}, {kidx}, ii] * Wp[{jt} * {nv} + {q}, {kidx}, w]"]
+        # A[ii] is broadcast once, then NR/lanes FMAs
+        return [f"for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, column), 1)]
 
     def kloop(length: int) -> list[str]:
         lines = []
@@ -239,54 +249,57 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
     def store(target: str) -> list[str]:
         """``target`` opens the subscript: ``Y[`` or ``P0[1, `` for split-K partials."""
-        return acc.rows(lambda ii: store_row(target, ii))
-
-    def store_row(target: str, ii: str) -> list[str]:
-        row, col = f"{it} * {mr} + {ii}", f"{jt} * {nr} + jj"
-        dst = f"{target}{row}, {col}]"
+        row = f"{it} * {mr} + ii"
 
         def body(vector: bool) -> list[str]:
-            loop = f"for jj in T.vectorized({nr}):" if vector else f"for jj in range({nr}):"
-            guard = [] if vector else [f"if {col} < {n}:"]
-            total = " + ".join(acc.at(ii, str(u), "jj") for u in range(ku))
-            rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
-            if target == "Y[":  # the first store of the output carries the epilogue
-                total += {"none": "", "residual": f" + R[{row}, {col}]", "bias": f" + B[{col}]"}[epilogue]
-            first = [loop] + _indent(guard + _indent([f"{dst} = {total}"], len(guard)), 1)
-            if kchunk == 1:
-                return first
-            return ["if pcl == 0:"] + _indent(first, 1) + ["else:"] + _indent(rest, 1)
+            out = []
+            for var, width, offset, elem in acc.columns("ii"):
+                col = f"{jt} * {nr} + {offset}{var}"
+                dst = f"{target}{row}, {col}]"
+                loop = f"for {var} in T.vectorized({width}):" if vector else f"for {var} in range({width}):"
+                guard = [] if vector else [f"if {col} < {n}:"]
+                total = " + ".join(elem(u) for u in range(ku))
+                rest = [loop] + _indent(guard + _indent([f"{dst} = {dst} + {total}"], len(guard)), 1)
+                if target == "Y[":  # the first store of the output carries the epilogue
+                    total += {"none": "", "residual": f" + R[{row}, {col}]", "bias": f" + B[{col}]"}[epilogue]
+                first = [loop] + _indent(guard + _indent([f"{dst} = {total}"], len(guard)), 1)
+                if kchunk == 1:
+                    out += first
+                else:
+                    out += ["if pcl == 0:"] + _indent(first, 1) + ["else:"] + _indent(rest, 1)
+            return out
 
-        lines = [f"if {row} < m:"]
+        lines = [f"for ii in T.unroll({mr}):", f"    if {row} < m:"]
         if full_nt == nt:
-            lines += _indent(body(True), 1)
+            lines += _indent(body(True), 2)
         else:
             split = [f"if {jt} < {full_nt}:", *_indent(body(True), 1), "else:", *_indent(body(False), 1)]
-            lines += _indent(split, 1)
+            lines += _indent(split, 2)
         return lines
 
     def store_pairs() -> list[str]:
-        return acc.rows(store_pairs_row)
-
-    def store_pairs_row(ii: str) -> list[str]:
         """silu_mul from registers: vector pair q of the tile is (gate, up) of output block q."""
-        half, row = nv // 2, f"{it} * {mr} + {ii}"
-        blk = f"({jt} * {half} + q)"
+        half, row = nv // 2, f"{it} * {mr} + ii"
 
-        def total(vec: str) -> str:
-            prior = [f"{y}[{row}, {jt} * {nr} + {vec} * {lanes} + w]"] if kchunk > 1 else []
-            return " + ".join([acc.at(ii, str(u), f"{vec} * {lanes} + w") for u in range(ku)] + prior)
+        def pair(q: str) -> list[str]:
+            blk = f"({jt} * {half} + {q})"
 
-        # gate and up go through a 2-vector stack buffer first: silu_mul repeats its arguments,
-        # and as plain loads LLVM keeps them in registers (repeated sums of heap loads were
-        # re-evaluated).
-        inner = [f"for w in T.vectorized({lanes}):", f"    ep[0, w] = {total('2 * q')}",
-                 f"    ep[1, w] = {total('(2 * q + 1)')}",
-                 f"for w in T.vectorized({lanes}):",
-                 f"    Y[{row}, {blk} * {lanes} + w] = {silu_mul('ep[0, w]', 'ep[1, w]')}"]
-        guard = [] if full_nt == nt else [f"if {blk} * {lanes} < {n // 2}:"]
-        return [f"if {row} < m:", f"    for q in T.unroll({half}):",
-                *_indent(guard + _indent(inner, len(guard)), 2)]
+            def total(off: int) -> str:
+                vec = f"(2 * {q} + {off})" if not acc.split else str(2 * int(q) + off)
+                prior = [f"{y}[{row}, {jt} * {nr} + {vec} * {lanes} + w]"] if kchunk > 1 else []
+                return " + ".join([acc.vec(str(u), "ii", vec, "w") for u in range(ku)] + prior)
+
+            # gate and up go through a 2-vector stack buffer first: silu_mul repeats its
+            # arguments, and as plain loads LLVM keeps them in registers (repeated sums of heap
+            # loads were re-evaluated).
+            inner = [f"for w in T.vectorized({lanes}):", f"    ep[0, w] = {total(0)}",
+                     f"    ep[1, w] = {total(1)}",
+                     f"for w in T.vectorized({lanes}):",
+                     f"    Y[{row}, {blk} * {lanes} + w] = {silu_mul('ep[0, w]', 'ep[1, w]')}"]
+            guard = [] if full_nt == nt else [f"if {blk} * {lanes} < {n // 2}:"]
+            return guard + _indent(inner, len(guard))
+
+        return [f"for ii in T.unroll({mr}):", f"    if {row} < m:", *_indent(acc.vectors(half, pair), 2)]
 
     if pairs and kchunk == 1:
         tile += store_pairs()
@@ -335,11 +348,11 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
 
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
-                    epilogue: str = "none") -> tvm.tirx.PrimFunc:
+                    epilogue: str = "none", check_well_formed: bool = True) -> tvm.tirx.PrimFunc:
     """Parse the generated kernel into a PrimFunc."""
     src = linear_source(shape, buckets, name, epilogue)
     try:
-        return parse_tvmscript(src)
+        return parse_tvmscript(src, check_well_formed)
     except Exception as err:  # the generator's bug, not the user's: keep the source for the report
         raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
 

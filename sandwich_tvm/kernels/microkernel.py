@@ -88,6 +88,12 @@ class MicroKernel:
         """FMAs per register loaded in one k step (higher = more reuse)."""
         return self.mr * self.nr / (self.mr + self.nr)
 
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one vector column of accumulators (every k-partial): the code generator
+        keeps each column in its own buffer, which TVM puts on the stack only under 1 KB."""
+        return self.k_partials * self.mr * self.lanes * 4
+
     def to_json(self) -> dict:
         return {"isa": self.isa, "mr": self.mr, "nr": self.nr, "dtype": self.dtype}
 
@@ -100,8 +106,12 @@ def _short(dtype: str) -> str:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
 
 
+STACK_BYTES = 1024  # TVM's kMaxStackAlloca: larger block buffers become heap workspaces
+
+
 def enumerate_microkernels(isa: str) -> tuple[MicroKernel, ...]:
-    """Every tile whose accumulators, B vectors and broadcast fit the register file."""
+    """Every tile whose accumulators, B vectors and broadcast fit the register file and whose
+    accumulator columns fit TVM's stack allocation (else they leave the registers)."""
     if isa not in ISAS:
         raise ValueError(f"no micro-kernels for ISA {isa!r}; known: {sorted(ISAS)}")
     spec = ISAS[isa]
@@ -112,7 +122,8 @@ def enumerate_microkernels(isa: str) -> tuple[MicroKernel, ...]:
             mk = MicroKernel(isa, mr, nr)
             if mk.registers_used > spec.registers:
                 break
-            kernels.append(mk)
+            if mk.column_bytes < STACK_BYTES:
+                kernels.append(mk)
     return tuple(kernels)
 
 

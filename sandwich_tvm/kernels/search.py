@@ -201,7 +201,7 @@ class SequenceTuner:
     mks: Sequence[MicroKernel]
     max_m: int = 2048
     window: int = 16  # σ
-    prune: int = 5  # micro-kernels kept per m by the analytic prior (dense part)
+    prune: int = 4  # micro-kernels kept per m by the analytic prior (dense part)
     prune_large: int = 3  # ... and past it
     patience: int = 3  # stable winners in a row before the schedule is reused
     tolerance: float = 0.05  # "stable": GFLOPS within 5% of the previous winners' average

@@ -25,6 +25,12 @@ def sch(isa, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
                         Polymerization(pm, pn, pk))
 
 
+def split_tile(isa, kc=48, **poly) -> GemmSchedule:
+    """A 4-vector tile whose accumulator exceeds 1 KB: one buffer per vector column."""
+    mr = 256 // (4 * ISAS[isa].lanes)
+    return sch(isa, mr, 4, 2 * mr, 8, kc, **poly)
+
+
 def build(shape: GemmShape, buckets):
     func = linear_primfunc(shape, buckets)
     return tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
@@ -50,6 +56,7 @@ def test_every_m_with_tails_and_split_k(isa):
         Bucket(1, sch(isa, 1, 2, 1, 4, 48)),
         Bucket(5, sch(isa, 2, 3, 4, 6, 32, pk=1, pn=1, pm=2)),
         Bucket(40, sch(isa, 4, 3, 8, 6, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(80, split_tile(isa)),
         Bucket(1 << 62, sch(isa, 6, 2, 12, 8, 48, pm=2, pn=1)),
     ]
     check(build(shape, buckets), shape, range(1, 301), np.random.default_rng(0), isa)
@@ -110,6 +117,7 @@ def test_fused_epilogues(epilogue, isa):
     buckets = [
         Bucket(2, sch(isa, 1, 2, 1, 4, 32)),  # 4 KC blocks per thread: stores accumulate
         Bucket(20, sch(isa, 4, 3, 8, 6, 48, pm=1, pn=1, pk=2)),  # split-K
+        Bucket(40, split_tile(isa, kc=32)),  # accumulator split by vector column, 4 KC blocks
         Bucket(1 << 62, sch(isa, 6, 2, 12, 8, 128, pm=2, pn=1)),
     ]
     func = linear_primfunc(shape, buckets, epilogue=epilogue)
@@ -117,7 +125,7 @@ def test_fused_epilogues(epilogue, isa):
     rng = np.random.default_rng(2)
     w = rng.standard_normal((shape.n, shape.k)).astype("float32")
     wp = tvm.runtime.tensor(pack_weight(w, isa))
-    for m in (1, 2, 3, 17, 20, 61):
+    for m in (1, 2, 3, 17, 20, 33, 61):
         a = rng.standard_normal((m, shape.k)).astype("float32")
         extra = rng.standard_normal((m, shape.n) if epilogue == "residual" else (shape.n,)).astype("float32")
         y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
@@ -142,14 +150,15 @@ def test_silu_mul_epilogue_on_the_interleaved_gate_up(isa):
         Bucket(3, sch(isa, 3, 2, 3, 4, 32)),  # 2 vectors, 4 KC blocks: pairs on the last block
         Bucket(5, sch(isa, 2, 3, 4, 6, 64, pm=2, pn=1)),  # 3 vectors: scratch, then a pass
         Bucket(20, sch(isa, 4, 2, 8, 4, 48, pm=1, pn=1, pk=2)),  # split-K
-        Bucket(1 << 62, sch(isa, 4, 4, 8, 8, 256)),
+        Bucket(28, split_tile(isa, kc=32)),  # split accumulator, pairs over 4 KC blocks
+        Bucket(1 << 62, split_tile(isa, kc=256)),  # split accumulator, pairs from registers
     ]
     func = linear_primfunc(shape, buckets, epilogue="silu_mul")
     fn = tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
     rng = np.random.default_rng(3)
     w = rng.standard_normal((shape.n, k)).astype("float32") * 0.3
     wp = tvm.runtime.tensor(pack_weight(interleave_gate_up(w, lanes), isa))
-    for m in (1, 2, 3, 4, 5, 9, 20, 33):
+    for m in (1, 2, 3, 4, 5, 9, 20, 25, 33):
         a = rng.standard_normal((m, k)).astype("float32")
         g, u = np.split(a.astype(np.float64) @ w.T.astype(np.float64), 2, axis=1)
         want = g / (1 + np.exp(-g)) * u
