@@ -17,8 +17,8 @@ class Isa:
 
     ``default_tiles`` are the untuned register tiles, ``(largest m, MR, NR in vectors)`` per m
     range (thin tiles for decode-sized m). Large m: BLIS's 6x16 on AVX2; 4x64 on AVX-512, the
-    best untuned tile measured on a Zen 4 (211 GFLOPS at m = 256, n = k = 2048, 2 threads, where
-    6x64 gave 194 and 14x32 191); 6x16 on NEON (24 of its 32 registers).
+    fastest of 3x64, 4x64, 6x64, 7x32 and 14x32 untuned at m = 256 on a Zen 4 (the tuner's
+    choice at large m there too); 6x16 on NEON (24 of its 32 registers).
     """
 
     name: str
