@@ -37,6 +37,7 @@ def test_unwritable_directory_is_reported_before_the_work(tmp_path):
     assert ensure_writable(tmp_path / "new" / "dir").is_dir()
 
 
+@pytest.mark.hwloc
 def test_tune_plan_refuses_an_unwritable_out_before_exploring(tmp_path, capsys):
     from sandwich_tvm.cli import tune
 

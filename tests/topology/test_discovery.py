@@ -17,6 +17,7 @@ SYMMETRIC = ["epyc-milan7763-2s-2n-128c-ccx8-nosmt", "kunpeng920-2s-4n-128c-clus
              "xeon-silver4108-2s-2n-16c-ht"]
 
 
+@pytest.mark.hwloc
 @pytest.mark.parametrize("name", SYMMETRIC)
 def test_fundamental_tree_matches_hwloc_counts(name):
     found = hwloc.discover(xml=topology(name))
@@ -27,6 +28,7 @@ def test_fundamental_tree_matches_hwloc_counts(name):
     assert len(tree.pus) == tree.count(tree.height)
 
 
+@pytest.mark.hwloc
 def test_known_counts_of_fixtures():
     milan, _ = load_tree(xml=str(topology("epyc-milan7763-2s-2n-128c-ccx8-nosmt")))
     assert (milan.count_kind("Package"), milan.count_kind("NUMANode"),
@@ -37,6 +39,7 @@ def test_known_counts_of_fixtures():
     assert kunpeng.levels[kunpeng.depth_of("L3Cache")].memory  # NUMA hangs under the L3
 
 
+@pytest.mark.hwloc
 def test_synthetic_kunpeng_192():
     tree, found = load_tree(synthetic=KUNPENG_192)
     assert found.source.startswith("synthetic:")
@@ -44,29 +47,34 @@ def test_synthetic_kunpeng_192():
     assert tree.node_domains(2)[3] == (3,)
 
 
+@pytest.mark.hwloc
 def test_smt_siblings_share_a_core():
     tree, _ = load_tree(xml=str(topology("laptop-i7-7600u-1s-2c-ht")))
     core_depth = tree.depth_of("Core")
     assert tree.nodes(core_depth) == [(0, 2), (1, 3)]  # HT sibling of P#i is P#i+2
 
 
+@pytest.mark.hwloc
 @pytest.mark.parametrize("name", ["hybrid-raptorlake-i7-1370p-6p8e", "hybrid-arm-gb10-10x925-10a725"])
 def test_hybrid_cpus_get_a_clear_error(name):
     with pytest.raises(TopologyError, match="--cpus"):
         load_tree(xml=str(topology(name)))
 
 
+@pytest.mark.hwloc
 def test_hybrid_restricted_to_p_cores_is_symmetric():
     tree, _ = load_tree(xml=str(topology("hybrid-raptorlake-i7-1370p-6p8e")), cpus=set(range(12)))
     assert len(tree.pus) == 12 and tree.count_kind("Core") == 6
 
 
+@pytest.mark.hwloc
 @pytest.mark.parametrize("bad", ["package:2 core:x pu:1", "banana:3", "package:2 core:4 pu:1 ]"])
 def test_malformed_synthetic_is_rejected(bad):
     with pytest.raises(TopologyError, match="synthetic"):
         load_tree(synthetic=bad)
 
 
+@pytest.mark.hwloc
 def test_missing_and_corrupt_xml(tmp_path):
     with pytest.raises(TopologyError, match="does not exist"):
         load_tree(xml=str(tmp_path / "nope.xml"))
@@ -76,6 +84,7 @@ def test_missing_and_corrupt_xml(tmp_path):
         load_tree(xml=str(broken))
 
 
+@pytest.mark.hwloc
 def test_real_machine_tree_covers_our_cpus():
     tree, found = load_tree()
     assert set(os.sched_getaffinity(0)) <= set(tree.pus)

@@ -23,6 +23,8 @@ from tests.conftest import KUNPENG_192, topology
 
 MILAN = str(topology("epyc-milan7763-2s-2n-128c-ccx8-nosmt"))
 
+pytestmark = pytest.mark.hwloc
+
 
 def test_shipped_profiles_load_and_match():
     tree, found = load_tree(xml=MILAN)

@@ -12,6 +12,8 @@ from tests.conftest import topology
 
 FIG6 = "package:4 l3:2 [numa] group:6 core:4 pu:1"  # 4 sockets x 2 NUMA x 6 clusters x 4 cores
 
+pytestmark = pytest.mark.hwloc
+
 
 @pytest.fixture(scope="module")
 def flat8():
