@@ -127,6 +127,20 @@ def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
     return tvm.target.Target({"kind": "llvm", **_ISA_TARGETS[isa], "num-cores": num_cores})
 
 
+def target_isa(target: tvm.target.Target) -> str:
+    """The vector ISA an llvm target builds for (its -mattr, triple and CPU name)."""
+    attrs = target.attrs
+    mattr = [str(a) for a in attrs.get("mattr", [])]
+    triple, mcpu = str(attrs.get("mtriple", "")), str(attrs.get("mcpu", ""))
+    if triple.startswith("aarch64") or "+neon" in mattr:
+        return "neon"
+    if "+avx512f" in mattr or mcpu in ("x86-64-v4", "skylake-avx512") and "-avx512f" not in mattr:
+        return "avx512"
+    if "+avx2" in mattr or mcpu == "x86-64-v3" or mcpu.startswith("znver"):
+        return "avx2"
+    return host_isa() if not triple else "generic"
+
+
 _POOL_STARTED = False
 
 

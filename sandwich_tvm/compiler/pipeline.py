@@ -15,7 +15,8 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline, try_inline_contiguous_spatial
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 
-from ..tvm_compat import tvm
+from ..kernels.microkernel import ISAS
+from ..tvm_compat import target_isa, tvm
 
 PARALLEL_GRAIN = 256  # elements per parallel chunk of an elementwise function
 
@@ -47,7 +48,7 @@ class Elementwise(CPUScheduleRule):
         fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         outer, inner = sch.split(fused, factors=[None, PARALLEL_GRAIN])
         sch.parallel(outer)
-        _, vec = sch.split(inner, factors=[None, 8])
+        _, vec = sch.split(inner, factors=[None, ISAS.get(target_isa(target), ISAS["neon"]).lanes])
         sch.vectorize(vec)
         return sch
 

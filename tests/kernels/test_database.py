@@ -109,3 +109,13 @@ def test_llvm_mattr_follows_the_flags_not_the_cpu_name():
     zen3 = llvm_mattr({"avx2", "fma", "f16c"})
     assert "+avx2" in zen3 and {"-avx512f", "-amx-tile"} <= set(zen3)
     assert all(not a.startswith("-") for a in llvm_mattr({"asimd", "sve"}))
+
+
+def test_target_isa_reads_the_target_not_the_host():
+    from sandwich_tvm.tvm_compat import host_isa, host_target, isa_target, target_isa, tvm
+
+    assert target_isa(host_target(2)) == host_isa()
+    assert [target_isa(isa_target(i)) for i in ("avx2", "avx512", "neon")] == ["avx2", "avx512", "neon"]
+    zen3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": llvm_mattr({"avx2", "fma"}),
+                              "num-cores": 2})
+    assert target_isa(zen3) == "avx2"  # LLVM's name says AVX-512, the flags do not
