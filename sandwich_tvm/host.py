@@ -203,6 +203,13 @@ def last_level_cache_bytes() -> int:
     return (l3 or l2 or 32 << 10) * 1024
 
 
+def cold_weight_bytes() -> int:
+    """Bytes of weight copies a benchmark or the tuner's runner rotates over so every call reads
+    its weight from memory, as in a served model: twice the last-level cache, at least 96 MB
+    (96 MB alone would stay resident in a 480 MiB L3)."""
+    return max(96 << 20, 2 * last_level_cache_bytes())
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 

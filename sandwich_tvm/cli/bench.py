@@ -31,11 +31,9 @@ DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
 
 
 def cold_bytes() -> int:
-    """Bytes of weight copies to rotate over so every call reads its weight from memory, as in a
-    served model: twice the last-level cache (96 MB at least; a 480 MiB L3 holds 96 MB)."""
-    from ..host import last_level_cache_bytes
+    from ..host import cold_weight_bytes
 
-    return max(96 << 20, 2 * last_level_cache_bytes())
+    return cold_weight_bytes()
 
 
 def build_parser() -> argparse.ArgumentParser:

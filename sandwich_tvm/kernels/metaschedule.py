@@ -23,6 +23,7 @@ from tvm import te
 from tvm.ir.utils import derived_object  # noqa: E402,I001
 from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
+from ..host import cold_weight_bytes
 from ..tvm_compat import tvm
 from .codegen import Bucket, linear_primfunc, packed_shape
 from .microkernel import MicroKernel
@@ -234,12 +235,12 @@ class InProcessRunner(ms.runner.PyRunner):
     """
 
     def __init__(self, cache: KernelCache, min_repeat_ms: float = 10.0, repeat: int = 3,
-                 cold_bytes: int = 96 << 20) -> None:
+                 cold_bytes: int | None = None) -> None:
         super().__init__()
         self.cache = cache
         self.min_repeat_ms = min_repeat_ms
         self.repeat = repeat
-        self.cold_bytes = cold_bytes
+        self.cold_bytes = cold_weight_bytes() if cold_bytes is None else cold_bytes
         self._args: dict[tuple, list] = {}
         self._weights: list = []
 
@@ -265,8 +266,9 @@ class InProcessRunner(ms.runner.PyRunner):
             fn(*c)
         one = (time.perf_counter() - t0) / len(calls)
         rounds = max(1, math.ceil(self.min_repeat_ms / 1e3 / max(one * len(calls), 1e-6)))
-        out = []
-        for _ in range(self.repeat):
+        # A pass already as long as a round is the first sample (large m: one call per round).
+        out = [one] if rounds == 1 else []
+        while len(out) < self.repeat:
             t0 = time.perf_counter()
             for _ in range(rounds):
                 for c in calls:
