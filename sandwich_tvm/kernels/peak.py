@@ -8,13 +8,14 @@ iterations x threads / seconds. This is the roof a GEMM kernel is judged against
 
 from __future__ import annotations
 
+import os
 import time
 from functools import cache
 
 import numpy as np
 
 from ..host import host_isa
-from ..tvm_compat import host_target, parse_tvmscript, tvm
+from ..tvm_compat import PROCESS_CPUS, host_target, parse_tvmscript, pin_thread_pool, tvm
 from .microkernel import ISAS
 
 CHAINS = 12
@@ -47,9 +48,17 @@ def fma_loop(x: T.Buffer(({lanes},), "float32"), out: T.Buffer(({threads}, {lane
 
 
 def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5) -> float:
-    """Median GFLOPS of ``threads`` threads running only FMAs (in the current thread pool layout)."""
+    """Median GFLOPS of ``threads`` threads running only FMAs, one per CPU of this process.
+
+    The pool is pinned first: a caller left on one core (numpy benchmarks pin it) would put
+    both workers there, and a bench gemm run once read half the peak that way.
+    """
+    cpus = sorted(PROCESS_CPUS)[:threads]
+    os.sched_setaffinity(0, PROCESS_CPUS)
+    pin_thread_pool(cpus)
     lanes = ISAS[host_isa()].lanes if host_isa() in ISAS else 4
-    fn = _fma_loop(threads, lanes)
+    fn = _fma_loop(len(cpus), lanes)
+    threads = len(cpus)
     x = tvm.runtime.tensor(np.full(lanes, 0.999, np.float32))
     out = tvm.runtime.empty((threads, lanes), "float32", tvm.cpu())
     n = 1 << 14
