@@ -5,22 +5,21 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (``--max-m 0`` or ``--threads -1`` is an error, not a default)."""
+def _int_at_least(text: str, low: int, rule: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is {rule}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (``--max-m 0`` or ``--threads -1`` is an error, not a default)."""
+    return _int_at_least(text, 1, "not a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
+    """An integer >= 0."""
+    return _int_at_least(text, 0, "negative")
