@@ -78,6 +78,15 @@ def host_isa() -> str:
     return isa_of(cpu_flags())
 
 
+_ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}
+
+
+def can_run(isa: str) -> bool:
+    """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code)."""
+    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
+
+
+@lru_cache(maxsize=1)
 def _cache_sizes_kib() -> tuple[int, int, int]:
     """Per-instance L1d, L2 and L3 sizes in KiB of CPU 0 (0 where sysfs does not say)."""
     sizes = {1: 0, 2: 0, 3: 0}
@@ -277,11 +286,3 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-_ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}
-
-
-def can_run(isa: str) -> bool:
-    """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code)."""
-    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def _int_at_least(text: str, low: int, rule: str) -> int:
@@ -23,3 +24,13 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _int_at_least(text, 0, "negative")
+
+
+def threads_beyond_cpus(threads: int) -> str | None:
+    """The error for a ``--threads`` larger than the CPUs this process may use, else None:
+    oversubscribed threads time (and tune for) a machine that is not this one."""
+    cpus = len(os.sched_getaffinity(0))
+    if threads <= cpus:
+        return None
+    return (f"--threads {threads} exceeds the {cpus} CPUs this process may use; oversubscribed "
+            "threads time (and tune for) another machine")

@@ -21,19 +21,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from .args import positive_int
+from .args import positive_int, threads_beyond_cpus
 from .attention import add_attention_parser, main_attention
 from .common import print_error
 from .e2e import add_e2e_parser, main_e2e
 from .timing import median_seconds, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
-
-
-def cold_bytes() -> int:
-    from ..host import cold_weight_bytes
-
-    return cold_weight_bytes()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +62,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     import torch
     from threadpoolctl import threadpool_limits
 
+    from ..host import cold_weight_bytes
     from ..kernels.codegen import linear_primfunc, pack_weight
     from ..kernels.database import find_record
     from ..kernels.peak import fma_peak_gflops
@@ -88,7 +83,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     fn = exe.mod["main"]
     rng = np.random.default_rng(0)
     # Cold weights (default): enough copies to overflow the caches, used in turn.
-    copies = 1 if hot else max(1, math.ceil(cold_bytes() / (n * k * 4)))
+    copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * 4)))
     ws = [rng.standard_normal((n, k)).astype("float32") for _ in range(copies)]
     w = ws[0]
     wps = [tvm.runtime.tensor(pack_weight(wi, host_isa())) for wi in ws]
@@ -195,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "attention":
         return main_attention(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
-    if threads > len(os.sched_getaffinity(0)):
-        print_error(console, f"--threads {threads} exceeds the {len(os.sched_getaffinity(0))} CPUs "
-                      "this process may use")
+    if too_many := threads_beyond_cpus(threads):
+        print_error(console, too_many)
         return 2
     try:
         ms = sorted({int(x) for x in args.m.split(",") if x.strip()})

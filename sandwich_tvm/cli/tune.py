@@ -22,7 +22,7 @@ from ..host import HostError, cache_dir, ensure_writable, save_atomic
 from ..model.config import ModelConfigError
 from ..topology.hwobj import TopologyError
 from ..topology.profile import ProfileError
-from .args import positive_int
+from .args import positive_int, threads_beyond_cpus
 from .common import (
     add_machine_args,
     bound_note,
@@ -60,16 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=max(Console().width, 150))
-    cpus = len(os.sched_getaffinity(0))
-    if args.threads is not None and args.threads > cpus:
-        print_error(console, f"--threads {args.threads} exceeds the {cpus} CPUs this process may use; "
-                    "oversubscribed kernels are tuned for the wrong machine")
+    if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
+        print_error(console, too_many)
         return 2
     if args.stage == "kernels":
         from ..kernels.database import ScheduleDbError
 
         try:
-            return tune_model_kernels(args, console, args.threads or cpus,
+            return tune_model_kernels(args, console, args.threads or len(os.sched_getaffinity(0)),
                                       2048 if args.max_m is None else args.max_m)
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
             print_error(console, exc)

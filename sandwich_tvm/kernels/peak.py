@@ -54,11 +54,11 @@ def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5) -> flo
     both workers there, and a bench gemm run once read half the peak that way.
     """
     cpus = sorted(PROCESS_CPUS)[:threads]
+    threads = len(cpus)
     os.sched_setaffinity(0, PROCESS_CPUS)
     pin_thread_pool(cpus)
-    lanes = ISAS[host_isa()].lanes if host_isa() in ISAS else 4
-    fn = _fma_loop(len(cpus), lanes)
-    threads = len(cpus)
+    lanes = ISAS.get(host_isa(), ISAS["neon"]).lanes
+    fn = _fma_loop(threads, lanes)
     x = tvm.runtime.tensor(np.full(lanes, 0.999, np.float32))
     out = tvm.runtime.empty((threads, lanes), "float32", tvm.cpu())
     n = 1 << 14
