@@ -25,6 +25,12 @@ setup(
         # HF checkpoints: weights and tokenizers.
         "safetensors>=0.4",
         "tokenizers>=0.20",
+        # The OpenAI-compatible server and the serving benchmark's client.
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus-client>=0.20",
+        "jinja2>=3.1",
+        "httpx>=0.27",
     ],
     extras_require={
         "test": [
@@ -32,9 +38,12 @@ setup(
             "ruff>=0.6",
             "torch==2.13.0",
             "transformers>=4.45",
+            "openai>=1.0",
         ],
         # End-to-end baselines: HF transformers on torch, llama.cpp (built from source: minutes).
         "bench": ["torch==2.13.0", "transformers>=4.45"],
         "llamacpp": ["llama-cpp-python>=0.3", "gguf>=0.10"],
+        # llama-server itself is built by scripts/build_llama_server.sh (minutes); it needs gguf.
+        "serve-bench": ["gguf>=0.10"],
     },
 )

@@ -3,8 +3,10 @@ through ``llama-cpp-python`` (built from source: ``pip install -e .[llamacpp]``,
 
 The GGUF follows llama.cpp's own HF conversion: q/k rows permuted back to the interleaved
 RoPE layout, Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
-embeddings as ``token_embd`` only. Presets get a placeholder SentencePiece vocabulary (the
-benchmark feeds token ids, never text).
+embeddings as ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
+benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
+tokens, not byte tokens, so llama-server never holds a token back to complete a UTF-8 character
+and streams exactly one chunk per generated token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def available() -> str | None:
     except ImportError as err:
         return f"llama.cpp baseline skipped: {err.name} is not installed (pip install -e '.[llamacpp]')"
     return None
+
+
+GGUF_VERSION = 2  # of what write_gguf writes; part of the cache name (2: no BYTE tokens)
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -60,7 +65,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Pa
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"t{i}" for i in range(len(tokens), cfg.vocab_size)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (cfg.vocab_size - 259)
+    types += [gguf.TokenType.NORMAL] * (cfg.vocab_size - 3)  # no BYTE tokens: see the module docstring
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens[: cfg.vocab_size])
     w.add_token_scores([0.0] * cfg.vocab_size)
@@ -94,6 +99,26 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Pa
     w.write_tensors_to_file()
     w.close()
     tmp.replace(path)
+    return path
+
+
+def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
+             log: Callable[[str], None] | None = None) -> Path:
+    """The F32 GGUF of the weights our engine runs for ``model_spec`` (a preset's random weights
+    drawn with ``seed``, or a checkpoint directory), written once under ``cache_dir()/gguf/``."""
+    from ..host import cache_dir
+    from ..model.config import PRESETS
+    from ..model.weights import checkpoint_key, random_checkpoint, read_checkpoint
+
+    preset = model_spec in PRESETS
+    key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
+    path = cache_dir() / "gguf" / f"{cfg.name}-{key}-v{GGUF_VERSION}.gguf"
+    if not path.is_file():
+        if log is not None:
+            log(f"writing the same weights as an F32 GGUF: {path}")
+        state = random_checkpoint(cfg, seed) if preset else read_checkpoint(Path(model_spec))
+        write_gguf(cfg, state, path)
+        del state
     return path
 
 

@@ -1,6 +1,7 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention`: Sandwich's dynamic-shape GEMM against numpy
-and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
-attention kernels against TVM's, ``cli/attention.py``).
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve`: Sandwich's dynamic-shape GEMM against
+numpy and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
+attention kernels against TVM's, ``cli/attention.py``; ``serve``: the serving benchmark over
+the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -25,6 +26,7 @@ from .args import positive_int, threads_beyond_cpus
 from .attention import add_attention_parser, main_attention
 from .common import print_error
 from .e2e import add_e2e_parser, main_e2e
+from .serve_bench import add_serve_parser, main_serve
 from .timing import median_seconds, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
     add_attention_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_e2e(args, console)
     if args.what == "attention":
         return main_attention(args, console)
+    if args.what == "serve":
+        return main_serve(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

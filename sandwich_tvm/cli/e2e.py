@@ -167,10 +167,7 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
                     log) -> Runner | None:
     import os
 
-    from ..baselines.llamacpp import LlamaCpp, available, write_gguf
-    from ..host import cache_dir
-    from ..model.config import PRESETS
-    from ..model.weights import checkpoint_key, random_checkpoint, read_checkpoint
+    from ..baselines.llamacpp import LlamaCpp, available, gguf_for
     from ..tvm_compat import PROCESS_CPUS
 
     why = available()
@@ -178,14 +175,7 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
         notes.append(why)
         return None
     os.sched_setaffinity(0, PROCESS_CPUS)
-    preset = args.model in PRESETS
-    key = f"seed{args.seed}" if preset else checkpoint_key(Path(args.model), "gguf-f32")
-    path = cache_dir() / "gguf" / f"{cfg.name}-{key}.gguf"
-    if not path.is_file():
-        log(f"writing the same weights as an F32 GGUF: {path}")
-        state = random_checkpoint(cfg, args.seed) if preset else read_checkpoint(Path(args.model))
-        write_gguf(cfg, state, path)
-        del state
+    path = gguf_for(args.model, cfg, args.seed, log=log)
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
 

@@ -17,6 +17,7 @@ from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
 from ..runtime.plan import PlanError, resolve_plan
+from ..runtime.text import Detokenizer
 from .args import non_negative_int, positive_int
 
 
@@ -58,31 +59,21 @@ def synthetic_prompt(n: int, vocab: int) -> list[int]:
 
 
 class TextStream:
-    """Incremental detokenization, as vLLM's detokenizer does: each step decodes the tokens since
-    the last printed boundary with the previous window as context (so SentencePiece's leading
-    spaces come out right), and holds back text ending in U+FFFD -- a multi-byte character
-    whose remaining bytes a later token brings. ``finish`` prints whatever is left."""
+    """Writes a :class:`~sandwich_tvm.runtime.text.Detokenizer`'s deltas as tokens arrive;
+    ``finish`` writes whatever is left."""
 
     def __init__(self, tok, write: Callable[[str], object]):
-        self.tok, self.write = tok, write
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read]: the printed window kept as context
+        self.detok, self.write = Detokenizer(tok), write
 
     def push(self, token: int) -> None:
-        self.ids.append(token)
-        self._advance(final=False)
+        self._emit(self.detok.push(token))
 
     def finish(self) -> None:
-        self._advance(final=True)
+        self._emit(self.detok.finish())
 
-    def _advance(self, final: bool) -> None:
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
-            return
-        if text[len(before):]:
-            self.write(text[len(before):])
-        self.prefix, self.read = self.read, len(self.ids)
+    def _emit(self, text: str) -> None:
+        if text:
+            self.write(text)
 
 
 def _summary(gen) -> str:

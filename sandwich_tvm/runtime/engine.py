@@ -110,6 +110,7 @@ class Engine:
         self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
         check_context(cfg, self.context)
         self.prefill_chunk = min(prefill_chunk, self.context)
+        self.page_size, self.max_batch = page_size, max_batch
         pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
         if max(plan.prefill_threads, plan.decode_threads) > pool:
             raise EngineError(f"the plan needs {max(plan.prefill_threads, plan.decode_threads)} threads "
@@ -123,10 +124,14 @@ class Engine:
         self._remove_seq = g("vm.builtin.kv_state_remove_sequence")
         self._begin = g("vm.builtin.kv_state_begin_forward")
         self._end = g("vm.builtin.kv_state_end_forward")
+        self._available_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._clear = g("vm.builtin.kv_state_clear")
         self.kv = self.vm["create_paged_kv_cache"](
             ShapeTuple([max_batch]), ShapeTuple([self.context]), ShapeTuple([self.prefill_chunk]),
             ShapeTuple([page_size]), ShapeTuple([0]))
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
+        self._batch_prefill, self._batch_decode = self.vm["batch_prefill"], self.vm["batch_decode"]
+        self.total_pages = self.available_pages()
         self.phase: str | None = None
         self.switches: list[float] = []
         self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
@@ -151,6 +156,38 @@ class Engine:
         logits, self.kv = fn(tvm.runtime.tensor(ids), self.kv, self.params)
         self._end(self.kv)
         return logits.numpy().reshape(-1)
+
+    def available_pages(self) -> int:
+        """Free pages of the paged KV cache, as the cache counts them."""
+        return int(self._available_pages(self.kv))
+
+    def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """One forward over several sequences' chunks (each appended to its cached prefix);
+        the logits after each chunk's last token, ``[len(slots), vocab]``."""
+        lengths = [len(c) for c in chunks]
+        ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks]).reshape(1, -1)
+        ends = np.cumsum(lengths, dtype=np.int32) - 1
+        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(lengths))
+        try:
+            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(ends),
+                                                  self.kv, self.params)
+        finally:
+            self._end(self.kv)
+        return logits.numpy().reshape(len(slots), -1)
+
+    def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One decode step for every sequence in ``slots`` (m = batch); ``[len(slots), vocab]``."""
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
+        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple([1] * len(slots)))
+        try:
+            logits, self.kv = self._batch_decode(tvm.runtime.tensor(ids), self.kv, self.params)
+        finally:
+            self._end(self.kv)
+        return logits.numpy().reshape(len(slots), -1)
+
+    def clear(self) -> None:
+        """Drop every sequence from the KV cache (after a failed step)."""
+        self._clear(self.kv)
 
     def start(self, seq_id: int = 0) -> None:
         self._add_seq(self.kv, seq_id)

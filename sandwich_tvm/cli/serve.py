@@ -1,0 +1,96 @@
+"""`python -m sandwich_tvm.serve`: the OpenAI-compatible server (continuous batching, prefill
+and decode hot-switched on their plans' cores).
+
+Everything is loaded (and compiled, on the first run) before the port opens, so ``/health``
+answering 200 means ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from ..model.config import load_config
+from ..model.tokenizer import load_model_tokenizer
+from ..runtime.engine import DEFAULT_CONTEXT, EngineError, check_context
+from ..runtime.plan import resolve_plan
+from ..runtime.scheduler import SchedulerPolicy
+from .args import positive_int
+from .common import print_error
+from .generate import LOAD_ERRORS, add_model_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sandwich_tvm.serve", description=__doc__)
+    add_model_args(p)  # --model --plan --schedules --stock --max-batch --seed
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help=f"KV cache tokens shared by all running sequences (default {DEFAULT_CONTEXT}, at "
+                        "most the model's context); one request's prompt + completion must fit in it")
+    p.add_argument("--prefill-budget", type=positive_int, default=512,
+                   help="tokens per prefill iteration, all sequences' chunks together (default 512)")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help="tokens of one prompt per prefill iteration (default: the budget)")
+    p.add_argument("--priority", choices=("prefill", "decode"), default="prefill",
+                   help="which phase runs when both have work (default prefill: admit new requests first)")
+    p.add_argument("--max-queue", type=positive_int, default=64,
+                   help="requests waiting for a KV slot before new ones get 429 (default 64)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        policy = SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
+                                 chunk=args.chunk or args.prefill_budget, priority=args.priority,
+                                 max_queue=args.max_queue)
+        cfg = load_config(args.model)
+        context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        check_context(cfg, context)
+        tok = load_model_tokenizer(args.model)
+        plan = resolve_plan(args.plan)
+        log(plan.describe())
+        from ..runtime.loader import open_engine
+
+        engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
+                                   context=context, max_batch=args.max_batch,
+                                   prefill_chunk=max(args.prefill_budget, policy.chunk), seed=args.seed,
+                                   log=log)
+    except LOAD_ERRORS as exc:
+        print_error(Console(stderr=True), exc)
+        return 2
+    import uvicorn
+
+    from ..runtime.async_engine import AsyncEngine
+    from ..runtime.batch import BatchEngine
+    from ..runtime.metrics import ServingMetrics
+    from ..server.app import Server, create_app
+
+    name = args.served_model_name or str(args.model)
+    metrics = ServingMetrics(name)
+    try:
+        batch = BatchEngine(engine, policy, eos_ids=tok.eos_ids if tok else frozenset(), metrics=metrics)
+    except EngineError as exc:
+        print_error(Console(stderr=True), exc)
+        return 2
+    batch.update_gauges()
+    async_engine = AsyncEngine(batch).start()
+    app = create_app(Server(async_engine, tok, name, metrics))
+    log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "
+        f"{engine.context} tokens in {engine.total_pages} pages, tokenizer: "
+        f"{tok.source if tok else 'none, token-id prompts only'})")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_engine.shutdown()
+    return 0

@@ -1,0 +1,149 @@
+"""The model's tokenizer, end-of-sequence ids and chat template.
+
+A checkpoint directory brings its own ``tokenizer.json`` (read with ``tokenizers``), its EOS ids
+(``config.json``, ``generation_config.json``, ``tokenizer_config.json``) and its chat template
+(``tokenizer_config.json``'s ``chat_template``, rendered with jinja2 as HF does). A preset has
+random weights and no vocabulary, so it gets a placeholder with llama.cpp's SentencePiece
+layout, the one the GGUF baseline is written with: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, the 256
+bytes at 3..258 (so any text encodes, byte by byte) and ``t<id>`` for every other id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from .config import PRESETS
+from .weights import ModelLoadError
+
+# Used when a checkpoint has no chat_template (and for presets): ChatML, one turn per message.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BYTE_OFFSET = 3  # the placeholder vocabulary's byte 0
+
+
+class ChatTemplateError(ValueError):
+    """Messages the chat template cannot render (its own ``raise_exception`` or a jinja2 error)."""
+
+
+@dataclass
+class ModelTokenizer:
+    """``tokenizers.Tokenizer`` plus what generation needs around it."""
+
+    tok: object
+    eos_ids: frozenset[int]
+    chat_template: str = DEFAULT_CHAT_TEMPLATE
+    bos_token: str = ""
+    eos_token: str = ""
+    source: str = ""
+    specials: dict = field(default_factory=dict)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    @cached_property
+    def _template(self):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str):
+            raise ChatTemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as err:
+            raise ModelLoadError(f"{self.source}: the chat template does not parse ({err})") from err
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (``role``/``content`` dicts), as HF's
+        ``apply_chat_template`` renders it."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **self.specials)
+        except TemplateError as err:
+            raise ChatTemplateError(f"the chat template failed on these messages: {err}") from err
+
+
+def placeholder_tokenizer(vocab_size: int):
+    """llama.cpp's SentencePiece layout as a byte-level ``tokenizers.Tokenizer``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):  # GPT-2's printable stand-in per byte (what ByteLevel emits)
+        chars[b] = chr(b) if b in keep else chr(256 + (extra := extra + 1) - 1)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chars[b]: BYTE_OFFSET + b for b in range(256)}
+    vocab |= {f"t{i}": i for i in range(BYTE_OFFSET + 256, vocab_size)}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return tok
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{path} is not valid JSON ({err}); re-download it") from err
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(v) -> str:
+    """tokenizer_config's special tokens are strings or AddedToken dicts."""
+    if isinstance(v, dict):
+        return str(v.get("content", ""))
+    return v if isinstance(v, str) else ""
+
+
+def _ids(v) -> set[int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return {v}
+    if isinstance(v, list):
+        return {x for x in v if isinstance(x, int) and not isinstance(x, bool)}
+    return set()
+
+
+def load_model_tokenizer(spec: str | Path) -> ModelTokenizer | None:
+    """The tokenizer of a preset (the placeholder) or a checkpoint; None for a checkpoint
+    without ``tokenizer.json`` (token-id prompts still work)."""
+    if str(spec) in PRESETS:
+        cfg = PRESETS[str(spec)]
+        return ModelTokenizer(placeholder_tokenizer(cfg.vocab_size), frozenset({2}), bos_token="<s>",
+                              eos_token="</s>", source=f"{spec} (placeholder vocabulary)")
+    from .weights import load_tokenizer
+
+    path = Path(spec)
+    tok = load_tokenizer(path)
+    if tok is None:
+        return None
+    tcfg = _json(path / "tokenizer_config.json")
+    eos_ids = _ids(_json(path / "config.json").get("eos_token_id"))
+    eos_ids |= _ids(_json(path / "generation_config.json").get("eos_token_id"))
+    eos_token, bos_token = _token_text(tcfg.get("eos_token")), _token_text(tcfg.get("bos_token"))
+    for text in (eos_token, "</s>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>"):
+        tid = tok.token_to_id(text) if text else None
+        if tid is not None and (text == eos_token or not eos_ids):
+            eos_ids.add(tid)
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return ModelTokenizer(tok, frozenset(eos_ids), template if isinstance(template, str) and template
+                          else DEFAULT_CHAT_TEMPLATE, bos_token=bos_token, eos_token=eos_token,
+                          source=str(path))

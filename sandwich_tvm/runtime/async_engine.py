@@ -1,0 +1,157 @@
+"""The batch engine on its own thread, with an asyncio face for the HTTP server.
+
+The engine thread owns the model, the KV cache and TVM's thread pool (TVM's pool belongs to
+the OS thread that calls it): it drains an inbox of new requests and cancellations between
+iterations, runs ``BatchEngine.step`` while there is work, and hands every ``TokenEvent`` to
+the asyncio queue of its request with ``loop.call_soon_threadsafe``. Tokenization, chat
+templates and HTTP stay on the event loop's thread, so they never stall an iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from .batch import BatchEngine, TokenEvent
+from .sampling import SamplingParams
+from .scheduler import QueueFull
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (shut down or crashed); the message says why."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Sequence[int]
+    params: SamplingParams
+    arrival: float
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """``generate`` yields a request's events; leaving the iterator early cancels the request."""
+
+    def __init__(self, batch: BatchEngine):
+        self.batch = batch
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._outstanding = 0  # requests submitted and not finished
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        self._thread = threading.Thread(target=self._run, name="sandwich-engine", daemon=True)
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    # ------------------------------------------------------------------ the asyncio side
+    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                       arrival: float | None = None) -> AsyncIterator[TokenEvent]:
+        """Events of one request until its finishing event. Raises ``EngineError`` (a request
+        that cannot fit), ``QueueFull`` or ``EngineDead`` before the first event."""
+        if not self.alive:
+            raise EngineDead(self.dead or "the engine is shut down")
+        self.batch.check(prompt, params.max_tokens)  # pure: reads the config only
+        policy = self.batch.policy
+        with self._lock:  # every KV slot busy and max_queue more waiting: refuse
+            if self._outstanding >= policy.max_batch + policy.max_queue:
+                raise QueueFull(f"{self._outstanding - policy.max_batch} requests are waiting for one of "
+                                f"{policy.max_batch} batch slots (the queue holds {policy.max_queue}); "
+                                "retry later")
+            self._outstanding += 1
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        self._inbox.put(_Add(request_id, list(prompt), params, arrival or time.perf_counter(), loop, out))
+        finished = False
+        try:
+            while True:
+                event: TokenEvent = await out.get()
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer left early (client gone, stop string): cancel
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.batch.has_work())
+                if self.batch.has_work():
+                    self._dispatch(self.batch.step())
+        except BaseException as err:  # noqa: BLE001 -- report to every waiting client, then stop
+            self.dead = f"the engine thread stopped: {type(err).__name__}: {err}"
+            for rid in list(self._outs):
+                self._send(TokenEvent(rid, None, finish_reason="error", error=self.dead))
+            raise
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        self.batch.update_gauges()
+
+    def _handle(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            event = self.batch.abort(item.request_id)
+            if event is not None:
+                self._dispatch([event])
+            return
+        self._outs[item.request_id] = (item.loop, item.out)
+        try:
+            self.batch.add(item.request_id, item.prompt, item.params, item.arrival)
+        except (QueueFull, ValueError) as err:
+            self._send(TokenEvent(item.request_id, None, finish_reason="error", error=str(err)))
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            self._send(event)
+
+    def _send(self, event: TokenEvent) -> None:
+        target = self._outs.get(event.request_id)
+        if target is None:
+            return
+        if event.finish_reason is not None:
+            del self._outs[event.request_id]
+            with self._lock:
+                self._outstanding -= 1
+        loop, out = target
+        with contextlib.suppress(RuntimeError):  # the client's loop is closed
+            loop.call_soon_threadsafe(out.put_nowait, event)

@@ -1,0 +1,184 @@
+"""Continuous batching: many sequences in the paged KV cache, one scheduled step at a time.
+
+``BatchEngine.step`` asks the scheduler for the next iteration, puts the thread pool on that
+phase's cores (prefill plan or decode plan, hot-switched), runs one ``batch_prefill`` or
+``batch_decode`` over the compiled model, samples every sequence that produced logits and
+returns what happened as ``TokenEvent`` values. It is synchronous and single-threaded:
+``AsyncEngine`` runs it on its own thread for the server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine import Engine, EngineError
+from .metrics import ServingMetrics
+from .sampling import Sample, Sampler, SamplingParams
+from .scheduler import Scheduler, SchedulerPolicy, Step
+from .sequence import Sequence, Status
+
+
+@dataclass
+class TokenEvent:
+    """A sampled token of ``request_id`` (``token`` None when the request ended without one).
+
+    ``finish_reason``: None while running, else "stop" (an EOS or stop token: ``stop_token``
+    is True and the token is not part of the text), "length", "abort" or "error"
+    (``error`` says what failed)."""
+
+    request_id: str
+    token: int | None
+    sample: Sample | None = None
+    finish_reason: str | None = None
+    stop_token: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+class BatchEngine:
+    """Scheduler + samplers over an ``Engine``'s model steps and KV cache."""
+
+    def __init__(self, engine: Engine, policy: SchedulerPolicy, *, eos_ids: frozenset[int] = frozenset(),
+                 metrics: ServingMetrics | None = None):
+        if policy.max_batch > engine.max_batch:
+            raise EngineError(f"the policy batches {policy.max_batch} sequences but the KV cache was made "
+                              f"for {engine.max_batch}")
+        if min(policy.prefill_budget, policy.chunk) > engine.prefill_chunk:
+            raise EngineError(f"a prefill step of {policy.prefill_budget} tokens exceeds the KV cache's "
+                              f"prefill chunk of {engine.prefill_chunk}")
+        self.engine, self.policy, self.eos_ids, self.metrics = engine, policy, eos_ids, metrics
+        self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, self._free)
+        self.seqs: dict[str, Sequence] = {}
+        self._in_cache: set[int] = set()  # slots added to the KV cache
+
+    # ------------------------------------------------------------------ requests
+    def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
+        """The max_tokens a request gets (the rest of the context when None); raises
+        ``EngineError`` naming the limit when the request cannot fit."""
+        cfg, context = self.engine.cfg, self.engine.context
+        if not len(prompt):
+            raise EngineError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {cfg.vocab_size})")
+        if len(prompt) >= context:
+            raise EngineError(f"the prompt has {len(prompt)} tokens; this server's context is {context} "
+                              "tokens (prompt + completion)")
+        room = context - len(prompt)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise EngineError(f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds this "
+                              f"server's context of {context} tokens; lower max_tokens to {room} or less")
+        return max_tokens
+
+    def add(self, request_id: str, prompt: Seq[int], params: SamplingParams,
+            arrival: float | None = None) -> Sequence:
+        """Queue a request (``QueueFull`` when the queue is at its bound)."""
+        if request_id in self.seqs:
+            raise EngineError(f"request id {request_id!r} is already running")
+        max_tokens = self.check(prompt, params.max_tokens)
+        seq = Sequence(request_id, list(prompt), params, Sampler(params, prompt), max_tokens)
+        if arrival is not None:
+            seq.arrival = arrival
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        """Cancel a request (its pages are freed); None if it is not known (already finished)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort", None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pages_in_use(self) -> int:
+        """Pages the KV cache holds now (the cache's own count)."""
+        return self.engine.total_pages - self.engine.available_pages()
+
+    def _free(self, slot: int) -> None:
+        if slot in self._in_cache:
+            self._in_cache.remove(slot)
+            self.engine.stop(slot)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[TokenEvent]:
+        """Run the next scheduled iteration; [] when there is nothing to run."""
+        step = self.scheduler.schedule()
+        if step is None or not step.seqs:
+            return []
+        switched = step.phase != self.engine.phase
+        self.engine.use(step.phase)
+        t0 = time.perf_counter()
+        try:
+            logits = self._forward(step)
+        except Exception as err:  # a failed kernel: end every request in the cache, keep serving
+            return self._fail_all(f"{type(err).__name__}: {err}")
+        events = self._sample(step, logits)
+        if self.metrics is not None:
+            self.metrics.on_tokens(sum(e.token is not None for e in events))
+            self.metrics.on_step(step.phase, sum(step.lengths), len(step.seqs), switched,
+                                 time.perf_counter() - t0, len(step.preempted))
+            self.update_gauges()
+        return events
+
+    def update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_state(len(self.scheduler.waiting), len(self.scheduler.running),
+                                  self.pages_in_use(), self.engine.total_pages)
+
+    def _forward(self, step: Step) -> np.ndarray:
+        for seq in step.seqs:
+            if seq.slot not in self._in_cache:
+                self.engine.start(seq.slot)
+                self._in_cache.add(seq.slot)
+        slots = [s.slot for s in step.seqs]
+        if step.phase == "decode":
+            return self.engine.batch_decode(slots, [s.tokens[-1] for s in step.seqs])
+        chunks = [s.tokens[s.computed:s.computed + n] for s, n in zip(step.seqs, step.lengths, strict=True)]
+        return self.engine.batch_prefill(slots, chunks)
+
+    def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
+        events = []
+        now = time.perf_counter()
+        for i, (seq, n) in enumerate(zip(step.seqs, step.lengths, strict=True)):
+            seq.computed += n
+            if seq.computed < len(seq.tokens):
+                continue  # a chunk in the middle of the prompt: no token yet
+            sample = seq.sampler(logits[i])
+            token = sample.token
+            seq.tokens.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            p = seq.params
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+                events.append(self._finish(seq, "stop", token, sample, stop_token=True))
+            elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.engine.context:
+                events.append(self._finish(seq, "length", token, sample))
+            else:
+                events.append(TokenEvent(seq.request_id, token, sample, prompt_tokens=len(seq.prompt),
+                                         output_tokens=seq.num_output))
+        return events
+
+    def _finish(self, seq: Sequence, reason: str, token: int | None, sample: Sample | None = None, *,
+                stop_token: bool = False, error: str | None = None) -> TokenEvent:
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason, seq.finished_at = Status.FINISHED, reason, time.perf_counter()
+        del self.seqs[seq.request_id]
+        if self.metrics is not None:
+            self.metrics.on_finish(seq)
+        return TokenEvent(seq.request_id, token, sample, reason, stop_token, len(seq.prompt),
+                          seq.num_output, error)
+
+    def _fail_all(self, message: str) -> list[TokenEvent]:
+        self.engine.clear()  # the cache may hold half a step
+        self._in_cache.clear()
+        return [self._finish(seq, "error", None, error=message) for seq in list(self.scheduler.running)]

@@ -1,0 +1,99 @@
+"""Serving metrics in Prometheus form (``prometheus_client``), one registry per engine.
+
+Names follow vLLM's where one exists (``time_to_first_token_seconds``, ...), prefixed
+``sandwich_``. The engine thread updates them; ``/metrics`` renders ``registry``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .sequence import Sequence
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
+                   10.0, 20.0, 60.0)
+RATE_WINDOW_S = 10.0  # tokens per second over this window
+
+
+class ServingMetrics:
+    """Queue, batch, KV cache, latency and throughput metrics of one engine."""
+
+    def __init__(self, model: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model": model}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"sandwich_{name}", doc, ["model"], registry=r).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"sandwich_{name}", doc, ["model"], registry=r).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"sandwich_{name}", doc, ["model"], buckets=LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a KV slot")
+        self.running = gauge("num_requests_running", "Sequences in the KV cache")
+        self.pages_used = gauge("kv_cache_pages_used", "Pages of the paged KV cache in use")
+        self.pages_total = gauge("kv_cache_pages_total", "Pages of the paged KV cache")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's pages in use")
+        self.tokens_per_s = gauge("generation_tokens_per_second",
+                                  f"Output tokens per second over the last {RATE_WINDOW_S:.0f} s")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation included)")
+        self.generation_tokens = counter("generation_tokens", "Output tokens sampled")
+        self.switches = counter("plan_switches", "Thread-pool switches between the prefill and decode plans")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (cache dropped, recomputed)")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")
+        steps = Histogram("sandwich_step_seconds", "Engine iteration time by phase", ["model", "phase"],
+                          buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = {p: steps.labels(model=model, phase=p) for p in ("prefill", "decode")}
+        finished = Counter("sandwich_request_success", "Finished requests by reason", ["model", "reason"],
+                           registry=r)
+        self.finished = {k: finished.labels(model=model, reason=k)
+                         for k in ("stop", "length", "abort", "error")}
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def on_step(self, phase: str, tokens: int, seqs: int, switched: bool, seconds: float,
+                preempted: int) -> None:
+        self.step_time[phase].observe(seconds)
+        if phase == "prefill":
+            self.prompt_tokens.inc(tokens)
+        if switched:
+            self.switches.inc()
+        if preempted:
+            self.preemptions.inc(preempted)
+
+    def on_tokens(self, n: int) -> None:
+        """``n`` output tokens were sampled just now."""
+        self.generation_tokens.inc(n)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            self.tokens_per_s.set(sum(k for _, k in self._recent) / RATE_WINDOW_S)
+
+    def on_state(self, waiting: int, running: int, pages_used: int, pages_total: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.pages_used.set(pages_used)
+        self.pages_total.set(pages_total)
+        self.kv_usage.set(pages_used / pages_total if pages_total else 0.0)
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.finished[seq.finish_reason or "error"].inc()
+        if seq.finish_reason in ("abort", "error"):
+            return
+        if (ttft := seq.ttft_s()) is not None:
+            self.ttft.observe(ttft)
+        if (tpot := seq.tpot_s()) is not None:
+            self.tpot.observe(tpot)
+        if seq.finished_at is not None:
+            self.e2e.observe(seq.finished_at - seq.arrival)

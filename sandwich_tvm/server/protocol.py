@@ -1,0 +1,95 @@
+"""OpenAI request bodies (pydantic, strict types) and the error shape.
+
+Fields follow OpenAI's API with vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as
+vLLM and llama-server do, but a known field of the wrong type is a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; ``SamplingError`` names a value out of range."""
+        given = {k: v for k, v in {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "seed": self.seed}.items() if v is not None}
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, stop=tuple(s for s in stop if s),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int = 400) -> dict:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

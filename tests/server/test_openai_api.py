@@ -1,0 +1,168 @@
+"""The server through real HTTP clients: the official ``openai`` client and httpx."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import CONTEXT, MODEL
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.compile
+
+LENGTHS = (3, 9, 17, 30, 41, 58, 77, 100)  # 8 prompts of different lengths, some chunked (chunk 32)
+NEW = 12
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [[int(t) for t in rng.integers(3, vocab, n)] for n in LENGTHS]
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def _client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _complete(served, prompt: list[int], **kw) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True} | kw
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _pages_in_use(served) -> float:
+    text = httpx.get(f"{served.url}/metrics", timeout=10).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("sandwich_kv_cache_pages_used{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_batching_changes_nothing(served):
+    """8 concurrent greedy requests = each alone through the server = HF transformers."""
+    prompts = _prompts(served.engine.cfg.vocab_size)
+    alone = [_complete(served, p)["choices"][0]["text"] for p in prompts]
+    with cf.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: _complete(served, p)["choices"][0]["text"], prompts))
+    assert together == alone
+    expected = [served.tok.decode(_hf_greedy(served.hf, p, NEW)) for p in prompts]
+    assert alone == expected
+    assert _pages_in_use(served) == 0
+
+
+def test_openai_client_streaming_and_not(served):
+    client = _client(served)
+    prompt = _prompts(served.engine.cfg.vocab_size)[3]
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == NEW and full.usage.prompt_tokens == len(prompt)
+    assert full.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == NEW
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    rendered = served.tok.encode("[user] hello\n[assistant] ")
+    assert chat.usage.prompt_tokens == len(rendered)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=5, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_sampling_through_the_api(served):
+    prompt = _prompts(served.engine.cfg.vocab_size)[2]
+    a = _complete(served, prompt, temperature=1.0, seed=5, top_p=0.9, max_tokens=8)
+    b = _complete(served, prompt, temperature=1.0, seed=5, top_p=0.9, max_tokens=8)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # a seed reproduces
+    greedy = _complete(served, prompt, logprobs=2)
+    lp = greedy["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == NEW and all(x <= 0 for x in lp["token_logprobs"])
+    # keyed by token text (OpenAI's shape): byte tokens that decode alike share a key
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+    # a stop string cut inside the text: the output ends right before it
+    text = greedy["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = _complete(served, prompt, stop=[stop])
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    # EOS honoured unless ignore_eos: a stop token id ends the request without text
+    first = _hf_greedy(served.hf, prompt, 1)[0]
+    ended = _complete(served, prompt, stop_token_ids=[first])
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 1
+    assert ended["choices"][0]["text"] == ""
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": "many"}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": -1}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 100000}', 400, f"{CONTEXT} tokens"),
+    (b'{"model": "other", "prompt": "hi"}', 404, "does not exist"),
+    (b'{"model": "tiny"}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": [1, 2, 99999]}', 400, "vocabulary"),
+])
+def test_bad_requests_get_openai_errors(served, body, status, needle):
+    r = httpx.post(f"{served.url}/v1/completions", content=body, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_long_prompt_names_the_limit(served):
+    r = httpx.post(f"{served.url}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": [5] * (CONTEXT + 10), "max_tokens": 1})
+    assert r.status_code == 400 and str(CONTEXT) in r.json()["error"]["message"]
+
+
+def test_burst_disconnects_and_recovery(served):
+    """Past the queue bound some requests get 429 with Retry-After; clients that vanish cancel
+    their sequences; afterwards the server answers and no KV page is in use."""
+    prompt = _prompts(served.engine.cfg.vocab_size)[5]
+
+    def one(i: int) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        if i % 3 == 0:  # leave mid-stream
+            try:
+                with httpx.stream("POST", f"{served.url}/v1/completions", json=body | {"stream": True},
+                                  timeout=60) as r:
+                    for _ in zip(range(3), r.iter_lines(), strict=False):
+                        pass
+                return -1
+            except httpx.HTTPError:
+                return -2
+        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120)
+        if r.status_code == 429:
+            assert r.headers.get("retry-after") and r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 40
+        return r.status_code
+
+    with cf.ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(one, range(24)))
+    assert 429 in codes and 200 in codes
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+    _complete(served, prompt)  # still serving
+    deadline = __import__("time").monotonic() + 10
+    while _pages_in_use(served) != 0 and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.1)
+    assert _pages_in_use(served) == 0
+    assert served.batch.scheduler.running == [] and not served.batch.scheduler.waiting
