@@ -14,7 +14,7 @@ from rich.console import Console
 
 from ..model.config import load_config
 from ..model.tokenizer import load_model_tokenizer
-from ..runtime.engine import DEFAULT_CONTEXT, EngineError, check_context
+from ..runtime.engine import DEFAULT_CONTEXT, EngineError, check_context, check_kv_memory
 from ..runtime.plan import resolve_plan
 from ..runtime.scheduler import SchedulerPolicy
 from .args import positive_int
@@ -28,8 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help=f"KV cache tokens shared by all running sequences (default {DEFAULT_CONTEXT}, at "
-                        "most the model's context); one request's prompt + completion must fit in it")
+                   help=f"longest request, prompt + completion, in tokens (default {DEFAULT_CONTEXT}, at "
+                        "most the model's context)")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                   help="paged KV cache size in tokens, shared by the running sequences (default: "
+                        "--context x --max-batch / 2, at least --context); allocated at start")
     p.add_argument("--prefill-budget", type=positive_int, default=512,
                    help="tokens per prefill iteration, all sequences' chunks together (default 512)")
     p.add_argument("--chunk", type=positive_int, default=None,
@@ -57,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.model)
         context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
         check_context(cfg, context)
+        kv_tokens = max(args.kv_cache_tokens or context * args.max_batch // 2, context)
+        check_kv_memory(cfg, kv_tokens, option="--kv-cache-tokens")
         tok = load_model_tokenizer(args.model)
         plan = resolve_plan(args.plan)
         log(plan.describe())
         from ..runtime.loader import open_engine
 
         engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
-                                   context=context, max_batch=args.max_batch,
+                                   context=context, kv_tokens=kv_tokens, max_batch=args.max_batch,
                                    prefill_chunk=max(args.prefill_budget, policy.chunk), seed=args.seed,
                                    log=log)
     except LOAD_ERRORS as exc:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     async_engine = AsyncEngine(batch).start()
     app = create_app(Server(async_engine, tok, name, metrics))
     log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "
-        f"{engine.context} tokens in {engine.total_pages} pages, tokenizer: "
+        f"{engine.kv_tokens} tokens in {engine.total_pages} pages, {engine.context} per request, tokenizer: "
         f"{tok.source if tok else 'none, token-id prompts only'})")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -51,6 +51,14 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context",
     if tokens > cfg.max_position_embeddings:
         raise EngineError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
                           "tokens (max_position_embeddings); lower it")
+    check_kv_memory(cfg, tokens, option=option, available=available)
+
+
+def check_kv_memory(cfg: LlamaConfig, tokens: int, *, option: str, available: int | None = None) -> None:
+    """Raise ``EngineError`` when a KV cache of ``tokens`` would not fit in the memory available
+    now (``available`` bytes; psutil's by default)."""
+    if tokens < 1:
+        raise EngineError(f"{option} {tokens} must be at least 1 token")
     if available is None:
         import psutil
 
@@ -98,17 +106,22 @@ class Engine:
     """Runs a compiled model under an execution plan. ``params`` are numpy arrays (ideally in
     huge pages); they are wrapped zero-copy and shared by every function and phase.
 
-    ``context`` is the KV cache length in tokens: capped at the model's context; by default
-    ``DEFAULT_CONTEXT`` (the cache is allocated up front, so size it to the run: ``run_context``).
+    ``context`` is the longest sequence (prompt + output) in tokens: capped at the model's
+    context; by default ``DEFAULT_CONTEXT``. ``kv_tokens`` is the paged KV cache's size, shared by
+    up to ``max_batch`` sequences (default: ``context``). The cache is allocated up front, so
+    size it to the run (``run_context``).
     """
 
     def __init__(self, compiled: CompiledModel, params: Sequence[np.ndarray], plan: ExecPlan, *,
                  context: int | None = None, prefill_chunk: int = 2048, page_size: int = 16,
-                 max_batch: int = 1):
+                 max_batch: int = 1, kv_tokens: int | None = None):
         cfg = compiled.config
         self.cfg, self.plan, self.compiled = cfg, plan, compiled
         self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
         check_context(cfg, self.context)
+        self.kv_tokens = max(kv_tokens or self.context, self.context)
+        if self.kv_tokens > self.context:
+            check_kv_memory(cfg, self.kv_tokens, option="--kv-cache-tokens")
         self.prefill_chunk = min(prefill_chunk, self.context)
         self.page_size, self.max_batch = page_size, max_batch
         pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
@@ -127,7 +140,7 @@ class Engine:
         self._available_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
         self._clear = g("vm.builtin.kv_state_clear")
         self.kv = self.vm["create_paged_kv_cache"](
-            ShapeTuple([max_batch]), ShapeTuple([self.context]), ShapeTuple([self.prefill_chunk]),
+            ShapeTuple([max_batch]), ShapeTuple([self.kv_tokens]), ShapeTuple([self.prefill_chunk]),
             ShapeTuple([page_size]), ShapeTuple([0]))
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self._batch_prefill, self._batch_decode = self.vm["batch_prefill"], self.vm["batch_decode"]

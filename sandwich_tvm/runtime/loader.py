@@ -14,22 +14,25 @@ from .plan import ExecPlan
 
 
 def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, schedules: Path | None = None,
-                context: int | None = None, max_batch: int = 8, prefill_chunk: int = 2048, seed: int = 0,
-                force: bool = False,
+                context: int | None = None, max_batch: int = 8, prefill_chunk: int = 2048,
+                kv_tokens: int | None = None, seed: int = 0, force: bool = False,
                 log: Callable[[str], None] = lambda _m: None) -> tuple[Engine, object, CompiledModel]:
     """The engine, the tokenizer (None for presets) and the compiled model it runs.
 
     ``context``: the KV cache length in tokens, shared by all sequences (capped at the model's
     context; default ``DEFAULT_CONTEXT``); checked against memory before anything is compiled or
-    loaded. ``max_batch``: sequences the cache holds at once and the decode kernels' largest m;
+    loaded. ``kv_tokens``: the KV cache's size when it is larger (shared by the running
+    sequences). ``max_batch``: sequences the cache holds at once and the decode kernels' largest m;
     ``prefill_chunk``: the most tokens one prefill call takes."""
     cfg = load_config(model)
     check_context(cfg, min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings))
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
                              log=log)
     params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
-    engine = Engine(compiled, params, plan, context=context, max_batch=max_batch, prefill_chunk=prefill_chunk)
-    log(f"KV cache: {engine.context} tokens")
+    engine = Engine(compiled, params, plan, context=context, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                    kv_tokens=kv_tokens)
+    log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages), at most {engine.context} "
+        "per sequence")
     if engine.huge_page_share is not None:
         gb = sum(a.nbytes for a in params) / 1e9
         log(f"weights: {gb:.2f} GB, {engine.huge_page_share:.0%} in 2 MiB pages")

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..baselines.server_process import ServerProcess, ServerStartError, free_port
@@ -85,10 +85,10 @@ class ServeBenchConfig:
     def stem(self, model: LlamaConfig) -> str:
         return f"serve_{_slug(model.name)}_{self.mode}"
 
-    def sandwich_kv_tokens(self, model: LlamaConfig) -> int:
-        """The KV cache of our server: ``--context`` there is shared by all running sequences and
-        capped at the model's positions, so it holds ``max_batch`` full sequences only up to that."""
-        return min(self.max_batch * self.context, model.max_position_embeddings)
+    def kv_tokens(self) -> int:
+        """The KV cache every system gets: ``max_batch`` full sequences (llama-server splits its
+        ``-c`` over its slots; Sandwich's paged cache is shared by the running sequences)."""
+        return self.max_batch * self.context
 
 
 Cpus = tuple[int, ...]
@@ -178,7 +178,8 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
     if system == "sandwich":
         cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", cfg.model, "--host", "127.0.0.1",
                "--port", str(port), "--max-batch", str(cfg.max_batch),
-               "--context", str(cfg.sandwich_kv_tokens(model)), "--seed", str(cfg.seed)]
+               "--context", str(cfg.context), "--kv-cache-tokens", str(cfg.kv_tokens()),
+               "--seed", str(cfg.seed)]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -239,12 +240,18 @@ class _Benchmark:
     def __init__(self, cfg: ServeBenchConfig, model: LlamaConfig, log: Log, launcher: Launcher):
         self.cfg, self.model, self.log, self.launcher = cfg, model, log, launcher
         self.slo, self.slo_source = cfg.slo(model)
-        self.requests, workload = build_requests(cfg, model, log)
+        # Each rate gets its own requests, so no system serves a prompt it has cached in an
+        # earlier rate (llama-server caches prompts per slot by default).
+        sets = 1 if cfg.mode == "single" else len(cfg.rates)
+        reqs, workload = build_requests(replace(cfg, num_prompts=cfg.num_prompts * sets), model, log)
+        per = len(reqs) // sets
+        self.request_sets = [reqs[i * per:(i + 1) * per] for i in range(sets)]
+        self.requests = self.request_sets[0]
         self.warm_prompt = list(fixed_requests([(8, 4)], 1, model.vocab_size, cfg.seed + 1)[0].prompt_ids)
         self.rates: list[float | None] = [None] if cfg.mode == "single" else list(cfg.rates)
         self.json_path = cfg.out / f"{cfg.stem(model)}.json"
         self.png_path = cfg.out / f"{cfg.stem(model)}.png"
-        self.kv = {"sandwich": cfg.sandwich_kv_tokens(model), "llamacpp": cfg.max_batch * cfg.context}
+        self.kv = {"sandwich": cfg.kv_tokens(), "llamacpp": cfg.kv_tokens()}
         self.meta = {
             "model": cfg.model, "model_name": model.name, "num_params": model.num_params(), "mode": cfg.mode,
             "rates": self.rates, "duration_s": cfg.duration_s, "threads": cfg.threads, "cpus": list(cfg.cpus),
@@ -264,13 +271,9 @@ class _Benchmark:
     def run(self) -> dict:
         cfg, w = self.cfg, self.meta["workload"]
         self.log(f"SLO: TTFT {self.slo.ttft_ms:g} ms, TPOT {self.slo.tpot_ms:g} ms ({self.slo_source}); "
-                 f"{len(self.requests)} requests, mean {w['mean_prompt_tokens']:.0f} prompt / "
+                 f"{len(self.requests)} requests per rate, mean {w['mean_prompt_tokens']:.0f} prompt / "
                  f"{w['mean_output_tokens']:.0f} output tokens; {cfg.threads} threads on CPUs "
                  f"{list(cfg.cpus)}; results in {self.json_path}")
-        if {"sandwich", "llamacpp"} <= set(cfg.systems) and self.kv["sandwich"] < self.kv["llamacpp"]:
-            self.log(f"note: Sandwich's KV cache is capped at the model's context ({self.kv['sandwich']} "
-                     f"tokens for up to {cfg.max_batch} sequences); "
-                     f"llama-server's holds {cfg.max_batch} x {cfg.context}")
         for name in cfg.systems:
             s = SystemRuns(name)
             self.systems.append(s)
@@ -313,7 +316,8 @@ class _Benchmark:
     def run_rate(self, s: SystemRuns, base_url: str, rate: float | None) -> None:
         cfg = self.cfg
         label = f"{s.name} @ {'single' if rate is None else f'{rate:g} req/s'}"
-        run = asyncio.run(run_requests(base_url, cfg.model, self.requests, mode=cfg.mode, rate=rate,
+        reqs = self.request_sets[len(s.runs) % len(self.request_sets)]
+        run = asyncio.run(run_requests(base_url, cfg.model, reqs, mode=cfg.mode, rate=rate,
                                        seed=cfg.seed, duration_s=cfg.duration_s, timeout_s=cfg.timeout_s,
                                        progress=_Progress(self.log, label)))
         s.runs.append(run)
