@@ -22,6 +22,9 @@ from .common import print_error
 from .generate import LOAD_ERRORS, add_model_args
 
 
+SWITCH_INTERVAL_S = 2e-4
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sandwich_tvm.serve", description=__doc__)
     add_model_args(p)  # --model --plan --schedules --stock --max-batch --seed
@@ -89,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print_error(Console(stderr=True), exc)
         return 2
     batch.update_gauges()
+    # The engine thread re-takes the GIL after every TVM call; with CPython's default 5 ms switch
+    # interval it could wait that long behind the HTTP thread, once per call.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     async_engine = AsyncEngine(batch).start()
     app = create_app(Server(async_engine, tok, name, metrics))
     log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "

@@ -50,14 +50,30 @@ def vector_lanes(isa: str, d: int) -> int:
     return lanes
 
 
-def _prefill_body(h_kv: int, group: int, d: int, ROWS: int) -> str:  # noqa: N803 (a tile size)
-    qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
+def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0) -> str:  # noqa: N803
+    """One tile of ``ROWS`` query rows against every visible key. ``page`` = 0: keys ragged in
+    ``k``/``v`` (``kv_indptr``); else keys in the paged cache (``pages``, ``page_indptr``,
+    ``page_values``, ``length_info``), each key block's pages and slots looked up once."""
+    qlen = "(q_indptr[b + 1] - q_indptr[b])"
+    if page:
+        npages = "(page_indptr[b + 1] - page_indptr[b])"
+        klen = f"T.if_then_else({npages} > 0, ({npages} - 1) * {page} + length_info[b], 0)"
+    else:
+        klen = "(kv_indptr[b + 1] - kv_indptr[b])"
     rows = f"({qlen} * {group})"
     ntiles = f"(({rows} + {ROWS - 1}) // {ROWS})"
     i = f"(task // {h_kv})"
     tile, kvh = f"T.if_then_else({i} % 2 == 0, {i} // 2, {ntiles} - 1 - {i} // 2)", f"(task % {h_kv})"
     row = f"T.min({tile} * {ROWS} + r, {rows} - 1)"  # rows past the end repeat the last one
-    kj = f"k[ko[jt * {KTILE} + j], {kvh}, dd]"
+    if page:
+        kj = f"pages[kp[jt * {KTILE} + j], 0, {kvh}, ks[jt * {KTILE} + j], dd]"
+        vj = f"pages[kp[j], 1, {kvh}, ks[j], dc * {DCOLS} + c]"
+        keys = (f"kp[j] = page_values[page_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1) // {page}]\n"
+                f"        ks[j] = T.min(kb * {KEYS} + j, {klen} - 1) % {page}")
+    else:
+        kj = f"k[ko[jt * {KTILE} + j], {kvh}, dd]"
+        vj = f"v[ko[j], {kvh}, dc * {DCOLS} + c]"
+        keys = f"ko[j] = kv_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1)"
     return f'''
 qt = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
 acc = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
@@ -71,6 +87,8 @@ vis = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
 tok = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
 hd = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
 ko = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
+kp = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
+ks = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
 for r in range({ROWS}):
     tok[r] = {row} // {group}
     hd[r] = {kvh} * {group} + {row} % {group}
@@ -83,7 +101,7 @@ for dd in range({d}):
         acc[dd, r] = T.float32(0)
 for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
     for j in range({KEYS}):
-        ko[j] = kv_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1)
+        {keys}
     for jt in range({KEYS // KTILE}):
         for j in T.unroll({KTILE}):
             for r in T.vectorized({ROWS}):
@@ -115,7 +133,7 @@ for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
         for j in range({KEYS}):
             for c in T.unroll({DCOLS}):
                 for r in T.vectorized({ROWS}):
-                    ar[c, r] = ar[c, r] + v[ko[j], {kvh}, dc * {DCOLS} + c] * s[j, r]
+                    ar[c, r] = ar[c, r] + {vj} * s[j, r]
         for c in T.unroll({DCOLS}):
             for r in T.vectorized({ROWS}):
                 acc[dc * {DCOLS} + c, r] = ar[c, r]
@@ -161,6 +179,57 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=kr_off)
     output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "float32")
     lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
+    with T.sblock("root"):
+        for b in range(batch_size):
+            for task in T.parallel(({ntiles}) * {h_kv}):
+                with T.sblock("tile"):
+{body}
+'''
+    return parse_tvmscript(src)
+
+
+@cache
+def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
+                           isa: str | None = None) -> tvm.tirx.PrimFunc:
+    """``batch_prefill_paged_kv_cpu`` (no sliding window): every sequence's new tokens against
+    the keys already in its pages (a chunked prompt's earlier chunks), with the log-sum-exp the
+    cache merges with the ragged part. TVM's CPU version walks every page of the whole cache,
+    serially, for each query row and head."""
+    if d % DCOLS:
+        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
+    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
+    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page), " " * 20)
+    src = f'''
+@D.prim_func(s_tir=True)
+def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                               var_page_indptr: T.handle, var_page_values: T.handle,
+                               var_length_info: T.handle,
+                               var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle,
+                               var_output: T.handle, var_lse: T.handle, causal: T.int32, rotary_mode: T.int32,
+                               rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+    T.func_attr({{"global_symbol": "batch_prefill_paged_kv_cpu", "tir.noalias": True,
+                 "tirx.is_scheduled": True}})
+    batch_size = T.int32()
+    total_len = T.int32()
+    nnz_pages = T.int32()
+    max_num_pages = T.int32()
+    o1 = T.int32()
+    o2 = T.int32()
+    o3 = T.int32()
+    o4 = T.int32()
+    o5 = T.int32()
+    o6 = T.int32()
+    q = T.match_buffer(var_q, (total_len, {h_q}, {d}), "float32")
+    q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=o1)
+    pages = T.match_buffer(var_pages, (max_num_pages, 2, {h_kv}, {page}, {d}), "float32")
+    page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=o2)
+    page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=o3)
+    length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=o4)
+    k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=o5)
+    q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=o6)
+    output = T.match_buffer(var_output, (total_len, {h_q}, {d}), "float32")
+    lse = T.match_buffer(var_lse, (total_len, {h_q}), "float32")
     with T.sblock("root"):
         for b in range(batch_size):
             for task in T.parallel(({ntiles}) * {h_kv}):
@@ -303,12 +372,13 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
 
 
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
-                          isa: str | None = None) -> tvm.IRModule:
+                          isa: str | None = None, page_size: int = 16) -> tvm.IRModule:
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
     so the cache's runtime calls them unchanged). Decode splits each sequence's pages into
     two chunks per decode thread."""
     h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, isa=isa),
+            "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa=isa),
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
                                                                isa=isa),
             "fused_rope": rope_primfunc(cfg)}

@@ -7,7 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from sandwich_tvm.model.attention import decode_paged_primfunc, exp2, prefill_ragged_primfunc
+from sandwich_tvm.model.attention import (
+    decode_paged_primfunc,
+    exp2,
+    prefill_paged_primfunc,
+    prefill_ragged_primfunc,
+)
 from sandwich_tvm.model.norm import rms_norm_primfunc
 from sandwich_tvm.tvm_compat import T, host_target, isa_target, tvm
 
@@ -52,6 +57,43 @@ def test_prefill_matches_numpy(h_kv, h_q, causal):
     for i in range(len(seqs)):
         want, want_lse = _reference(qs[i], ks[i], vs[i], bool(causal))
         rows = slice(q_indptr[i], q_indptr[i + 1])
+        np.testing.assert_allclose(out.numpy()[rows], want, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("h_kv,h_q", [(3, 3), (2, 8)])
+@pytest.mark.parametrize("causal", [1, 0])
+def test_paged_prefill_matches_numpy(h_kv, h_q, causal):
+    """A chunk of new tokens against the keys in its sequence's pages (chunked prefill)."""
+    page = 16
+    run = tvm.compile(prefill_paged_primfunc(h_kv, h_q, D, page), target=host_target())
+    run = run["batch_prefill_paged_kv_cpu"]
+    rng = np.random.default_rng(10 * h_q + causal)
+    seqs = [(1, 16), (17, 40), (5, 1), (70, 33), (40, 0), (300, 512)]  # (new tokens, keys in pages)
+    npages = [-(-k // page) for _, k in seqs]
+    pages = rng.standard_normal((sum(npages) + 5, 2, h_kv, page, D), dtype=np.float32) * 2
+    table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
+    indptr = np.cumsum([0] + npages).astype(np.int32)
+    last = np.array([k - (p - 1) * page if p else 0
+                     for (_, k), p in zip(seqs, npages, strict=True)], np.int32)
+    qs = [rng.standard_normal((n, h_q, D), dtype=np.float32) * 2 for n, _ in seqs]
+    q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
+    q = np.concatenate(qs)
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    zeros = np.zeros(len(seqs), np.int32)
+    args = [q, q_indptr, pages, indptr, table, last, zeros, np.zeros(len(q), np.int32)]
+    run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    for b, (n, keys) in enumerate(seqs):
+        rows = slice(q_indptr[b], q_indptr[b + 1])
+        if keys == 0:
+            assert np.all(out.numpy()[rows] == 0)
+            continue
+        own = pages[table[indptr[b]:indptr[b + 1]]]
+        k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:keys] for i in (0, 1))
+        if causal and keys < n:  # TVM's mask: query i sees keys < keys - n + i + 1
+            continue
+        want, want_lse = _reference(qs[b], k, v, bool(causal))
         np.testing.assert_allclose(out.numpy()[rows], want, rtol=1e-4, atol=2e-5)
         np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
 
