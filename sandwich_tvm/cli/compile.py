@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = resolve_plan(args.plan)
         console.print(plan.describe())
         compiled = compile_model(load_config(args.model), plan, stock=args.stock, max_batch=args.max_batch,
-                                 out=args.out, root=args.schedules, force=args.force, log=console.print)
+                                 out=args.out, root=args.schedules, force=args.force, kv_dtype=args.kv_dtype,
+                                 log=console.print)
     except LOAD_ERRORS as exc:
         print_error(console, exc)
         return 2

@@ -60,7 +60,7 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
 
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
-                               seed=args.seed, log=log)
+                               seed=args.seed, kv_dtype=args.kv_dtype, log=log)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
 
     def run(p: int) -> dict | None:

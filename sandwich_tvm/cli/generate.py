@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..compiler.artifact import CompileError
+from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
 from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
@@ -32,6 +33,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=positive_int, default=8,
                         help="decode kernels cover m <= this (default 8)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
+                        help=f"what the KV cache stores (default {DEFAULT_KV_DTYPE}, as llama.cpp's; "
+                             "attention computes in fp32)")
 
 
 LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError)
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = resolve_plan(args.plan)
         log(plan.describe())
         engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
-                                   context=context, max_batch=args.max_batch, seed=args.seed, log=log)
+                                   context=context, max_batch=args.max_batch, seed=args.seed,
+                                   kv_dtype=args.kv_dtype, log=log)
         eos = set()
         if tok is not None:
             ids = (tok.token_to_id(t) for t in ("</s>", "<|end_of_text|>", "<|eot_id|>"))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
 from ..servebench.report import DEFAULT_SCALES, render, without_requests
 from ..servebench.runner import SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
@@ -79,8 +80,10 @@ def add_serve_parser(sub) -> None:
                    help="Sandwich's plans.json (default out/plans.json if present, as the server reads)")
     s.add_argument("--context", type=positive_int, default=None,
                    help=f"tokens of one request, prompt + output (default min({DEFAULT_CONTEXT}, the "
-                        "model's)); llama-server gets this per slot, Sandwich max-batch times it (capped "
-                        "at the model's)")
+                        "model's)); both systems' KV caches hold max-batch times it")
+    s.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
+                   help=f"Sandwich's KV cache dtype (default {DEFAULT_KV_DTYPE}; llama-server's default is "
+                        "f16)")
     s.add_argument("--seed", type=non_negative_int, default=0,
                    help="seed of the sample, the arrivals and a preset's weights (default 0)")
     s.add_argument("--timeout", type=positive_float, default=600.0, metavar="S",
@@ -127,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         duration_s=args.duration, lengths=lengths, max_output=args.max_output or None,
         slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot, slo_scales=scales, cpus=cpus,
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,
+        kv_dtype=args.kv_dtype,
         timeout_s=args.timeout, ready_timeout_s=args.ready_timeout)
 
 

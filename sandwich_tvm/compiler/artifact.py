@@ -24,7 +24,7 @@ from ..host import HostError, cache_dir, ensure_writable, host_signature, save_a
 from ..kernels.codegen import KernelError
 from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.shapes import linear_shapes
-from ..model.attention import replace_cache_kernels
+from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_kernels
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
@@ -92,10 +92,12 @@ class CompiledModel:
         return cls(path, meta)
 
 
-def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None) -> str:
+def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None,
+              kv_dtype: str = "float32") -> str:
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
-    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, host_signature().to_json(),
-                                   str(target), plan.prefill_threads, plan.decode_threads,
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype,
+                                   host_signature().to_json(), str(target), plan.prefill_threads,
+                                   plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
@@ -109,19 +111,28 @@ def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, roo
     return h.hexdigest()[:16]
 
 
-def export_module(cfg: LlamaConfig, kernels: KernelSet | None) -> tuple[tvm.IRModule, list]:
-    model = LlamaForCausalLM(cfg, kernels)
+def export_module(cfg: LlamaConfig, kernels: KernelSet | None,
+                  kv_dtype: str = "float32") -> tuple[tvm.IRModule, list]:
+    model = LlamaForCausalLM(cfg, kernels, kv_dtype)
     mod, named = model.export_tvm(spec=model.get_default_spec())
     return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named]
 
 
 def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_batch: int = 8,
                   out: Path | None = None, root: Path | None = None, force: bool = False,
+                  kv_dtype: str = DEFAULT_KV_DTYPE,
                   log: Callable[[str], None] = lambda _msg: None) -> CompiledModel:
     """Build (or reuse) the model for ``plan``. ``stock=True``: TVM's own build (``nn.Linear``,
-    the default Relax pipeline), the baseline."""
+    the default Relax pipeline, its KV cache in the model's dtype), the baseline. ``kv_dtype``:
+    what the paged KV cache stores (16-bit by default, as llama.cpp's; computed in fp32)."""
+    if stock:
+        kv_dtype = cfg.dtype
     try:
-        key = build_key(cfg, plan, stock, max_batch, root)
+        check_kv_dtype(kv_dtype)
+    except ValueError as err:
+        raise CompileError(str(err)) from err
+    try:
+        key = build_key(cfg, plan, stock, max_batch, root, kv_dtype)
     except ScheduleDbError as err:
         raise CompileError(str(err)) from err
     flavour = "stock" if stock else "sandwich"
@@ -144,7 +155,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
     try:
-        mod, params = export_module(cfg, kernels)
+        mod, params = export_module(cfg, kernels, kv_dtype)
     except (ScheduleDbError, KernelError) as err:
         raise CompileError(str(err)) from err
     log(f"compiling with {'the default' if stock else 'the sandwich'} Relax pipeline for {target}")
@@ -153,7 +164,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(mod, target)
             naive = []
         else:
-            mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa)
+            mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa, kv_dtype=kv_dtype)
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)
@@ -165,6 +176,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
+        "kv_dtype": kv_dtype,
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,
         "kernels": {f"{p}/{s}": src for (p, s), src in (kernels.sources.items() if kernels else [])},

@@ -31,3 +31,13 @@ def silu_mul(gate: str, up: str) -> str:
     e = exp2(f"T.max(T.fabs({g}) * T.float32({-LOG2E!r}), T.float32(-126))")
     sig = f"(T.if_then_else({g} >= T.float32(0), T.float32(1), {e}) / (T.float32(1) + {e}))"
     return f"{g} * {sig} * ({up})"
+
+
+def load_f32(expr: str, dtype: str) -> str:
+    """A ``dtype`` element read as fp32 (16-bit storage, fp32 arithmetic)."""
+    return expr if dtype == "float32" else f'T.Cast("float32", {expr})'
+
+
+def store_as(expr: str, dtype: str) -> str:
+    """An fp32 value written as ``dtype``."""
+    return expr if dtype == "float32" else f'T.Cast("{dtype}", {expr})'

@@ -32,14 +32,21 @@ from functools import cache
 
 from ..host import host_isa
 from ..kernels.microkernel import ISAS
-from ..kernels.vecmath import LOG2E, exp2
+from ..kernels.vecmath import LOG2E, exp2, load_f32, store_as
 from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 from .rope import rope_primfunc
 
+KV_DTYPES = ("float32", "float16", "bfloat16")  # the cache's storage; every kernel computes in fp32
+DEFAULT_KV_DTYPE = "float16"  # llama.cpp's default: half the bytes of fp32 K/V, 10 mantissa bits
 KEYS = 8    # keys per online-softmax step in prefill
 KTILE = 4   # keys per score register tile: 4 keys x 2 vectors = 8 accumulators
 DCOLS = 4   # head-dim columns per P.V register tile: 4 x 2 vectors
+
+
+def check_kv_dtype(dtype: str) -> None:
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
 
 def vector_lanes(isa: str, d: int) -> int:
@@ -50,10 +57,12 @@ def vector_lanes(isa: str, d: int) -> int:
     return lanes
 
 
-def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0) -> str:  # noqa: N803
+def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # noqa: N803
+                  dtype: str = "float32") -> str:
     """One tile of ``ROWS`` query rows against every visible key. ``page`` = 0: keys ragged in
     ``k``/``v`` (``kv_indptr``); else keys in the paged cache (``pages``, ``page_indptr``,
-    ``page_values``, ``length_info``), each key block's pages and slots looked up once."""
+    ``page_values``, ``length_info``), each key block's pages and slots looked up once. Q, K, V
+    and the output are ``dtype``; everything is computed in fp32."""
     qlen = "(q_indptr[b + 1] - q_indptr[b])"
     if page:
         npages = "(page_indptr[b + 1] - page_indptr[b])"
@@ -65,14 +74,16 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0) -> st
     i = f"(task // {h_kv})"
     tile, kvh = f"T.if_then_else({i} % 2 == 0, {i} // 2, {ntiles} - 1 - {i} // 2)", f"(task % {h_kv})"
     row = f"T.min({tile} * {ROWS} + r, {rows} - 1)"  # rows past the end repeat the last one
+    qload = load_f32("q[q_indptr[b] + tok[r], hd[r], dd]", dtype)
+    ostore = store_as("acc[dd, r] / sm[r]", dtype)
     if page:
-        kj = f"pages[kp[jt * {KTILE} + j], 0, {kvh}, ks[jt * {KTILE} + j], dd]"
-        vj = f"pages[kp[j], 1, {kvh}, ks[j], dc * {DCOLS} + c]"
+        kj = load_f32(f"pages[kp[jt * {KTILE} + j], 0, {kvh}, ks[jt * {KTILE} + j], dd]", dtype)
+        vj = load_f32(f"pages[kp[j], 1, {kvh}, ks[j], dc * {DCOLS} + c]", dtype)
         keys = (f"kp[j] = page_values[page_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1) // {page}]\n"
                 f"        ks[j] = T.min(kb * {KEYS} + j, {klen} - 1) % {page}")
     else:
-        kj = f"k[ko[jt * {KTILE} + j], {kvh}, dd]"
-        vj = f"v[ko[j], {kvh}, dc * {DCOLS} + c]"
+        kj = load_f32(f"k[ko[jt * {KTILE} + j], {kvh}, dd]", dtype)
+        vj = load_f32(f"v[ko[j], {kvh}, dc * {DCOLS} + c]", dtype)
         keys = f"ko[j] = kv_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1)"
     return f'''
 qt = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
@@ -97,7 +108,7 @@ for r in range({ROWS}):
     sm[r] = T.float32(1)
 for dd in range({d}):
     for r in range({ROWS}):
-        qt[dd, r] = q[q_indptr[b] + tok[r], hd[r], dd] * sm_scale * T.float32({LOG2E!r})
+        qt[dd, r] = {qload} * sm_scale * T.float32({LOG2E!r})
         acc[dd, r] = T.float32(0)
 for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
     for j in range({KEYS}):
@@ -140,7 +151,7 @@ for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
 for r in range({ROWS}):
     if {tile} * {ROWS} + r < {rows}:
         for dd in range({d}):
-            output[q_indptr[b] + tok[r], hd[r], dd] = acc[dd, r] / sm[r]
+            output[q_indptr[b] + tok[r], hd[r], dd] = {ostore}
         lse[q_indptr[b] + tok[r], hd[r]] = mx[r] + T.log2(sm[r])
 '''
 
@@ -149,11 +160,12 @@ for r in range({ROWS}):
 def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32",
                             isa: str | None = None) -> tvm.tirx.PrimFunc:
     """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
-    if dtype != "float32" or d % DCOLS:
-        raise ValueError(f"attention kernel needs float32 and head_dim % {DCOLS} == 0 (got {dtype}, {d})")
+    check_kv_dtype(dtype)
+    if d % DCOLS:
+        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
     group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows), " " * 20)
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, dtype=dtype), " " * 20)
     src = f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -170,14 +182,14 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     kv_off = T.int32()
     qr_off = T.int32()
     kr_off = T.int32()
-    q = T.match_buffer(var_q, (qo_len, {h_q}, {d}), "float32")
+    q = T.match_buffer(var_q, (qo_len, {h_q}, {d}), "{dtype}")
     q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_off)
-    k = T.match_buffer(var_k, (kv_len, {h_kv}, {d}), "float32")
-    v = T.match_buffer(var_v, (kv_len, {h_kv}, {d}), "float32")
+    k = T.match_buffer(var_k, (kv_len, {h_kv}, {d}), "{dtype}")
+    v = T.match_buffer(var_v, (kv_len, {h_kv}, {d}), "{dtype}")
     kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_off)
     q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=qr_off)
     k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=kr_off)
-    output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "float32")
+    output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "{dtype}")
     lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
     with T.sblock("root"):
         for b in range(batch_size):
@@ -189,17 +201,18 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
 
 
 @cache
-def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
-                           isa: str | None = None) -> tvm.tirx.PrimFunc:
+def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, isa: str | None = None,
+                           dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """``batch_prefill_paged_kv_cpu`` (no sliding window): every sequence's new tokens against
     the keys already in its pages (a chunked prompt's earlier chunks), with the log-sum-exp the
     cache merges with the ragged part. TVM's CPU version walks every page of the whole cache,
     serially, for each query row and head."""
+    check_kv_dtype(dtype)
     if d % DCOLS:
         raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
     group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page), " " * 20)
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page, dtype), " " * 20)
     src = f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -220,15 +233,15 @@ def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_page
     o4 = T.int32()
     o5 = T.int32()
     o6 = T.int32()
-    q = T.match_buffer(var_q, (total_len, {h_q}, {d}), "float32")
+    q = T.match_buffer(var_q, (total_len, {h_q}, {d}), "{dtype}")
     q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=o1)
-    pages = T.match_buffer(var_pages, (max_num_pages, 2, {h_kv}, {page}, {d}), "float32")
+    pages = T.match_buffer(var_pages, (max_num_pages, 2, {h_kv}, {page}, {d}), "{dtype}")
     page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=o2)
     page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=o3)
     length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=o4)
     k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=o5)
     q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=o6)
-    output = T.match_buffer(var_output, (total_len, {h_q}, {d}), "float32")
+    output = T.match_buffer(var_output, (total_len, {h_q}, {d}), "{dtype}")
     lse = T.match_buffer(var_lse, (total_len, {h_q}), "float32")
     with T.sblock("root"):
         for b in range(batch_size):
@@ -239,7 +252,8 @@ def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_page
     return parse_tvmscript(src)
 
 
-def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: int) -> str:  # noqa: N803
+def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: int,  # noqa: N803
+                 dtype: str = "float32") -> str:
     h_q = h_kv * group
     b, c = f"(task // {split})", f"(task % {split})"
     npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
@@ -247,6 +261,8 @@ def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: in
     base = f"page_table_values[page_table_indptr[{b}] + p]"
     hq, i = f"kvh * {group} + h", f"dd * {LANES} + l"
     dots = " + ".join(f"part[h, {lane}]" for lane in range(LANES))
+    qi, ki = load_f32(f"Q[{b}, {hq}, {i}]", dtype), load_f32(f"pages[{base}, 0, kvh, j, {i}]", dtype)
+    vi = load_f32(f"pages[{base}, 1, kvh, j, i]", dtype)
     return f'''
 part = T.sblock_alloc_buffer(({group}, {LANES}), "float32", scope="global")
 s = T.sblock_alloc_buffer(({group}, {page}), "float32", scope="global")
@@ -269,7 +285,7 @@ for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
             for dd in T.unroll({d // LANES}):
                 for h in T.unroll({group}):
                     for l in T.vectorized({LANES}):
-                        part[h, l] = part[h, l] + Q[{b}, {hq}, {i}] * pages[{base}, 0, kvh, j, {i}]
+                        part[h, l] = part[h, l] + {qi} * {ki}
             for h in T.unroll({group}):
                 s[h, j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
         for h in range({group}):
@@ -289,7 +305,7 @@ for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
                 ar[i] = cacc[{b}, {c}, {hq}, i] * sc[h]
             for j in range({keys}):
                 for i in T.vectorized({d}):
-                    ar[i] = ar[i] + s[h, j] * pages[{base}, 1, kvh, j, i]
+                    ar[i] = ar[i] + s[h, j] * {vi}
             for i in T.vectorized({d}):
                 cacc[{b}, {c}, {hq}, i] = ar[i]
 for h in range({h_q}):
@@ -298,7 +314,7 @@ for h in range({h_q}):
 '''
 
 
-def _merge_body(h_q: int, d: int, split: int) -> str:
+def _merge_body(h_q: int, d: int, split: int, dtype: str = "float32") -> str:
     """Combine the chunks' (max, sum, accumulator) of one (sequence, head)."""
     b, h = f"(task // {h_q})", f"(task % {h_q})"
     return f'''
@@ -318,19 +334,20 @@ for c in range({split}):
     for i in T.vectorized({d}):
         o[i] = o[i] + w[c] * cacc[{b}, c, {h}, i]
 for i in T.vectorized({d}):
-    output[{b}, {h}, i] = o[i] / st[1]
+    output[{b}, {h}, i] = {store_as("o[i] / st[1]", dtype)}
 lse[{b}, {h}] = st[0] + T.log2(st[1])
 '''
 
 
 @cache
 def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, split: int = 4,
-                          isa: str | None = None) -> tvm.tirx.PrimFunc:
+                          isa: str | None = None, dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
     its paged K/V, each sequence's pages cut into ``split`` chunks that run in parallel."""
+    check_kv_dtype(dtype)
     group, lanes = h_q // h_kv, vector_lanes(isa or host_isa(), d)
-    body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes), " " * 16)
-    merge = textwrap.indent(_merge_body(h_q, d, split), " " * 16)
+    body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes, dtype), " " * 16)
+    merge = textwrap.indent(_merge_body(h_q, d, split, dtype), " " * 16)
     src = f'''
 @D.prim_func(s_tir=True)
 def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
@@ -348,13 +365,13 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
     o3 = T.int32()
     o4 = T.int32()
     o5 = T.int32()
-    Q = T.match_buffer(Q_handle, (B, {h_q}, {d}), "float32")
-    pages = T.match_buffer(pages_handle, (max_num_pages, 2, {h_kv}, {page}, {d}), "float32")
+    Q = T.match_buffer(Q_handle, (B, {h_q}, {d}), "{dtype}")
+    pages = T.match_buffer(pages_handle, (max_num_pages, 2, {h_kv}, {page}, {d}), "{dtype}")
     page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=o1)
     page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=o2)
     k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=o3)
     q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=o4)
-    output = T.match_buffer(output_handle, (B, {h_q}, {d}), "float32")
+    output = T.match_buffer(output_handle, (B, {h_q}, {d}), "{dtype}")
     lse = T.match_buffer(lse_handle, (B, {h_q}), "float32")
     length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=o5)
     with T.sblock("root"):
@@ -372,16 +389,17 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
 
 
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
-                          isa: str | None = None, page_size: int = 16) -> tvm.IRModule:
+                          isa: str | None = None, page_size: int = 16,
+                          kv_dtype: str = "float32") -> tvm.IRModule:
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
     so the cache's runtime calls them unchanged). Decode splits each sequence's pages into
     two chunks per decode thread."""
     h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
-    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, isa=isa),
-            "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa=isa),
+    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa),
+            "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype),
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
-                                                               isa=isa),
-            "fused_rope": rope_primfunc(cfg)}
+                                                               isa=isa, dtype=kv_dtype),
+            "fused_rope": rope_primfunc(cfg, kv_dtype)}
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in ours and isinstance(func, tvm.tirx.PrimFunc):
             new = ours[gv.name_hint]

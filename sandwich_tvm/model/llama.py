@@ -42,9 +42,10 @@ def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                     cfg.head_dim)
+        self.dtype, self.kv_dtype = cfg.dtype, kv_dtype
         d = self.head_dim
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels)
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels)
@@ -53,7 +54,11 @@ class Attention(nn.Module):
         """``residual + o_proj(attention(x))``."""
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
+        if self.kv_dtype != self.dtype:  # the cache stores (and its kernels read) 16-bit K/V
+            qkv = op.astype(qkv, self.kv_dtype)
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
+        if self.kv_dtype != self.dtype:
+            out = op.astype(out, self.dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual)
 
 
@@ -76,8 +81,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
-        self.self_attn = Attention(cfg, kernels)
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
+        self.self_attn = Attention(cfg, kernels, kv_dtype)
         self.mlp = MLP(cfg, kernels)
         self.input_layernorm = _norm(cfg, kernels)
         self.post_attention_layernorm = _norm(cfg, kernels)
@@ -111,12 +116,13 @@ class Embedding(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
         tied_packed = None
         if cfg.tie_word_embeddings and kernels is not None:
             tied_packed = packed_shape(cfg.vocab_size, cfg.hidden_size, kernels.isa)
         self.embed_tokens = Embedding(cfg, tied_packed)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers)])
+        layers = [DecoderLayer(cfg, kernels, kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = _norm(cfg, kernels)
 
     def forward(self, ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
@@ -127,12 +133,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``)."""
+    """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``).
+    ``kv_dtype``: what the paged KV cache stores (float32, or 16 bits as llama.cpp's default)."""
 
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None, kv_dtype: str = "float32"):
         self.cfg = cfg
         self.kernels = kernels
-        self.model = LlamaModel(cfg, kernels)
+        self.kv_dtype = kv_dtype
+        self.model = LlamaModel(cfg, kernels, kv_dtype)
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, kernels)
@@ -191,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
             rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
-            rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=cfg.dtype,
+            rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=self.kv_dtype,
             target=host_target(),
         )
 

@@ -13,6 +13,7 @@ from functools import cache
 
 import numpy as np
 
+from ..kernels.vecmath import load_f32, store_as
 from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 
@@ -34,8 +35,12 @@ def inv_freq(cfg: LlamaConfig) -> np.ndarray:
 
 
 @cache
-def _rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...]) -> tvm.tirx.PrimFunc:
+def _rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
+                   dtype: str = "float32") -> tvm.tirx.PrimFunc:
     half, heads = d // 2, h_q + 2 * h_kv
+    lo, hi = load_f32("qkv[s, h, j]", dtype), load_f32(f"qkv[s, h, j + {half}]", dtype)
+    first = store_as(f"cs[j] * {lo} - sn[j] * {hi}", dtype)
+    second = store_as(f"cs[j] * {hi} + sn[j] * {lo}", dtype)
     on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
     init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
     src = f'''
@@ -44,11 +49,11 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                var_v: T.handle, apply_rope: T.int64):
     T.func_attr({{"global_symbol": "fused_rope", "tir.noalias": True, "tirx.is_scheduled": True}})
     seq_len = T.int32()
-    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {d}), "float32")
+    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {d}), "{dtype}")
     position_map = T.match_buffer(var_position_map, (seq_len,), "int32", offset_factor=1)
-    q = T.match_buffer(var_q, (seq_len, {h_q}, {d}), "float32")
-    k = T.match_buffer(var_k, (seq_len, {h_kv}, {d}), "float32")
-    v = T.match_buffer(var_v, (seq_len, {h_kv}, {d}), "float32")
+    q = T.match_buffer(var_q, (seq_len, {h_q}, {d}), "{dtype}")
+    k = T.match_buffer(var_k, (seq_len, {h_kv}, {d}), "{dtype}")
+    v = T.match_buffer(var_v, (seq_len, {h_kv}, {d}), "{dtype}")
     with T.sblock("root"):
         for s in T.parallel(seq_len):
             with T.sblock("token"):
@@ -64,11 +69,11 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                 for h in range({h_q + h_kv}):
                     for j in T.vectorized({half}):
                         if h < {h_q}:
-                            q[s, h, j] = cs[j] * qkv[s, h, j] - sn[j] * qkv[s, h, j + {half}]
-                            q[s, h, j + {half}] = cs[j] * qkv[s, h, j + {half}] + sn[j] * qkv[s, h, j]
+                            q[s, h, j] = {first}
+                            q[s, h, j + {half}] = {second}
                         else:
-                            k[s, h - {h_q}, j] = cs[j] * qkv[s, h, j] - sn[j] * qkv[s, h, j + {half}]
-                            k[s, h - {h_q}, j + {half}] = cs[j] * qkv[s, h, j + {half}] + sn[j] * qkv[s, h, j]
+                            k[s, h - {h_q}, j] = {first}
+                            k[s, h - {h_q}, j + {half}] = {second}
                 for h in range({h_kv}):
                     for j in T.vectorized({d}):
                         v[s, h, j] = qkv[s, h + {h_q + h_kv}, j]
@@ -76,6 +81,7 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
     return parse_tvmscript(src)
 
 
-def rope_primfunc(cfg: LlamaConfig) -> tvm.tirx.PrimFunc:
+def rope_primfunc(cfg: LlamaConfig, dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """``fused_rope`` for q/k/v stored in ``dtype`` (the KV cache's), computed in fp32."""
     return _rope_primfunc(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                          tuple(float(x) for x in inv_freq(cfg)))
+                          tuple(float(x) for x in inv_freq(cfg)), dtype)

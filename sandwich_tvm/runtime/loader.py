@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..compiler.artifact import CompiledModel, compile_model
+from ..model.attention import DEFAULT_KV_DTYPE
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
 from ..tvm_compat import host_isa
@@ -15,7 +16,8 @@ from .plan import ExecPlan
 
 def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, schedules: Path | None = None,
                 context: int | None = None, max_batch: int = 8, prefill_chunk: int = 2048,
-                kv_tokens: int | None = None, seed: int = 0, force: bool = False,
+                kv_tokens: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE, seed: int = 0,
+                force: bool = False,
                 log: Callable[[str], None] = lambda _m: None) -> tuple[Engine, object, CompiledModel]:
     """The engine, the tokenizer (None for presets) and the compiled model it runs.
 
@@ -27,7 +29,7 @@ def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, sched
     cfg = load_config(model)
     check_context(cfg, min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings))
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
-                             log=log)
+                             kv_dtype=kv_dtype, log=log)
     params = load_params(model, cfg, compiled.params, host_isa(), seed=seed, log=log)
     engine = Engine(compiled, params, plan, context=context, max_batch=max_batch, prefill_chunk=prefill_chunk,
                     kv_tokens=kv_tokens)

@@ -38,7 +38,10 @@ class Detokenizer:
     def _advance(self, final: bool) -> str:
         before = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+        # One trailing U+FFFD may be a character whose last bytes come later; two in a row mean
+        # an invalid byte that no later token completes, so the text goes out as it is.
+        incomplete = text.endswith("\ufffd") and not text.endswith("\ufffd\ufffd")
+        if not final and (len(text) <= len(before) or incomplete):
             return ""
         # Keep only the new context window: older ids never take part in a decode again.
         self.ids = self.ids[self.read:]

@@ -36,16 +36,22 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> tup
     return np.einsum("hqk,khd->qhd", p / total, v), ((np.log(total) + m)[..., 0] / np.log(2)).T
 
 
+# 16-bit K/V: inputs are rounded to float16, the output too (10 mantissa bits)
+OUT_TOL = {"float32": (1e-4, 2e-5), "float16": (2e-3, 2e-3)}
+
+
 @pytest.mark.parametrize("h_kv,h_q", [(3, 3), (2, 8)])
 @pytest.mark.parametrize("causal", [1, 0])
-def test_prefill_matches_numpy(h_kv, h_q, causal):
-    run = tvm.compile(prefill_ragged_primfunc(h_kv, h_q, D), target=host_target())["batch_prefill_ragged_kv"]
+@pytest.mark.parametrize("dtype", sorted(OUT_TOL))
+def test_prefill_matches_numpy(h_kv, h_q, causal, dtype):
+    run = tvm.compile(prefill_ragged_primfunc(h_kv, h_q, D, dtype), target=host_target())
+    run = run["batch_prefill_ragged_kv"]
     rng = np.random.default_rng(h_q + causal)
     # (new tokens, keys already in the cache): one row, tile tails, a prefix, a long sequence
     seqs = [(1, 0), (17, 0), (5, 40), (70, 3), (300, 0)]
-    qs = [rng.standard_normal((n, h_q, D), dtype=np.float32) * 2 for n, _ in seqs]
-    ks = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) * 2 for n, pre in seqs]
-    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) for n, pre in seqs]
+    qs = [(rng.standard_normal((n, h_q, D), dtype=np.float32) * 2).astype(dtype) for n, _ in seqs]
+    ks = [(rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) * 2).astype(dtype) for n, pre in seqs]
+    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32).astype(dtype) for n, pre in seqs]
     q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
     kv_indptr = np.cumsum([0] + [n + pre for n, pre in seqs]).astype(np.int32)
     q = np.concatenate(qs)
@@ -54,35 +60,38 @@ def test_prefill_matches_numpy(h_kv, h_q, causal):
     args = [q, q_indptr, np.concatenate(ks), np.concatenate(vs), kv_indptr,
             np.zeros(len(q), np.int32), np.zeros(len(seqs), np.int32)]
     run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    rtol, atol = OUT_TOL[dtype]
     for i in range(len(seqs)):
         want, want_lse = _reference(qs[i], ks[i], vs[i], bool(causal))
         rows = slice(q_indptr[i], q_indptr[i + 1])
-        np.testing.assert_allclose(out.numpy()[rows], want, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(out.numpy()[rows].astype(np.float32), want, rtol=rtol, atol=atol)
         np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("h_kv,h_q", [(3, 3), (2, 8)])
 @pytest.mark.parametrize("causal", [1, 0])
-def test_paged_prefill_matches_numpy(h_kv, h_q, causal):
+@pytest.mark.parametrize("dtype", sorted(OUT_TOL))
+def test_paged_prefill_matches_numpy(h_kv, h_q, causal, dtype):
     """A chunk of new tokens against the keys in its sequence's pages (chunked prefill)."""
     page = 16
-    run = tvm.compile(prefill_paged_primfunc(h_kv, h_q, D, page), target=host_target())
+    run = tvm.compile(prefill_paged_primfunc(h_kv, h_q, D, page, dtype=dtype), target=host_target())
     run = run["batch_prefill_paged_kv_cpu"]
     rng = np.random.default_rng(10 * h_q + causal)
     seqs = [(1, 16), (17, 40), (5, 1), (70, 33), (40, 0), (300, 512)]  # (new tokens, keys in pages)
     npages = [-(-k // page) for _, k in seqs]
-    pages = rng.standard_normal((sum(npages) + 5, 2, h_kv, page, D), dtype=np.float32) * 2
+    pages = (rng.standard_normal((sum(npages) + 5, 2, h_kv, page, D), dtype=np.float32) * 2).astype(dtype)
     table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
     indptr = np.cumsum([0] + npages).astype(np.int32)
     last = np.array([k - (p - 1) * page if p else 0
                      for (_, k), p in zip(seqs, npages, strict=True)], np.int32)
-    qs = [rng.standard_normal((n, h_q, D), dtype=np.float32) * 2 for n, _ in seqs]
+    qs = [(rng.standard_normal((n, h_q, D), dtype=np.float32) * 2).astype(dtype) for n, _ in seqs]
     q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
     q = np.concatenate(qs)
     out = tvm.runtime.tensor(np.zeros_like(q))
     lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
     zeros = np.zeros(len(seqs), np.int32)
     args = [q, q_indptr, pages, indptr, table, last, zeros, np.zeros(len(q), np.int32)]
+    rtol, atol = OUT_TOL[dtype]
     run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
     for b, (n, keys) in enumerate(seqs):
         rows = slice(q_indptr[b], q_indptr[b + 1])
@@ -94,24 +103,26 @@ def test_paged_prefill_matches_numpy(h_kv, h_q, causal):
         if causal and keys < n:  # TVM's mask: query i sees keys < keys - n + i + 1
             continue
         want, want_lse = _reference(qs[b], k, v, bool(causal))
-        np.testing.assert_allclose(out.numpy()[rows], want, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(out.numpy()[rows].astype(np.float32), want, rtol=rtol, atol=atol)
         np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("h_kv,h_q,split", [(3, 3, 4), (2, 8, 3)])
-def test_decode_matches_numpy(h_kv, h_q, split):
+@pytest.mark.parametrize("dtype", sorted(OUT_TOL))
+def test_decode_matches_numpy(h_kv, h_q, split, dtype):
     page = 16
-    func = decode_paged_primfunc(h_kv, h_q, D, page, split)
+    func = decode_paged_primfunc(h_kv, h_q, D, page, split, dtype=dtype)
     run = tvm.compile(func, target=host_target())["batch_decode_paged_kv_cpu"]
     rng = np.random.default_rng(h_q)
     lengths = [1, 16, 17, 100, 333]  # fewer pages than chunks, full and partial last pages
     npages = [-(-n // page) for n in lengths]
-    pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32)
+    pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32).astype(dtype)
     table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
     indptr = np.cumsum([0] + npages).astype(np.int32)
     last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages, strict=True)], np.int32)
-    q = rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2
+    q = (rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2).astype(dtype)
     out = tvm.runtime.tensor(np.zeros_like(q))
+    rtol, atol = OUT_TOL[dtype]
     lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
     zeros = np.zeros(len(lengths), np.int32)
     args = [q, pages, indptr, table, last, zeros, zeros]
@@ -120,7 +131,7 @@ def test_decode_matches_numpy(h_kv, h_q, split):
         own = pages[table[indptr[b]:indptr[b + 1]]]  # [pages, 2, h_kv, page, d]
         k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:n] for i in (0, 1))
         want, want_lse = _reference(q[b:b + 1], k, v, causal=False)
-        np.testing.assert_allclose(out.numpy()[b], want[0], rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(out.numpy()[b].astype(np.float32), want[0], rtol=rtol, atol=atol)
         np.testing.assert_allclose(lse.numpy()[b], want_lse[0], rtol=1e-4, atol=1e-4)
 
 

@@ -28,7 +28,7 @@ def model(tmp_path_factory):
     write_hf_model("mha-untied", out)
     cfg = load_config(out)
     plan = ExecPlan.all_cpus()
-    compiled = compile_model(cfg, plan, max_batch=8)
+    compiled = compile_model(cfg, plan, max_batch=8, kv_dtype="float32")
     return compiled, load_params(out, cfg, compiled.params, host_isa()), plan
 
 

@@ -123,3 +123,14 @@ def test_detokenized_stream_with_a_stop_string_inside_a_character():
         if stopped:
             break
     assert stopped and "".join(out) == "🦙b "
+
+
+def test_invalid_bytes_are_not_held_to_the_end():
+    """Stray UTF-8 continuation bytes never become a character: the stream must not hold them
+    (and everything after them) until the end."""
+    tok = load_model_tokenizer("llama-160m")
+    detok = Detokenizer(tok)
+    stray = [BYTE_OFFSET + 0x80] * 6  # six lone continuation bytes
+    deltas = [detok.push(t) for t in stray]
+    assert any(deltas[:2]), deltas  # released as soon as a second one shows they are invalid
+    assert "".join(deltas) + detok.finish() == tok.decode(stray)

@@ -69,7 +69,7 @@ def served(tmp_path_factory):
     hf = write_checkpoint(out)
     cfg = load_config(out)
     plan = ExecPlan.all_cpus()
-    compiled = compile_model(cfg, plan, max_batch=POLICY.max_batch)
+    compiled = compile_model(cfg, plan, max_batch=POLICY.max_batch, kv_dtype="float32")
     params = load_params(out, cfg, compiled.params, host_isa())
     engine = Engine(compiled, params, plan, context=CONTEXT, max_batch=POLICY.max_batch,
                     prefill_chunk=POLICY.prefill_budget)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import httpx
 import numpy as np
@@ -41,10 +42,14 @@ def _complete(served, prompt: list[int], **kw) -> dict:
     return r.json()
 
 
-def _pages_in_use(served) -> float:
+def _metric(served, prefix: str) -> float:
     text = httpx.get(f"{served.url}/metrics", timeout=10).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("sandwich_kv_cache_pages_used{"))
+    line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
     return float(line.rsplit(" ", 1)[1])
+
+
+def _pages_in_use(served) -> float:
+    return _metric(served, "sandwich_kv_cache_pages_used{")
 
 
 def test_batching_changes_nothing(served):
@@ -132,17 +137,25 @@ def test_long_prompt_names_the_limit(served):
     assert r.status_code == 400 and str(CONTEXT) in r.json()["error"]["message"]
 
 
-def test_burst_disconnects_and_recovery(served):
+def test_burst_disconnects_and_recovery(served, monkeypatch):
     """Past the queue bound some requests get 429 with Retry-After; clients that vanish cancel
     their sequences; afterwards the server answers and no KV page is in use."""
-    prompt = _prompts(served.engine.cfg.vocab_size)[5]
+    step = served.batch.step
+
+    def slow_step():  # the tiny model finishes 200 tokens before a client could leave
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(served.batch, "step", slow_step)
+    prompts = _prompts(served.engine.cfg.vocab_size)
+    prompt = prompts[5]
 
     def one(i: int) -> int:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        if i % 3 == 0:  # leave mid-stream
+        if i % 3 == 0:  # leave mid-stream, long before the 200th token
+            long = body | {"prompt": prompts[2], "max_tokens": 200, "stream": True}
             try:
-                with httpx.stream("POST", f"{served.url}/v1/completions", json=body | {"stream": True},
-                                  timeout=60) as r:
+                with httpx.stream("POST", f"{served.url}/v1/completions", json=long, timeout=60) as r:
                     for _ in zip(range(3), r.iter_lines(), strict=False):
                         pass
                 return -1
@@ -156,13 +169,17 @@ def test_burst_disconnects_and_recovery(served):
             assert r.json()["usage"]["completion_tokens"] == 40
         return r.status_code
 
+    aborted = _metric(served, 'sandwich_request_success_total{model="tiny",reason="abort"}')
     with cf.ThreadPoolExecutor(24) as pool:
         codes = list(pool.map(one, range(24)))
     assert 429 in codes and 200 in codes
     assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
     _complete(served, prompt)  # still serving
-    deadline = __import__("time").monotonic() + 10
-    while _pages_in_use(served) != 0 and __import__("time").monotonic() < deadline:
-        __import__("time").sleep(0.1)
+    deadline = time.monotonic() + 10
+    while _pages_in_use(served) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _pages_in_use(served) == 0
     assert served.batch.scheduler.running == [] and not served.batch.scheduler.waiting
+    # the clients that left mid-stream were cancelled, not run to their 40 tokens
+    assert _metric(served, 'sandwich_request_success_total{model="tiny",reason="abort"}') > aborted
+    assert _metric(served, 'sandwich_request_success_total{model="tiny",reason="length"}') > 0
