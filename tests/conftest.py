@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,15 @@ KUNPENG_192 = ("package:4 l3:2(size=24MiB) [numa] l2:24(size=512KiB) l1d:1(size=
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep caches (profiles, trace lengths) out of the user's home, shared per session."""
     monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_affinity():
+    """The engine pins the calling thread to its plan's first core on every phase switch; a
+    test that drives it in the main thread must not leave later subprocesses on one CPU."""
+    cpus = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, cpus)
 
 
 @pytest.fixture
