@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                  chunk=args.chunk or args.prefill_budget, priority=args.priority,
                                  max_queue=args.max_queue)
         cfg = load_config(args.model)
+        if args.context is not None:  # an explicit length the model cannot take is an error
+            check_context(cfg, args.context)
         context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
         check_context(cfg, context)
         kv_tokens = max(args.kv_cache_tokens or context * args.max_batch // 2, context)
