@@ -18,6 +18,7 @@ from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
 from ..runtime.plan import PlanError, resolve_plan
+from ..runtime.sampling import Sampler, SamplingError, SamplingParams
 from ..runtime.text import Detokenizer
 from .args import non_negative_int, positive_int
 
@@ -38,7 +39,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "attention computes in fp32)")
 
 
-LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError)
+LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive_int, default=None,
                    help="KV cache length in tokens (default: prompt + new tokens rounded up to 256, "
                         "at most the model's max_position_embeddings)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely (default -1: off)")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the sampler (default: fresh entropy); --seed is the preset weights'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise EngineError("the prompt is empty after tokenization; pass some text")
         else:
             prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size)
+        params = SamplingParams(max_tokens=None, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.sampling_seed)
         # The KV cache is allocated up front: size it to this run, and fail before compiling.
         if args.context is not None:
             check_context(cfg, args.context)
@@ -122,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
         stream = TextStream(tok, write) if tok is not None and not args.json else None
         on_token = stream.push if stream else None if args.json else (lambda t: write(f"{t} "))
-        gen = engine.generate(prompt, args.max_new_tokens, stop=eos, on_token=on_token)
+        sampler = Sampler(params, prompt)
+        sample = None if params.greedy else (lambda logits: sampler(logits).token)
+        gen = engine.generate(prompt, args.max_new_tokens, stop=eos, on_token=on_token, sample=sample)
         if stream is not None:
             stream.finish()
     except LOAD_ERRORS as exc:

@@ -230,9 +230,12 @@ class Engine:
         check_length(self.cfg, len(prompt), max_new_tokens, self.context)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,
-                 on_token: Callable[[int], None] | None = None, logits_out: list | None = None) -> Generation:
-        """Greedy generation: prefill plan for the prompt, then the decode plan.
+                 on_token: Callable[[int], None] | None = None, logits_out: list | None = None,
+                 sample: Callable[[np.ndarray], int] | None = None) -> Generation:
+        """One request: prefill plan for the prompt, then the decode plan. Greedy unless
+        ``sample`` (logits -> token, e.g. a ``Sampler``'s) is given.
         ``max_new_tokens=0`` runs the prefill only (``ttft_ms`` is its time, no tokens)."""
+        pick = sample or (lambda logits: int(np.argmax(logits)))
         self.check_prompt(prompt, max_new_tokens)
         gen = Generation(len(prompt))
         self.start()
@@ -240,7 +243,7 @@ class Engine:
             self.use("prefill")
             t0 = time.perf_counter()
             logits = self.prefill(prompt)
-            token = int(np.argmax(logits))
+            token = pick(logits)
             gen.ttft_ms = (time.perf_counter() - t0) * 1e3
             while max_new_tokens > 0:
                 gen.tokens.append(token)
@@ -253,7 +256,7 @@ class Engine:
                 gen.switch_ms += self.use("decode")
                 t0 = time.perf_counter()
                 logits = self.decode(token)
-                token = int(np.argmax(logits))
+                token = pick(logits)
                 gen.decode_ms.append((time.perf_counter() - t0) * 1e3)
         finally:
             self.stop()
