@@ -81,6 +81,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--context", type=positive_int, default=None,
                    help=f"tokens of one request, prompt + output (default min({DEFAULT_CONTEXT}, the "
                         "model's)); both systems' KV caches hold max-batch times it")
+    s.add_argument("--prefill-budget", type=positive_int, default=512,
+                   help="Sandwich's tokens per prefill iteration (its scheduler policy; default 512)")
+    s.add_argument("--priority", choices=("prefill", "decode"), default="prefill",
+                   help="Sandwich's phase when both have work (default prefill)")
     s.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
                    help=f"Sandwich's KV cache dtype (default {DEFAULT_KV_DTYPE}; llama-server's default is "
                         "f16)")
@@ -130,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         duration_s=args.duration, lengths=lengths, max_output=args.max_output or None,
         slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot, slo_scales=scales, cpus=cpus,
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,
-        kv_dtype=args.kv_dtype,
+        kv_dtype=args.kv_dtype, prefill_budget=args.prefill_budget, priority=args.priority,
         timeout_s=args.timeout, ready_timeout_s=args.ready_timeout)
 
 

@@ -66,6 +66,8 @@ class ServeBenchConfig:
     context: int = 2048  # tokens of one sequence (prompt + output)
     seed: int = 0
     kv_dtype: str = "float16"  # Sandwich's KV cache (llama-server's default is f16 too)
+    prefill_budget: int = 512  # Sandwich's SchedulerPolicy
+    priority: str = "prefill"
     out: Path = Path("out")
     timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
@@ -180,7 +182,8 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
         cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", cfg.model, "--host", "127.0.0.1",
                "--port", str(port), "--max-batch", str(cfg.max_batch),
                "--context", str(cfg.context), "--kv-cache-tokens", str(cfg.kv_tokens()),
-               "--kv-dtype", cfg.kv_dtype, "--seed", str(cfg.seed)]
+               "--kv-dtype", cfg.kv_dtype, "--prefill-budget", str(cfg.prefill_budget),
+               "--priority", cfg.priority, "--seed", str(cfg.seed)]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -257,6 +260,7 @@ class _Benchmark:
             "model": cfg.model, "model_name": model.name, "num_params": model.num_params(), "mode": cfg.mode,
             "rates": self.rates, "duration_s": cfg.duration_s, "threads": cfg.threads, "cpus": list(cfg.cpus),
             "max_batch": cfg.max_batch, "context": cfg.context, "kv_dtype": cfg.kv_dtype,
+            "scheduler": {"prefill_budget": cfg.prefill_budget, "priority": cfg.priority},
             "kv_cache_tokens": {k: v for k, v in self.kv.items() if k in cfg.systems},
             "plan": None if cfg.plan is None else str(cfg.plan), "seed": cfg.seed, "timeout_s": cfg.timeout_s,
             "workload": workload, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
