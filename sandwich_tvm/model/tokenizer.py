@@ -11,7 +11,7 @@ bytes at 3..258 (so any text encodes, byte by byte) and ``t<id>`` for every othe
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -40,7 +40,6 @@ class ModelTokenizer:
     bos_token: str = ""
     eos_token: str = ""
     source: str = ""
-    specials: dict = field(default_factory=dict)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -71,20 +70,25 @@ class ModelTokenizer:
 
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **self.specials)
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template failed on these messages: {err}") from err
+
+
+def byte_chars() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what the ByteLevel pre-tokenizer emits)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        chars[b] = chr(b) if b in keep else chr(256 + (extra := extra + 1) - 1)
+    return chars
 
 
 def placeholder_tokenizer(vocab_size: int):
     """llama.cpp's SentencePiece layout as a byte-level ``tokenizers.Tokenizer``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):  # GPT-2's printable stand-in per byte (what ByteLevel emits)
-        chars[b] = chr(b) if b in keep else chr(256 + (extra := extra + 1) - 1)
+    chars = byte_chars()
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chars[b]: BYTE_OFFSET + b for b in range(256)}
     vocab |= {f"t{i}": i for i in range(BYTE_OFFSET + 256, vocab_size)}
     tok = Tokenizer(models.BPE(vocab, []))

@@ -67,9 +67,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
 
-    def outstanding(self) -> int:
-        return self._outstanding
-
     # ------------------------------------------------------------------ the asyncio side
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                        arrival: float | None = None) -> AsyncIterator[TokenEvent]:
@@ -108,7 +105,8 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain(block=not self.batch.has_work())
                 if self.batch.has_work():
-                    self._dispatch(self.batch.step())
+                    for event in self.batch.step():
+                        self._send(event)
         except BaseException as err:  # noqa: BLE001 -- report to every waiting client, then stop
             self.dead = f"the engine thread stopped: {type(err).__name__}: {err}"
             for rid in list(self._outs):
@@ -132,17 +130,13 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             event = self.batch.abort(item.request_id)
             if event is not None:
-                self._dispatch([event])
+                self._send(event)
             return
         self._outs[item.request_id] = (item.loop, item.out)
         try:
             self.batch.add(item.request_id, item.prompt, item.params, item.arrival)
         except (QueueFull, ValueError) as err:
             self._send(TokenEvent(item.request_id, None, finish_reason="error", error=str(err)))
-
-    def _dispatch(self, events: list[TokenEvent]) -> None:
-        for event in events:
-            self._send(event)
 
     def _send(self, event: TokenEvent) -> None:
         target = self._outs.get(event.request_id)

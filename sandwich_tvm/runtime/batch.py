@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine import Engine, EngineError
+from .engine import Engine, EngineError, check_token_ids
 from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerPolicy, Step
@@ -60,12 +60,8 @@ class BatchEngine:
     def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
         """The max_tokens a request gets (the rest of the context when None); raises
         ``EngineError`` naming the limit when the request cannot fit."""
-        cfg, context = self.engine.cfg, self.engine.context
-        if not len(prompt):
-            raise EngineError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {cfg.vocab_size})")
+        context = self.engine.context
+        check_token_ids(self.engine.cfg, prompt)
         if len(prompt) >= context:
             raise EngineError(f"the prompt has {len(prompt)} tokens; this server's context is {context} "
                               "tokens (prompt + completion)")
@@ -83,7 +79,8 @@ class BatchEngine:
         if request_id in self.seqs:
             raise EngineError(f"request id {request_id!r} is already running")
         max_tokens = self.check(prompt, params.max_tokens)
-        seq = Sequence(request_id, list(prompt), params, Sampler(params, prompt), max_tokens)
+        seq = Sequence(request_id, list(prompt), params, Sampler(params, prompt), max_tokens,
+                       stop_ids=params.stop_ids(self.eos_ids))
         if arrival is not None:
             seq.arrival = arrival
         self.scheduler.add(seq)
@@ -125,8 +122,8 @@ class BatchEngine:
         events = self._sample(step, logits)
         if self.metrics is not None:
             self.metrics.on_tokens(sum(e.token is not None for e in events))
-            self.metrics.on_step(step.phase, sum(step.lengths), len(step.seqs), switched,
-                                 time.perf_counter() - t0, len(step.preempted))
+            self.metrics.on_step(step.phase, sum(step.lengths), switched, time.perf_counter() - t0,
+                                 len(step.preempted))
             self.update_gauges()
         return events
 
@@ -158,10 +155,9 @@ class BatchEngine:
             seq.tokens.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            p = seq.params
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            if token in seq.stop_ids:
                 events.append(self._finish(seq, "stop", token, sample, stop_token=True))
-            elif seq.num_output >= seq.max_tokens or len(seq.tokens) >= self.engine.context:
+            elif seq.num_output >= seq.max_tokens:  # check() keeps max_tokens inside the context
                 events.append(self._finish(seq, "length", token, sample))
             else:
                 events.append(TokenEvent(seq.request_id, token, sample, prompt_tokens=len(seq.prompt),

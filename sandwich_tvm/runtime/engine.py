@@ -46,8 +46,6 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context",
                   available: int | None = None) -> None:
     """Raise ``EngineError`` when a KV cache of ``tokens`` is longer than the model's context or
     would not fit in the memory available now (``available`` bytes; psutil's by default)."""
-    if tokens < 1:
-        raise EngineError(f"{option} {tokens} must be at least 1 token")
     if tokens > cfg.max_position_embeddings:
         raise EngineError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
                           "tokens (max_position_embeddings); lower it")
@@ -67,6 +65,15 @@ def check_kv_memory(cfg: LlamaConfig, tokens: int, *, option: str, available: in
     if need > available:
         raise EngineError(f"a KV cache of {tokens} tokens needs {need / 2**30:.1f} GiB but only "
                           f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
+
+
+def check_token_ids(cfg: LlamaConfig, prompt: Sequence[int]) -> None:
+    """Raise ``EngineError`` for an empty prompt or ids outside the vocabulary."""
+    if not len(prompt):
+        raise EngineError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {cfg.vocab_size})")
 
 
 def check_length(cfg: LlamaConfig, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
@@ -222,11 +229,7 @@ class Engine:
     def check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if max_new_tokens < 0:
             raise EngineError(f"max_new_tokens is {max_new_tokens}; ask for 0 (prefill only) or more")
-        if not len(prompt):
-            raise EngineError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary (size {self.cfg.vocab_size})")
+        check_token_ids(self.cfg, prompt)
         check_length(self.cfg, len(prompt), max_new_tokens, self.context)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,

@@ -60,8 +60,7 @@ class ServingMetrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
-    def on_step(self, phase: str, tokens: int, seqs: int, switched: bool, seconds: float,
-                preempted: int) -> None:
+    def on_step(self, phase: str, tokens: int, switched: bool, seconds: float, preempted: int) -> None:
         self.step_time[phase].observe(seconds)
         if phase == "prefill":
             self.prompt_tokens.inc(tokens)

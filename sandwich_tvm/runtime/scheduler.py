@@ -136,13 +136,15 @@ class Scheduler:
                 return self.schedule()
         return self._decode_step(decoders) if decoders else None
 
-    def _can_admit(self) -> bool:
-        """The head of the queue fits: its whole prompt, plus a page of headroom per running
-        sequence. Nothing is admitted between a preemption and the next finished sequence, so a
-        preempted sequence is not re-admitted only to be preempted again."""
+    def _can_admit(self, free: int | None = None) -> bool:
+        """The head of the queue fits in ``free`` pages (default: all free now): its whole
+        prompt, plus a page of headroom per running sequence. Nothing is admitted between a
+        preemption and the next finished sequence, so a preempted sequence is not re-admitted
+        only to be preempted again."""
         if not self.waiting or len(self.running) >= self.policy.max_batch or self._frozen:
             return False
-        return pages_for(self.waiting[0].missing, self.page_size) <= self.free_pages() - len(self.running)
+        free = self.free_pages() if free is None else free
+        return pages_for(self.waiting[0].missing, self.page_size) <= free - len(self.running)
 
     def _admit(self) -> Sequence:
         seq = self.waiting.popleft()
@@ -193,11 +195,8 @@ class Scheduler:
             lengths.append(n)
             budget -= n
             free -= self._grow(seq, n)
-        while budget > 0 and not preempted and self._can_admit():
-            head = self.waiting[0]
-            n = min(head.missing, self.policy.chunk, budget)
-            if pages_for(head.missing, self.page_size) > free - len(self.running):
-                break
+        while budget > 0 and not preempted and self._can_admit(free):
+            n = min(self.waiting[0].missing, self.policy.chunk, budget)
             seq = self._admit()
             seqs.append(seq)
             lengths.append(n)

@@ -30,6 +30,7 @@ class Sequence:
     params: SamplingParams
     sampler: Sampler
     max_tokens: int
+    stop_ids: frozenset[int] = frozenset()  # stop token ids and EOS (unless ignore_eos)
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(init=False)
     computed: int = 0
@@ -42,10 +43,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
 
     @property
     def num_output(self) -> int:

@@ -35,17 +35,17 @@ RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
+    """An HTTP error in OpenAI's shape (``response()``)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
-
-def _error(status: int, message: str, param: str | None = None, kind: str | None = None,
-           headers: dict | None = None) -> JSONResponse:
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.status),
+                            status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -222,17 +222,17 @@ def create_app(server: Server) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
-            return _error(400, f"the body is not valid JSON: {first.get('msg', '')}")
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", where or None)
+            return ApiError(400, f"the body is not valid JSON: {first.get('msg', '')}").response()
+        return ApiError(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", where or None).response()
 
     @app.exception_handler(ApiError)
     async def _api(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+        return exc.response()
 
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.alive:
-            return _error(503, server.engine.dead or "the engine is not running")
+            return ApiError(503, server.engine.dead or "the engine is not running").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -243,7 +243,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if server.metrics is None:
-            return _error(404, "metrics are off")
+            return ApiError(404, "metrics are off").response()
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def params_of(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

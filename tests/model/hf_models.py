@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sandwich_tvm.model.tokenizer import byte_chars
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -40,25 +42,12 @@ def write_hf_model(name: str, out: Path, seed: int = 0):
     return model
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (what the ByteLevel pre-tokenizer emits)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_level_tokenizer(merges: list[tuple[bytes, bytes]] = ()):
     """A byte-level BPE ``tokenizers.Tokenizer``: the 256 bytes plus ``merges`` (byte pairs), no
     pre-splitting, so a merge may join the tail of one character to the next."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    u = _bytes_to_unicode()
+    u = byte_chars()
 
     def text(bs: bytes) -> str:
         return "".join(u[b] for b in bs)
