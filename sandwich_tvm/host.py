@@ -78,7 +78,8 @@ def host_isa() -> str:
     return isa_of(cpu_flags())
 
 
-_ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
+              "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}}
 
 
 def can_run(isa: str) -> bool:

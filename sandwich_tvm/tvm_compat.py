@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from .host import PROCESS_CPUS, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
+from .host import PROCESS_CPUS, can_run, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
 
 # Read before TVM's pool starts (and re-pins the calling thread, notes §5).
 os.environ["TVM_NUM_THREADS"] = str(tvm_num_threads())
@@ -114,13 +114,14 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
 _ISA_TARGETS = {
     "avx2": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
     "avx512": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4"},
+    "avx512bf16": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512bf16"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
 }
 
 
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
-    """The host target when ``isa`` is this CPU's, else a generic target of that ISA."""
-    if isa == host_isa():
+    """The host target when this CPU runs ``isa``'s code, else a generic target of that ISA."""
+    if isa == host_isa() or isa in _ISA_TARGETS and can_run(isa) and host_isa() == "avx512":
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:
         raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")

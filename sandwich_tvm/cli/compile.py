@@ -12,7 +12,7 @@ from ..compiler.artifact import compile_model
 from ..model.config import load_config
 from ..runtime.plan import resolve_plan
 from .common import print_error
-from .generate import LOAD_ERRORS, add_model_args
+from .generate import LOAD_ERRORS, add_model_args, weight_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(plan.describe())
         compiled = compile_model(load_config(args.model), plan, stock=args.stock, max_batch=args.max_batch,
                                  out=args.out, root=args.schedules, force=args.force, kv_dtype=args.kv_dtype,
-                                 log=console.print)
+                                 dtype=weight_dtype(args, console.print), log=console.print)
     except LOAD_ERRORS as exc:
         print_error(console, exc)
         return 2

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from ..model.config import LlamaConfig, load_config
 from .common import print_error
-from .generate import add_model_args, synthetic_prompt
+from .generate import add_model_args, synthetic_prompt, weight_dtype
 
 
 def add_e2e_parser(sub) -> None:
@@ -60,7 +60,8 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
 
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
-                               seed=args.seed, kv_dtype=args.kv_dtype, log=log)
+                               seed=args.seed, kv_dtype=args.kv_dtype,
+                               dtype="float32" if stock else weight_dtype(args, log), log=log)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
 
     def run(p: int) -> dict | None:

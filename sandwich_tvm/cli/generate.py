@@ -14,6 +14,7 @@ from rich.markup import escape
 from ..compiler.artifact import CompileError
 from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
+from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
@@ -37,6 +38,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
                         help=f"what the KV cache stores (default {DEFAULT_KV_DTYPE}, as llama.cpp's; "
                              "attention computes in fp32)")
+    parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
+                        help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
+                             "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
+                             "loaded). Activations, norms, RoPE, softmax and accumulation stay fp32")
+
+
+def weight_dtype(args: argparse.Namespace, log: Callable[[str], None]) -> str:
+    """The resolved ``--dtype`` (TVM's stock build: float32), said when ``auto`` chose it."""
+    if args.stock:
+        return "float32"
+    dtype, why = resolve_dtype(args.dtype)
+    if args.dtype == "auto":
+        log(f"weights: {dtype} ({why})")
+    return dtype
 
 
 LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError)
@@ -118,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         log(plan.describe())
         engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
                                    context=context, max_batch=args.max_batch, seed=args.seed,
-                                   kv_dtype=args.kv_dtype, log=log)
+                                   kv_dtype=args.kv_dtype, dtype=weight_dtype(args, log), log=log)
         eos = set()
         if tok is not None:
             ids = (tok.token_to_id(t) for t in ("</s>", "<|end_of_text|>", "<|eot_id|>"))

@@ -19,7 +19,7 @@ from ..runtime.plan import resolve_plan
 from ..runtime.scheduler import SchedulerPolicy
 from .args import positive_int
 from .common import print_error
-from .generate import LOAD_ERRORS, add_model_args
+from .generate import LOAD_ERRORS, add_model_args, weight_dtype
 
 SWITCH_INTERVAL_S = 2e-4
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
                                    context=context, kv_tokens=kv_tokens, max_batch=args.max_batch,
-                                   kv_dtype=args.kv_dtype,
+                                   kv_dtype=args.kv_dtype, dtype=weight_dtype(args, log),
                                    prefill_chunk=max(args.prefill_budget, policy.chunk), seed=args.seed,
                                    log=log)
     except LOAD_ERRORS as exc:

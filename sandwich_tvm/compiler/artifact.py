@@ -26,7 +26,7 @@ from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.shapes import linear_shapes
 from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_kernels
 from ..model.config import LlamaConfig
-from ..model.linear import KernelSet
+from ..model.linear import KernelSet, check_weight_dtype
 from ..model.llama import LlamaForCausalLM
 from ..runtime.plan import ExecPlan
 from ..tvm_compat import host_isa, host_target, tvm
@@ -63,6 +63,11 @@ class CompiledModel:
         return [(n, tuple(s)) for n, s in self.meta["params"]]
 
     @property
+    def weight_layout(self) -> tuple[str, str]:
+        """(micro-kernel ISA, weight dtype) the packed parameters are laid out for."""
+        return self.meta.get("kernel_isa", self.meta["isa"]), self.meta.get("dtype", "float32")
+
+    @property
     def stock(self) -> bool:
         return bool(self.meta["stock"])
 
@@ -93,16 +98,16 @@ class CompiledModel:
 
 
 def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None,
-              kv_dtype: str = "float32") -> str:
+              kv_dtype: str = "float32", dtype: str = "float32") -> str:
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
-    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype,
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype, dtype,
                                    host_signature().to_json(), str(target), plan.prefill_threads,
                                    plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
     if not stock:
-        shapes = list(linear_shapes(cfg).values())
+        shapes = list(linear_shapes(cfg, dtype).values())
         for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:
                 rec = find_record(shape, threads, root)
@@ -120,19 +125,21 @@ def export_module(cfg: LlamaConfig, kernels: KernelSet | None,
 
 def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_batch: int = 8,
                   out: Path | None = None, root: Path | None = None, force: bool = False,
-                  kv_dtype: str = DEFAULT_KV_DTYPE,
+                  kv_dtype: str = DEFAULT_KV_DTYPE, dtype: str = "float32",
                   log: Callable[[str], None] = lambda _msg: None) -> CompiledModel:
     """Build (or reuse) the model for ``plan``. ``stock=True``: TVM's own build (``nn.Linear``,
     the default Relax pipeline, its KV cache in the model's dtype), the baseline. ``kv_dtype``:
-    what the paged KV cache stores (16-bit by default, as llama.cpp's; computed in fp32)."""
+    what the paged KV cache stores (16-bit by default, as llama.cpp's; computed in fp32).
+    ``dtype``: the Linear weights' precision (``resolve_dtype``; activations stay fp32)."""
     if stock:
-        kv_dtype = cfg.dtype
+        kv_dtype, dtype = cfg.dtype, cfg.dtype
     try:
         check_kv_dtype(kv_dtype)
+        check_weight_dtype(dtype)
     except ValueError as err:
         raise CompileError(str(err)) from err
     try:
-        key = build_key(cfg, plan, stock, max_batch, root, kv_dtype)
+        key = build_key(cfg, plan, stock, max_batch, root, kv_dtype, dtype)
     except ScheduleDbError as err:
         raise CompileError(str(err)) from err
     flavour = "stock" if stock else "sandwich"
@@ -150,7 +157,8 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
         ensure_writable(out, "artifact directory")
     except HostError as err:
         raise CompileError(str(err)) from err
-    kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root)
+    kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root,
+                                           dtype=dtype)
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
@@ -176,7 +184,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
-        "kv_dtype": kv_dtype,
+        "kv_dtype": kv_dtype, "dtype": dtype, "kernel_isa": kernels.kernel_isa if kernels else host_isa(),
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,
         "kernels": {f"{p}/{s}": src for (p, s), src in (kernels.sources.items() if kernels else [])},

@@ -33,25 +33,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..tvm_compat import parse_tvmscript, tvm
-from .microkernel import ISAS, REGISTRY, STACK_BYTES
+from .microkernel import ISAS, STACK_BYTES
+from .packing import KernelError, WeightLayout
 from .schedule import GemmSchedule, GemmShape, cdiv
 from .vecmath import silu_mul
 
 
-class KernelError(ValueError):
-    """A schedule or shape the generator cannot turn into a kernel."""
+def packed_panels(n: int, isa: str, dtype: str = "float32") -> int:
+    return WeightLayout(isa, dtype).panels(n)
 
 
-def packed_panels(n: int, isa: str) -> int:
-    """Panels of the packed weight: n padded so the last column tile of *every* NR is in bounds
-    (a 24-wide tile over n = 2048 reads up to column 2063, past a pad to 32)."""
-    widths = {mk.nr for mk in REGISTRY[isa]} or {ISAS[isa].max_nr}
-    return max(cdiv(n, w) * w for w in widths) // ISAS[isa].lanes
-
-
-def packed_shape(n: int, k: int, isa: str) -> tuple[int, int, int]:
-    """Shape of the packed ``W[n, k]``: ``(panels, k, lanes)``."""
-    return packed_panels(n, isa), k, ISAS[isa].lanes
+def packed_shape(n: int, k: int, isa: str, dtype: str = "float32") -> tuple[int, int, int]:
+    """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``."""
+    return WeightLayout(isa, dtype).shape(n, k)
 
 
 EPILOGUES = ("none", "residual", "bias", "silu_mul")
@@ -72,6 +66,12 @@ class _Acc:
             return [f'acc{q} = T.sblock_alloc_buffer(({self.ku}, {self.mr}, {self.lanes}), "float32", '
                     'scope="global")' for q in range(self.nr // self.lanes)]
         return [f'acc = T.sblock_alloc_buffer(({self.ku}, {self.mr}, {self.nr}), "float32", scope="global")']
+
+    def ramp(self, u: str, ii: str, q: str) -> str:
+        """Vector column ``q`` as one ramp access."""
+        if self.split:
+            return f"acc{q}[{u}, {ii}, T.ramp(0, 1, {self.lanes})]"
+        return f"acc[{u}, {ii}, T.ramp({q} * {self.lanes}, 1, {self.lanes})]"
 
     def vec(self, u: str, ii: str, q: str, w: str) -> str:
         """Lane ``w`` of vector column ``q`` (a literal when split)."""
@@ -99,8 +99,10 @@ class Bucket:
 
 def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
     mk, s = sch.mk, sch.slice
-    if shape.dtype != "float32" or mk.dtype != "float32":
-        raise KernelError(f"only float32 GEMMs are generated, not {shape.dtype}")
+    if mk.dtype != shape.dtype:
+        raise KernelError(f"micro-kernel {mk.name} computes {mk.dtype} weights, not {shape.dtype}")
+    if mk.dtype not in ISAS[mk.isa].dtypes:
+        raise KernelError(f"{mk.isa} micro-kernels do not compute {mk.dtype} weights")
     if s.mc % mk.mr or s.nc % mk.nr or s.mc <= 0 or s.nc <= 0 or s.kc <= 0:
         raise KernelError(f"slice {s} is not a whole number of {mk.mr}x{mk.nr} tiles")
     if mk.nr % mk.lanes:
@@ -128,7 +130,8 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     if epilogue == "silu_mul" and n % (2 * lanes):
         raise KernelError(f"silu_mul needs n = 2 x intermediate a multiple of {2 * lanes}, not {n}")
     n_out = n // 2 if epilogue == "silu_mul" else n
-    panels = packed_panels(n, isa.name)
+    layout = WeightLayout(isa.name, shape.dtype)
+    panels, k_red, _ = layout.shape(n, k)
     extra_param = {"residual": "var_R: T.handle, ",
                    "bias": f'B: T.Buffer(({n},), "float32"), '}.get(epilogue, "")
     extra_buffer = ""
@@ -136,7 +139,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
         extra_buffer = f'\n        R = T.match_buffer(var_R, (m, {n}), "float32")'
     head = f'''
     @D.prim_func(s_tir=True)
-    def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k}, {lanes}), "float32"),
+    def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k_red}, {lanes}), "{layout.storage}"),
              {extra_param}var_Y: T.handle):
         T.func_attr({{"global_symbol": "{name}", "tir.noalias": True, "tirx.is_scheduled": True}})
         m = T.int64()
@@ -145,18 +148,45 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
         with T.sblock("root"):
     '''
     lines = textwrap.dedent(head).strip("\n").split("\n")
+    base = 3
+    if isa.k_pack == 2:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
+        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL!r}):")
+        base = 4
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
         body = _variant(shape, b.schedule, i, epilogue)
         if len(ordered) == 1:
-            lines += _indent(body, 3)
+            lines += _indent(body, base)
             break
         if i == len(ordered) - 1:
-            lines.append("            " + ("else:" if i else "if True:"))
+            lines.append("    " * base + ("else:" if i else "if True:"))
         else:
-            lines.append("            " + ("elif" if i else "if") + f" m <= T.int64({b.m_max}):")
-        lines += _indent(body, 4)
+            lines.append("    " * base + ("elif" if i else "if") + f" m <= T.int64({b.m_max}):")
+        lines += _indent(body, base + 1)
     return "\n".join(lines) + "\n"
+
+
+# ``vdpbf16ps`` takes ``<32 x bfloat>`` operands, a type the wheel's TIR-to-LLVM code generator
+# cannot emit (bf16 is legalized to u16 storage, and an unlegalized bf16 crashes it). The
+# kernel passes the pairs as 32-bit words and this function, linked into the module through
+# TVM's ``pragma_import_llvm`` and inlined, reinterprets them (a no-op bitcast).
+DPBF16_LL = """
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define linkonce_odr <16 x float> @sandwich_dpbf16ps(<16 x float> %acc, <16 x i32> %a,
+                                                    <16 x i32> %b) alwaysinline {
+  %ab = bitcast <16 x i32> %a to <32 x bfloat>
+  %bb = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc,
+                                                           <32 x bfloat> %ab, <32 x bfloat> %bb)
+  ret <16 x float> %r
+}
+"""
+
+
+def _bf16_bits(x: str) -> str:
+    """TIR text of the bf16 bits of fp32 ``x`` (round to nearest even) in a uint32."""
+    bits = f'T.reinterpret("uint32", {x})'
+    return f"(({bits} + T.uint32(32767) + (({bits} >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))"
 
 
 def _indent(lines: list[str], level: int) -> list[str]:
@@ -165,10 +195,12 @@ def _indent(lines: list[str], level: int) -> list[str]:
 
 def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none") -> list[str]:
     """The statements computing Y with one schedule (names suffixed by ``v``)."""
-    n, k = shape.n, shape.k
+    n, k_full = shape.n, shape.k
     mk, s, p = sch.mk, sch.slice, sch.poly
     mr, nr, lanes = mk.mr, mk.nr, mk.lanes
     nv = nr // lanes
+    pairs_k = mk.k_pack == 2  # k counts bf16 pairs (one vdpbf16ps each)
+    k = cdiv(k_full, mk.k_pack)
     kc = min(s.kc, k)
     mct, nct = s.mc // mr, s.nc // nr
     kb, ktail = cdiv(k, kc), k - (cdiv(k, kc) - 1) * kc
@@ -196,7 +228,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         conds.append(f"{pc} < {kb}")
 
     out = [f'with T.sblock("v{v}"):']
-    out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "float32")')
+    out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "{"uint32" if pairs_k else "float32"}")')
     if scratch:
         out.append(f'    {y} = T.sblock_alloc_buffer((m, {n}), "float32")')
     if p.pk > 1:
@@ -204,8 +236,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     out += [
         f"    for it in T.parallel({mt}):",
         f"        for kk, ii in T.grid({k}, {mr}):",
-        f"            {ap}[it, kk, ii] = T.if_then_else(it * {mr} + ii < m, "
-        f"A[T.min(it * {mr} + ii, m - T.int64(1)), kk], T.float32(0))",
+        f"            {ap}[it, kk, ii] = {_pack_a(mr, k_full, pairs_k)}",
         f"    for t in T.parallel({threads}):",
         f"        for jc in range({cdiv(nchunk, nct)}):",
         f"            for pcl in range({kchunk}):",
@@ -226,9 +257,17 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
     def fma(kidx: str, u: str) -> list[str]:
         def column(q: str) -> list[str]:
+            if pairs_k:  # 16 fp32 sums += the dot products of 16 (A pair, B pair)s
+                cell = acc.ramp(u, "ii", q)
+                return [f'{cell} = T.call_pure_extern("float32x{lanes}", "sandwich_dpbf16ps", {cell}, '
+                        f"T.Broadcast({ap}[{it}, {kidx}, ii], {lanes}), "
+                        f"Wp[{jt} * {nv} + {q}, {kidx}, T.ramp(0, 1, {lanes})])"]
             cell = acc.vec(u, "ii", q, "w")
+            b = f"Wp[{jt} * {nv} + {q}, {kidx}, w]"
+            if mk.dtype != "float32":  # widened as it is loaded
+                b = f'T.Cast("float32", {b})'
             return [f"for w in T.vectorized({lanes}):",
-                    f"    {cell} = {cell} + {ap}[{it}, {kidx}, ii] * Wp[{jt} * {nv} + {q}, {kidx}, w]"]
+                    f"    {cell} = {cell} + {ap}[{it}, {kidx}, ii] * {b}"]
         # A[ii] is broadcast once, then NR/lanes FMAs
         return [f"for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, column), 1)]
 
@@ -347,6 +386,22 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     return out
 
 
+def _pack_a(mr: int, k: int, pairs: bool) -> str:
+    """The packed A panel's element ``[it, kk, ii]``: A's value, zero past m; with ``pairs``
+    the bf16 pair (A[., 2kk], A[., 2kk + 1]) in one word, zero past k too."""
+    row = f"it * {mr} + ii"
+
+    def a(col: str, guard: bool) -> str:
+        cond = f"{row} < m" + (f" and {col} < {k}" if guard else "")
+        col_in = f"T.min({col}, {k - 1})" if guard else col
+        return f"T.if_then_else({cond}, A[T.min({row}, m - T.int64(1)), {col_in}], T.float32(0))"
+
+    if not pairs:
+        return a("kk", False)
+    lo, hi = _bf16_bits(a("2 * kk", False)), _bf16_bits(a("2 * kk + 1", k % 2 == 1))
+    return f"{lo} | ({hi} << T.uint32(16))"
+
+
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
                     epilogue: str = "none", check_well_formed: bool = True) -> tvm.tirx.PrimFunc:
     """Parse the generated kernel into a PrimFunc."""
@@ -362,28 +417,6 @@ def fuses_silu_mul(intermediate: int, isa: str) -> bool:
     return intermediate % ISAS[isa].lanes == 0
 
 
-def interleave_gate_up(w, lanes: int):
-    """``cat(gate, up)[2I, k]`` with gate and up rows alternating every ``lanes`` rows (the
-    layout the ``silu_mul`` epilogue reads)."""
-    two_i, k = w.shape
-    i = two_i // 2
-    if two_i % 2 or i % lanes:
-        raise KernelError(f"gate_up of {two_i} rows does not interleave in blocks of {lanes}")
-    halves = w.reshape(2, i // lanes, lanes, k)
-    return halves.transpose(1, 0, 2, 3).reshape(two_i, k)
-
-
-def pack_weight(w, isa: str, out=None):
-    """``W[n, k]`` -> ``Wp[n_pad / L, k, L]`` (numpy), zero-padded for every NR; written into
-    ``out`` (e.g. a huge-page buffer) when given, saving a copy of the whole weight."""
-    import numpy as np
-
-    n, k = w.shape
-    panels, _, lanes = packed_shape(n, k, isa)
-    padded = np.zeros((panels * lanes, k), dtype=w.dtype)
-    padded[:n] = w
-    view = padded.reshape(panels, lanes, k).transpose(0, 2, 1)
-    if out is None:
-        return np.ascontiguousarray(view)
-    out[...] = view
-    return out
+def pack_weight(w, isa: str, out=None, dtype: str = "float32"):
+    """``W[n, k]`` -> ``Wp[panels, k / k_pack, lanes]`` (numpy) for ``isa``'s ``dtype`` kernels."""
+    return WeightLayout(isa, dtype).pack(w, out)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..host import CpuSignature, host_signature, save_atomic
 from .codegen import Bucket, KernelError, check_schedule
-from .microkernel import REGISTRY
+from .microkernel import kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 from .search import Tuned
 
@@ -46,6 +46,11 @@ class KernelRecord:
     @property
     def isa(self) -> str:
         return self.cpu.isa
+
+    @property
+    def kernel_isa(self) -> str:
+        """The micro-kernels' ISA: the CPU's, or its bf16 dot-product unit for bf16 weights."""
+        return kernel_isa(self.cpu.isa, self.shape.dtype, set(self.cpu.features or ()))
 
     def buckets(self) -> list[Bucket]:
         """Consecutive tuned m with one schedule merged; each covers up to the next tuned m."""
@@ -110,8 +115,9 @@ class KernelRecord:
             sch = t.schedule
             if t.m < 1:
                 raise ValueError(f"tuned m={t.m} is not positive")
-            if sch.mk.isa != self.isa or sch.mk not in REGISTRY.get(sch.mk.isa, ()):
-                raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.isa} register tile")
+            if sch.mk.isa != self.kernel_isa or sch.mk not in microkernels(sch.mk.isa, sch.mk.dtype):
+                raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.kernel_isa} "
+                                 f"{self.shape.dtype} register tile")
             if min(sch.poly.pm, sch.poly.pn, sch.poly.pk) < 1 or sch.poly.threads != self.threads:
                 raise ValueError(f"m={t.m}: polymerization {sch.poly} does not use {self.threads} threads")
             try:

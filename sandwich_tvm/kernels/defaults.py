@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..host import host_isa
 from .codegen import Bucket
-from .microkernel import ISAS, REGISTRY, MicroKernel
+from .microkernel import ISAS, MicroKernel, microkernels
 from .schedule import GemmSchedule, GemmShape, Polymerization, Slice, cdiv
 from .search import Problem, caps
 
@@ -20,12 +20,15 @@ def _tiles(isa: str) -> tuple[tuple[int, int, int], ...]:
     return ISAS[isa].default_tiles
 
 
-def _mk(isa: str, mr: int, vectors: int) -> MicroKernel:
-    mk = MicroKernel(isa, mr, vectors * ISAS[isa].lanes)
-    if mk in REGISTRY[isa]:
+def _mk(isa: str, mr: int, vectors: int, dtype: str = "float32") -> MicroKernel:
+    mk = MicroKernel(isa, mr, vectors * ISAS[isa].lanes, dtype)
+    kernels = microkernels(isa, dtype)
+    if not kernels:
+        raise ValueError(f"{isa} has no micro-kernels for {dtype} weights")
+    if mk in kernels:
         return mk
     # A tile the register file cannot hold: the largest one with at most ``mr`` rows.
-    return max((m for m in REGISTRY[isa] if m.mr <= mr), key=lambda m: (m.mr * m.nr, m.nr))
+    return max((m for m in kernels if m.mr <= mr), key=lambda m: (m.mr * m.nr, m.nr))
 
 
 def default_schedule(shape: GemmShape, m: int, threads: int, isa: str | None = None) -> GemmSchedule:
@@ -33,7 +36,7 @@ def default_schedule(shape: GemmShape, m: int, threads: int, isa: str | None = N
     isa = isa or host_isa()
     m_rep = min(m, 256)
     mr, vectors = next((mr, v) for top, mr, v in _tiles(isa) if m_rep <= top)
-    mk = _mk(isa, mr, vectors)
+    mk = _mk(isa, mr, vectors, shape.dtype)
     poly = Polymerization(1, threads, 1)
     cap = caps(Problem(m_rep, shape.n, shape.k, threads), mk, poly)
     mc = min(cap.mc, cdiv(64, mk.mr) * mk.mr)

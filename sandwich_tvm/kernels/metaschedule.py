@@ -25,8 +25,9 @@ from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
 from ..host import cold_weight_bytes
 from ..tvm_compat import tvm
-from .codegen import Bucket, linear_primfunc, packed_shape
+from .codegen import Bucket, linear_primfunc
 from .microkernel import MicroKernel
+from .packing import WeightLayout, numpy_dtype
 from .schedule import GemmSchedule, GemmShape, Polymerization
 from .search import Problem, Search, refine, seed, slice_search
 
@@ -34,17 +35,27 @@ ANNOTATION = "sandwich.gemm"
 BLOCK = "linear"
 
 
-def linear_workload(m: int, n: int, k: int, isa: str) -> tvm.IRModule:
+def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32") -> tvm.IRModule:
     """The Linear pattern with static m on a packed weight: what the rule schedules.
 
     Built with ``te`` (not a ``@T.prim_func`` closure, whose decorator walks the Python stack
-    on every call): one workload per tuned m.
+    on every call): one workload per tuned m. A bf16 weight packed in k-pairs (``uint32``
+    words) is read as the high half of an fp32 (its exact value).
     """
-    panels, _, lanes = packed_shape(n, k, isa)
+    layout = WeightLayout(isa, dtype)
+    panels, k_red, lanes = layout.shape(n, k)
     a = te.placeholder((m, k), "float32", name="A")
-    wp = te.placeholder((panels, k, lanes), "float32", name="Wp")
+    wp = te.placeholder((panels, k_red, lanes), layout.storage, name="Wp")
     r = te.reduce_axis((0, k), name="r")
-    y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * wp[j // lanes, r, j % lanes], axis=r), name=BLOCK)
+
+    def weight(j, r):
+        if layout.k_pack == 1:
+            return wp[j // lanes, r, j % lanes].astype("float32")
+        word = wp[j // lanes, r // 2, j % lanes]
+        half = (word >> ((r % 2) * 16).astype("uint32")) << tvm.tirx.const(16, "uint32")
+        return tvm.tirx.reinterpret("float32", half)
+
+    y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * weight(j, r), axis=r), name=BLOCK)
     func = te.create_prim_func([a, wp, y]).with_attr({"global_symbol": "main", "tir.noalias": True})
     return tvm.IRModule({"main": func})
 
@@ -52,10 +63,11 @@ def linear_workload(m: int, n: int, k: int, isa: str) -> tvm.IRModule:
 def workload_shape(mod: tvm.IRModule) -> tuple[int, GemmShape]:
     """(m, shape) of a Linear workload, read from its buffers."""
     func = mod["main"]
-    a, _, y = (p for p in func.params)
+    a, wp, y = func.params  # buffers in this TVM
     m, k = (int(d) for d in a.shape)
     n = int(y.shape[1])
-    return m, GemmShape(n, k)
+    dtype = "bfloat16" if str(wp.dtype) == "uint32" else str(wp.dtype)
+    return m, GemmShape(n, k, dtype)
 
 
 def _linear_block(sch: tvm.s_tir.Schedule) -> tvm.s_tir.schedule.SBlockRV | None:
@@ -250,7 +262,7 @@ class InProcessRunner(ms.runner.PyRunner):
             rng = np.random.default_rng(0)
             self._args.clear()  # keep one shape's tensors alive, not every m's
             self._args[key] = [
-                tvm.runtime.tensor(rng.standard_normal(shape).astype(dtype)) for shape, dtype in key
+                tvm.runtime.tensor(_random(rng, shape, dtype)) for shape, dtype in key
             ]
             w = self._args[key][1].numpy() if len(key) > 1 else None
             copies = 1 if w is None else max(1, math.ceil(self.cold_bytes / max(w.nbytes, 1)))
@@ -286,6 +298,14 @@ class InProcessRunner(ms.runner.PyRunner):
             times = self._time(mod["main"], self._tensors(inp.args_info))
             futures.append(_Done(ms.runner.RunnerResult(times, None)))
         return futures
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Normal values in ``dtype``; ``uint32`` (bf16 k-pairs) as the bits of two bf16 normals."""
+    if dtype == "uint32":
+        halves = rng.standard_normal((*shape, 2)).astype(numpy_dtype("bfloat16"))
+        return np.ascontiguousarray(halves).view(np.uint32).reshape(shape)
+    return rng.standard_normal(shape).astype(numpy_dtype(dtype))
 
 
 @derived_object

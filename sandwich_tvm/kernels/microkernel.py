@@ -1,9 +1,15 @@
-"""Register micro-kernels: the MR x NR tiles a GEMM is built from, enumerated per ISA.
+"""Register micro-kernels: the MR x NR tiles a GEMM is built from, enumerated per (ISA, dtype).
 
 A micro-kernel keeps an MR x NR block of C in vector registers while it walks the reduction
 axis: per k step it loads NR/lanes vectors of B, broadcasts MR scalars of A and issues
 MR * NR/lanes FMAs. It fits when accumulators + B vectors + one broadcast register stay
 within the register file (BLIS's rule; spilling costs more than a smaller tile).
+
+The dtype is the weight's storage precision; accumulation is fp32 everywhere. On the plain
+vector ISAs a 16-bit weight is widened to fp32 as it is loaded (bf16: a 16-bit shift; f16:
+``vcvtph2ps``) and the tile is the fp32 one. ``avx512bf16`` is its own ISA: ``vdpbf16ps``
+multiplies *pairs* along k (A rounded to bf16 when it is packed, B packed with k-pairs
+interleaved), so one instruction does two k steps of the tile.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ class Isa:
     registers: int  # architectural vector registers
     cache_line: int = 64  # bytes
     default_tiles: tuple[tuple[int, int, int], ...] = ()
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # weight dtypes it computes
+    k_pack: int = 1  # k steps one instruction reduces (2: bf16 pairs)
+    needs: tuple[str, ...] = ()  # CPU flags beyond the base ISA's
 
     @property
     def max_nr(self) -> int:
@@ -45,7 +54,21 @@ ISAS: dict[str, Isa] = {
                   default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 4, 4))),
     "neon": Isa("neon", lanes=4, registers=32,
                 default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4))),
+    "avx512bf16": Isa("avx512bf16", lanes=16, registers=32,
+                      default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 4, 4)),
+                      dtypes=("bfloat16",), k_pack=2, needs=("avx512_bf16",)),
 }
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset()) -> str:
+    """The micro-kernel ISA for weights of ``dtype`` on a CPU of vector ISA ``isa`` with ``flags``:
+    the bf16 dot-product unit where the CPU has it, else the vector ISA (widening loads)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"weight dtype {dtype!r} is not one of {DTYPES}")
+    if dtype == "bfloat16" and isa == "avx512" and "avx512_bf16" in flags:
+        return "avx512bf16"
+    return isa
 
 
 @dataclass(frozen=True, order=True)
@@ -64,6 +87,10 @@ class MicroKernel:
     @property
     def lanes(self) -> int:
         return ISAS[self.isa].lanes
+
+    @property
+    def k_pack(self) -> int:
+        return ISAS[self.isa].k_pack
 
     @property
     def registers_used(self) -> int:
@@ -109,17 +136,19 @@ def _short(dtype: str) -> str:
 STACK_BYTES = 1024  # TVM's kMaxStackAlloca: larger block buffers become heap workspaces
 
 
-def enumerate_microkernels(isa: str) -> tuple[MicroKernel, ...]:
+def enumerate_microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKernel, ...]:
     """Every tile whose accumulators, B vectors and broadcast fit the register file and whose
     accumulator columns fit TVM's stack allocation (else they leave the registers)."""
     if isa not in ISAS:
         raise ValueError(f"no micro-kernels for ISA {isa!r}; known: {sorted(ISAS)}")
     spec = ISAS[isa]
+    if dtype not in spec.dtypes:
+        return ()
     kernels = []
     for vectors in range(1, 5):
         nr = vectors * spec.lanes
         for mr in range(1, 33):
-            mk = MicroKernel(isa, mr, nr)
+            mk = MicroKernel(isa, mr, nr, dtype)
             if mk.registers_used > spec.registers:
                 break
             if mk.column_bytes < STACK_BYTES:
@@ -127,7 +156,14 @@ def enumerate_microkernels(isa: str) -> tuple[MicroKernel, ...]:
     return tuple(kernels)
 
 
-REGISTRY: dict[str, tuple[MicroKernel, ...]] = {isa: enumerate_microkernels(isa) for isa in ISAS}
+# (ISA, weight dtype) -> its micro-kernels; an ISA alone means float32.
+REGISTRY: dict[str | tuple[str, str], tuple[MicroKernel, ...]] = {
+    (isa, dt): enumerate_microkernels(isa, dt) for isa in ISAS for dt in DTYPES}
+REGISTRY.update({isa: REGISTRY[(isa, "float32")] for isa in ISAS})
+
+
+def microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKernel, ...]:
+    return REGISTRY.get((isa, dtype), ())
 
 
 def by_name(name: str) -> MicroKernel:

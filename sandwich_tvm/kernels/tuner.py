@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
-from ..host import host_signature
+from ..host import cpu_flags, host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import KernelRecord, ScheduleDbError, load_record, record_path, save_record
 from .defaults import default_schedule
@@ -26,7 +26,7 @@ from .metaschedule import (
     SandwichSearchStrategy,
     linear_workload,
 )
-from .microkernel import REGISTRY, MicroKernel
+from .microkernel import MicroKernel, kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 from .search import Problem, SequenceTuner, Tuned
 
@@ -35,9 +35,10 @@ class MetaScheduleSearch:
     """``search_one`` for ``SequenceTuner``: one MetaSchedule task per tuned m."""
 
     def __init__(self, target: tvm.target.Target, isa: str, database: ms.database.Database | None = None,
-                 max_trials: int = 400) -> None:
+                 max_trials: int = 400, dtype: str = "float32") -> None:
         preload_tensor_intrinsics()  # what TuneContext imports, minus ~25 s of inspect.stack
         self.target, self.isa, self.database, self.max_trials = target, isa, database, max_trials
+        self.dtype = dtype
         self.cache = KernelCache(target)
         self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)
         self.trials = 0
@@ -48,14 +49,14 @@ class MetaScheduleSearch:
 
     def refine(self, p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
         """Re-check a reused schedule at m, next to the default schedule for m, and grow it."""
-        default = default_schedule(GemmShape(p.n, p.k), p.m, p.threads, self.isa)
+        default = default_schedule(GemmShape(p.n, p.k, self.dtype), p.m, p.threads, self.isa)
         alternatives = [default] if default != start else []
         return self._run(p, [start.mk], SandwichSearchStrategy(p.threads, start=start,
                                                                alternatives=alternatives))
 
     def _run(self, p: Problem, mks: list[MicroKernel], strategy: SandwichSearchStrategy
              ) -> tuple[GemmSchedule, float]:
-        mod = linear_workload(p.m, p.n, p.k, self.isa)
+        mod = linear_workload(p.m, p.n, p.k, self.isa, self.dtype)
         ctx = ms.TuneContext(
             mod, target=self.target, task_name=f"linear_m{p.m}_n{p.n}_k{p.k}", num_threads=1,
             space_generator=ms.space_generator.PostOrderApply(
@@ -98,21 +99,23 @@ def tune_gemm(
     log: Callable[[str], None] = lambda _msg: None,
     search_one: Callable | None = None,
     refine_one: Callable | None = None,
+    dtype: str = "float32",
 ) -> KernelRecord:
-    """Tune ``Y = X @ W.T`` (W: n x k) for every m in [1, max_m]; resume from a saved record.
+    """Tune ``Y = X @ W.T`` (W: n x k, stored in ``dtype``) for every m in [1, max_m]; resume
+    from a saved record.
 
     The result is saved (atomically, after every m) under ``schedules/`` or ``root``.
     """
     if n < 1 or k < 1 or threads < 1 or max_m < 1 or window < 1:
         raise ValueError(f"n={n}, k={k}, threads={threads}, max_m={max_m} and window={window} "
                          "must all be positive")
-    shape, isa = GemmShape(n, k), host_isa()
-    if isa not in REGISTRY:
-        raise ValueError(f"no micro-kernels for this CPU's ISA ({isa})")
+    shape, isa = GemmShape(n, k, dtype), kernel_isa(host_isa(), dtype, cpu_flags())
+    if not microkernels(isa, dtype):
+        raise ValueError(f"no {dtype} micro-kernels for this CPU's ISA ({isa})")
     path = record_path(shape, threads, root)
     rec = _resume(path, log) or KernelRecord(shape, threads, host_signature())
     done = {t.m: t for t in rec.tuned}
-    tuner = SequenceTuner(n, k, threads, REGISTRY[isa], max_m=max_m, window=window)
+    tuner = SequenceTuner(n, k, threads, microkernels(isa, dtype), max_m=max_m, window=window)
     # resume: replay the window history
     tuner.chosen = [t.schedule.mk for t in sorted(done.values(), key=lambda t: t.m) if t.searched]
     if search_one is None:
@@ -120,7 +123,7 @@ def tune_gemm(
         if work_dir:
             Path(work_dir).mkdir(parents=True, exist_ok=True)
             db = ms.database.JSONDatabase(work_dir=str(work_dir))
-        search_one = MetaScheduleSearch(host_target(threads), isa, db)
+        search_one = MetaScheduleSearch(host_target(threads), isa, db, dtype=dtype)
     if refine_one is None and isinstance(search_one, MetaScheduleSearch):
         refine_one = search_one.refine
 

@@ -15,14 +15,39 @@ from pathlib import Path
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..host import CpuSignature, host_isa, host_signature
-from ..kernels.codegen import Bucket, linear_primfunc, packed_shape
+from ..host import CpuSignature, cpu_flags, host_isa, host_signature, isa_of
+from ..kernels.codegen import Bucket, linear_primfunc
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
+from ..kernels.microkernel import kernel_isa
+from ..kernels.packing import WeightLayout
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import tvm
 
 PHASES = ("prefill", "decode")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"
+
+
+def check_weight_dtype(dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {dtype!r} is not supported; use one of {', '.join(WEIGHT_DTYPES)} "
+                         "(or auto)")
+
+
+def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """``(dtype, why)`` for a ``--dtype`` value. ``auto`` is bfloat16 on every CPU: computed on
+    the bf16 dot-product unit where there is one (AVX512-BF16), else widened to fp32 as it is
+    loaded, which still halves the bytes decode streams per token."""
+    if dtype != "auto":
+        check_weight_dtype(dtype)
+        return dtype, "as asked"
+    flags = cpu_flags() if flags is None else flags
+    isa = kernel_isa(isa_of(flags), "bfloat16", flags)
+    if isa == "avx512bf16":
+        return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
+    return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
+                        f"widened to fp32 on {isa} (half the weight bytes of fp32)")
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("sandwich_phase", default="prefill")
 
 
@@ -46,6 +71,8 @@ class KernelSet:
     largest tuned m and the default schedules above it; an untuned shape gets the defaults.
     Decode kernels keep only the buckets for m <= max_batch. Records are those of ``cpu``
     (default: this host), and only when its ISA is the one the kernels are built for.
+    ``dtype`` is the weights' precision (activations and accumulation stay fp32); bf16
+    weights run on the CPU's bf16 dot-product unit where it has one (``kernel_isa``).
     """
 
     prefill_threads: int
@@ -54,8 +81,18 @@ class KernelSet:
     root: Path | None = None
     isa: str = field(default_factory=host_isa)
     cpu: CpuSignature | None = None
+    dtype: str = "float32"
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
     _funcs: dict[tuple[str, GemmShape, str], tvm.tirx.PrimFunc] = field(default_factory=dict)
+
+    @property
+    def kernel_isa(self) -> str:
+        flags = cpu_flags() if self.isa == host_isa() else frozenset()
+        return kernel_isa(self.isa, self.dtype, flags)
+
+    def layout(self, interleave: bool = False) -> WeightLayout:
+        """How a Linear weight of this kernel set is packed."""
+        return WeightLayout(self.kernel_isa, self.dtype, interleave)
 
     def threads(self, phase_name: str) -> int:
         return self.prefill_threads if phase_name == "prefill" else self.decode_threads
@@ -67,7 +104,7 @@ class KernelSet:
         record = find_record(shape, threads, self.root, cpu) if cpu.isa == self.isa else None
         if record is None:
             self.sources[(phase_name, shape.name)] = "default"
-            return default_buckets(shape, threads, max_m, self.isa)
+            return default_buckets(shape, threads, max_m, self.kernel_isa)
         self.sources[(phase_name, shape.name)] = "tuned"
         tuned_to = max(t.m for t in record.tuned)
         out = []
@@ -76,7 +113,7 @@ class KernelSet:
             if b.m_max >= tuned_to or (max_m is not None and b.m_max >= max_m):
                 break
         if max_m is None or max_m > tuned_to:  # beyond the tuned range: the default schedules
-            out += [b for b in default_buckets(shape, threads, max_m, self.isa) if b.m_max > tuned_to]
+            out += [b for b in default_buckets(shape, threads, max_m, self.kernel_isa) if b.m_max > tuned_to]
         out[-1] = Bucket(1 << 62, out[-1].schedule)
         return out
 
@@ -95,10 +132,11 @@ class PackedLinear(nn.Module):
     ``[panels, k, lanes]``. The residual add is fused into the kernel's store; ``silu_mul``
     (an interleaved gate_up weight, see ``kernels.codegen``) returns ``silu(gate) * up``."""
 
-    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, dtype: str = "float32"):
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSet):
         self.in_features, self.out_features = in_features, out_features
         self.kernels = kernels
-        self.weight = nn.Parameter(packed_shape(out_features, in_features, kernels.isa), dtype)
+        layout = kernels.layout()
+        self.weight = nn.Parameter(layout.shape(out_features, in_features), layout.storage)
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
         return packed_matmul(x, self.weight, self.out_features, self.kernels, residual, silu_mul)
@@ -117,7 +155,7 @@ def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
     x2 = rows(x, k)
     args = [x2, weight] + ([] if residual is None else [rows(residual, n)])
     epilogue = "silu_mul" if silu_mul else "none" if residual is None else "residual"
-    name, func = kernels.primfunc(GemmShape(n, k, x.dtype), _PHASE.get(), epilogue)
+    name, func = kernels.primfunc(GemmShape(n, k, kernels.dtype), _PHASE.get(), epilogue)
     n_out = n // 2 if silu_mul else n
     y = op.tensor_ir_op(func, name, args=args, out=nn.Tensor.placeholder((x2.shape[0], n_out), x.dtype))
     return op.reshape(y, (*lead, n_out)) if len(lead) != 1 else y

@@ -15,7 +15,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..kernels.codegen import fuses_silu_mul, packed_shape
+from ..kernels.codegen import fuses_silu_mul
+from ..kernels.packing import WeightLayout
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, phase
@@ -25,7 +26,7 @@ from .norm import RMSNorm
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None) -> nn.Module:
     if kernels is None:
         return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
-    return PackedLinear(k, n, kernels, cfg.dtype)
+    return PackedLinear(k, n, kernels)
 
 
 def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
@@ -72,7 +73,7 @@ class MLP(nn.Module):
         """``residual + down_proj(silu(gate) * up)``; silu·mul is gate_up's fused epilogue on
         Sandwich's kernels (its weight is interleaved at conversion), a Relax op otherwise."""
         proj = self.gate_up_proj
-        if isinstance(proj, PackedLinear) and fuses_silu_mul(self.inter, proj.kernels.isa):
+        if isinstance(proj, PackedLinear) and fuses_silu_mul(self.inter, proj.kernels.kernel_isa):
             h = proj(x, silu_mul=True)
         else:
             gate, up = op.split(proj(x), 2, axis=-1)
@@ -93,23 +94,32 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embeddings; ``packed_lanes`` > 0 reads them from the packed (tied) lm_head weight."""
+    """Token embeddings; with a ``layout`` they are read from the packed (tied) lm_head weight,
+    widened to fp32."""
 
-    def __init__(self, cfg: LlamaConfig, packed_shape: tuple[int, int, int] | None):
+    def __init__(self, cfg: LlamaConfig, layout: WeightLayout | None):
         self.hidden = cfg.hidden_size
-        self.lanes = packed_shape[2] if packed_shape else 0
-        self.weight = nn.Parameter(packed_shape or (cfg.vocab_size, cfg.hidden_size), cfg.dtype)
+        self.layout = layout
+        shape = layout.shape(cfg.vocab_size, cfg.hidden_size) if layout else (cfg.vocab_size, cfg.hidden_size)
+        self.weight = nn.Parameter(shape, layout.storage if layout else cfg.dtype)
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         flat = op.reshape(ids, (-1,))
-        if not self.lanes:
+        if self.layout is None:
             rows = op.take(self.weight, flat, axis=0)
         else:
-            lanes = self.lanes
+            lanes, pairs = self.layout.lanes, self.layout.k_pack == 2
+
+            def value(w: te.Tensor, row, j):
+                if not pairs:
+                    return w[row // lanes, j, row % lanes].astype("float32")
+                word = w[row // lanes, j // 2, row % lanes]  # bf16 k-pair: the high half is exact
+                half = (word >> ((j % 2) * 16).astype("uint32")) << tirx.const(16, "uint32")
+                return tirx.reinterpret("float32", half)
 
             def gather(w: te.Tensor, t: te.Tensor) -> te.Tensor:
-                return te.compute((t.shape[0], self.hidden),
-                                  lambda i, j: w[t[i] // lanes, j, t[i] % lanes], name="embed_packed")
+                return te.compute((t.shape[0], self.hidden), lambda i, j: value(w, t[i], j),
+                                  name="embed_packed")
 
             rows = op.tensor_expr_op(gather, "embed_packed", [self.weight, flat])
         return op.reshape(rows, (*ids.shape, self.hidden))
@@ -117,10 +127,8 @@ class Embedding(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
-        tied_packed = None
-        if cfg.tie_word_embeddings and kernels is not None:
-            tied_packed = packed_shape(cfg.vocab_size, cfg.hidden_size, kernels.isa)
-        self.embed_tokens = Embedding(cfg, tied_packed)
+        tied = cfg.tie_word_embeddings and kernels is not None
+        self.embed_tokens = Embedding(cfg, kernels.layout() if tied else None)
         layers = [DecoderLayer(cfg, kernels, kv_dtype) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = _norm(cfg, kernels)

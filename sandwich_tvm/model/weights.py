@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..host import cache_dir
-from ..kernels.codegen import fuses_silu_mul, interleave_gate_up, pack_weight, packed_shape
-from ..kernels.microkernel import ISAS
+from ..kernels.codegen import fuses_silu_mul
+from ..kernels.packing import WeightLayout, numpy_dtype
 from ..memory import aligned_empty
 from .config import LlamaConfig
 
@@ -199,21 +199,24 @@ def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
 
 def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[str, tuple[int, ...]]],
             isa: str, where: str = "checkpoint",
-            progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
-    """Arrays in ``params`` order (name, expected shape), packed for ``isa`` where the shape is
-    3-D. The checkpoint must match ``cfg`` exactly (``check_checkpoint``)."""
+            progress: Callable[[int, int], None] | None = None, dtype: str = "float32") -> list[np.ndarray]:
+    """Arrays in ``params`` order (name, expected shape), packed for the ``dtype`` kernels of
+    ``isa`` (a micro-kernel ISA) where the shape is 3-D. The checkpoint must match ``cfg``
+    exactly (``check_checkpoint``)."""
     check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
         if len(shape) == 3:  # packed panels of W[n, k]
-            if hf.ndim != 2 or packed_shape(*hf.shape, isa) != tuple(shape):
+            gate_up = name.endswith("mlp.gate_up_proj.weight")
+            # gate_up is interleaved for the silu_mul epilogue
+            layout = WeightLayout(isa, dtype, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
+            if hf.ndim != 2 or layout.shape(*hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{name}: the model was built for panels {list(shape)}, but "
-                                     f"{list(hf.shape)} packs to {list(packed_shape(*hf.shape, isa))} for "
-                                     f"{isa}; build and load the model for the same ISA and config")
-            if name.endswith("mlp.gate_up_proj.weight") and fuses_silu_mul(cfg.intermediate_size, isa):
-                hf = interleave_gate_up(hf, ISAS[isa].lanes)  # for the silu_mul epilogue
-            arr = pack_weight(hf, isa, out=aligned_empty(shape))
+                                     f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
+                                     f"{isa} {dtype}; build and load the model for the same ISA, dtype "
+                                     "and config")
+            arr = layout.pack(hf, out=aligned_empty(shape, numpy_dtype(layout.storage)))
         else:
             if tuple(hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
@@ -293,12 +296,16 @@ def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({name: np.ascontiguousarray(a) for (name, _), a in zip(params, arrays, strict=True)}, str(tmp))
+    # safetensors' numpy API has no bfloat16: such arrays are stored as their 16-bit words
+    save_file({name: np.ascontiguousarray(a.view(np.uint16) if a.dtype == numpy_dtype("bfloat16") else a)
+               for (name, _), a in zip(params, arrays, strict=True)}, str(tmp))
     tmp.replace(path)
 
 
-def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]]) -> list[np.ndarray] | None:
-    """The cached conversion, copied into 2 MiB pages; None when absent or unreadable."""
+def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]],
+                   dtype: str = "float32") -> list[np.ndarray] | None:
+    """The cached conversion, copied into 2 MiB pages; None when absent or unreadable. Packed
+    (3-D) weights of a bfloat16 model come back as bfloat16 from their stored 16-bit words."""
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
@@ -310,7 +317,9 @@ def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]]) -> lis
                 src = fh.get_tensor(name)
                 if tuple(src.shape) != tuple(shape):
                     return None
-                arr = aligned_empty(shape)
+                if len(shape) == 3 and dtype == "bfloat16" and src.dtype == np.uint16:
+                    src = src.view(numpy_dtype("bfloat16"))
+                arr = aligned_empty(shape, src.dtype)
                 arr[...] = src
                 out.append(arr)
         return out
@@ -322,23 +331,24 @@ def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]]) -> lis
 # --------------------------------------------------------------------------- entry point
 
 def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
-                *, seed: int = 0, log: Callable[[str], None] = lambda _m: None) -> list[np.ndarray]:
+                *, seed: int = 0, log: Callable[[str], None] = lambda _m: None,
+                dtype: str = "float32") -> list[np.ndarray]:
     """Weights for ``params``: a preset's seeded random weights, or the checkpoint in ``spec``
-    (converted once, then read from the conversion cache)."""
+    (converted once, then read from the conversion cache); Linear weights in ``dtype``."""
     from .config import PRESETS
 
     if str(spec) in PRESETS:
         log(f"random weights for preset {spec} (seed {seed})")
-        return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}")
+        return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}", dtype=dtype)
     model_dir = Path(spec)
-    layout = json.dumps([params, isa])
+    layout = json.dumps([params, isa] + ([dtype] if dtype != "float32" else []))
     cached = converted_cache_path(model_dir, layout, cfg)
-    arrays = load_converted(cached, params)
+    arrays = load_converted(cached, params, dtype)
     if arrays is not None:
         log(f"weights from the conversion cache {cached}")
         return arrays
     log(f"converting {model_dir} (once; cached in {cached})")
-    arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir))
+    arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir), dtype=dtype)
     save_converted(cached, params, arrays)
     return arrays
 

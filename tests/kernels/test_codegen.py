@@ -139,7 +139,7 @@ def test_fused_epilogues(epilogue, isa):
 def test_silu_mul_epilogue_on_the_interleaved_gate_up(isa):
     """silu(gate) * up for tiles of even (in registers, one or several KC blocks) and odd vector
     counts, split-K, and n not a multiple of the tile."""
-    from sandwich_tvm.kernels.codegen import interleave_gate_up
+    from sandwich_tvm.kernels.packing import interleave_gate_up
 
     require_runnable(isa)
     lanes = ISAS[isa].lanes

@@ -1,0 +1,131 @@
+"""Weight packing: the layout a generated GEMM reads its weight in, as a value (BLIS's packm).
+
+``W[n, k]`` is stored as column panels ``Wp[panels, k / k_pack, lanes * k_pack]``: ``lanes``
+output columns side by side for every k, so one vector load feeds one FMA column of the
+register tile. n is zero-padded so the last column tile of *every* NR is in bounds. A
+``k_pack`` of 2 (``vdpbf16ps``) interleaves k-pairs: the two bf16 values of one column at k
+and k + 1 sit next to each other in one 32-bit word, and the panel is stored as ``uint32``.
+A gate_up weight for the ``silu_mul`` epilogue is interleaved first (gate and up rows
+alternating every ``lanes`` rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .microkernel import ISAS, microkernels
+from .schedule import cdiv
+
+
+class KernelError(ValueError):
+    """A schedule, shape or weight the generator cannot turn into a kernel."""
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even, ml_dtypes' numpy dtype)."""
+    import ml_dtypes
+
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a TVM dtype name (bfloat16 through ml_dtypes)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """How one Linear weight is stored for the kernels of ``isa`` (a micro-kernel ISA)."""
+
+    isa: str
+    dtype: str = "float32"  # the weight's precision
+    interleave: bool = False  # gate/up rows alternate every ``lanes`` rows (silu_mul)
+
+    def __post_init__(self) -> None:
+        if self.isa not in ISAS:
+            raise KernelError(f"no kernels for ISA {self.isa!r}; known: {sorted(ISAS)}")
+        if self.dtype not in ISAS[self.isa].dtypes:
+            raise KernelError(f"{self.isa} kernels do not read {self.dtype} weights "
+                            f"(they read {', '.join(ISAS[self.isa].dtypes)})")
+
+    @property
+    def lanes(self) -> int:
+        return ISAS[self.isa].lanes
+
+    @property
+    def k_pack(self) -> int:
+        return ISAS[self.isa].k_pack
+
+    @property
+    def storage(self) -> str:
+        """The parameter's dtype: the weight's, or ``uint32`` words of bf16 k-pairs."""
+        return "uint32" if self.k_pack == 2 else self.dtype
+
+    def panels(self, n: int) -> int:
+        """n padded so the last column tile of every NR is in bounds (a 24-wide tile over
+        n = 2048 reads up to column 2063, past a pad to 32), in panels of ``lanes``."""
+        widths = {mk.nr for mk in microkernels(self.isa, self.dtype)} or {ISAS[self.isa].max_nr}
+        return max(cdiv(n, w) * w for w in widths) // self.lanes
+
+    def shape(self, n: int, k: int) -> tuple[int, int, int]:
+        """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``."""
+        return self.panels(n), cdiv(k, self.k_pack), self.lanes
+
+    def pack(self, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``W[n, k]`` (any float dtype) -> the packed array; written into ``out`` (e.g. a
+        huge-page buffer) when given, saving a copy of the whole weight."""
+        if w.ndim != 2:
+            raise KernelError(f"a Linear weight is 2-D, not {list(w.shape)}")
+        if self.interleave:
+            w = interleave_gate_up(w, self.lanes)
+        n, k = w.shape
+        panels, kp, lanes = self.shape(n, k)
+        if self.dtype == "bfloat16":
+            w = to_bfloat16(w)
+        padded = np.zeros((panels * lanes, kp * self.k_pack), dtype=numpy_dtype(self.dtype))
+        padded[:n, :k] = w
+        if self.k_pack == 1:
+            view = padded.reshape(panels, lanes, k).transpose(0, 2, 1)
+        else:  # [panel, lane, kp, 2] -> [panel, kp, lane, 2]: k-pairs side by side per lane
+            words = padded.view(np.uint16).reshape(panels, lanes, kp, 2).transpose(0, 2, 1, 3)
+            view = np.ascontiguousarray(words).view(np.uint32).reshape(panels, kp, lanes)
+        if out is None:
+            return np.ascontiguousarray(view)
+        out[...] = view
+        return out
+
+    def unpack(self, wp: np.ndarray, n: int, k: int) -> np.ndarray:
+        """The float32 ``W[n, k]`` a packed array holds (tests, debugging)."""
+        panels, kp, lanes = wp.shape
+        if self.k_pack == 1:
+            full = wp.transpose(0, 2, 1).reshape(panels * lanes, kp).astype(np.float32)
+        else:
+            halves = wp.view(np.uint16).reshape(panels, kp, lanes, 2).transpose(0, 2, 1, 3)
+            full = np.ascontiguousarray(halves).reshape(panels * lanes, kp * 2).view(
+                numpy_dtype("bfloat16")).astype(np.float32)
+        w = full[:n, :k]
+        if self.interleave:
+            w = deinterleave_gate_up(w, self.lanes)
+        return w
+
+
+def interleave_gate_up(w: np.ndarray, lanes: int) -> np.ndarray:
+    """``cat(gate, up)[2I, k]`` with gate and up rows alternating every ``lanes`` rows (the
+    layout the ``silu_mul`` epilogue reads)."""
+    two_i, k = w.shape
+    i = two_i // 2
+    if two_i % 2 or i % lanes:
+        raise KernelError(f"gate_up of {two_i} rows does not interleave in blocks of {lanes}")
+    halves = w.reshape(2, i // lanes, lanes, k)
+    return halves.transpose(1, 0, 2, 3).reshape(two_i, k)
+
+
+def deinterleave_gate_up(w: np.ndarray, lanes: int) -> np.ndarray:
+    two_i, k = w.shape
+    return w.reshape(two_i // 2 // lanes, 2, lanes, k).transpose(1, 0, 2, 3).reshape(two_i, k)

@@ -1,0 +1,153 @@
+"""16-bit weights: every (ISA, dtype) micro-kernel against numpy (bf16/f16 inputs, fp32
+reference) for m in 1..300 with odd n and k, tails, split-K and the fused epilogues; each is
+built for its ISA everywhere and its instructions checked, and run only where this CPU can."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc
+from sandwich_tvm.kernels.defaults import default_buckets
+from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel, kernel_isa, microkernels
+from sandwich_tvm.kernels.packing import WeightLayout, numpy_dtype, to_bfloat16
+from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
+from sandwich_tvm.model.linear import resolve_dtype
+from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
+
+from ..isas import HALF_CASES, VECTOR_REGISTER, assembly, require_runnable
+
+pytestmark = pytest.mark.compile
+half_cases = pytest.mark.parametrize(("isa", "dtype"), HALF_CASES)
+
+
+def sch(isa, dtype, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
+    lanes = ISAS[isa].lanes
+    return GemmSchedule(MicroKernel(isa, mr, vectors * lanes, dtype), Slice(mc, nc_vectors * lanes, kc),
+                        Polymerization(pm, pn, pk))
+
+
+def buckets_with_every_path(isa: str, dtype: str) -> list[Bucket]:
+    big = 256 // (4 * ISAS[isa].lanes)  # a 4-vector tile over 1 KB: one accumulator per column
+    return [
+        Bucket(1, sch(isa, dtype, 1, 2, 1, 4, 16)),  # several KC blocks per thread
+        Bucket(5, sch(isa, dtype, 2, 3, 4, 6, 32, pm=2, pn=1)),
+        Bucket(40, sch(isa, dtype, 4, 3, 8, 6, 24, pn=1, pk=2)),  # split-K
+        Bucket(80, sch(isa, dtype, big, 4, 2 * big, 8, 48)),
+        Bucket(1 << 62, sch(isa, dtype, 4, 2, 8, 8, 64, pm=2, pn=1)),
+    ]
+
+
+def quantized(x: np.ndarray, dtype: str) -> np.ndarray:
+    """What the kernel computes with: ``x`` rounded to ``dtype``, as fp32."""
+    return x.astype(numpy_dtype(dtype)).astype(np.float32)
+
+
+def expected_a(a: np.ndarray, isa: str) -> np.ndarray:
+    """vdpbf16ps multiplies bf16 pairs: A is rounded to bf16 when packed; widening kernels keep A."""
+    return quantized(a, "bfloat16") if ISAS[isa].k_pack == 2 else a
+
+
+def build(shape: GemmShape, buckets, epilogue="none"):
+    func = linear_primfunc(shape, buckets, epilogue=epilogue)
+    return tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
+
+
+@half_cases
+def test_every_m_odd_n_and_k(isa, dtype):
+    require_runnable(isa)
+    shape = GemmShape(200, 101, dtype)  # n: no multiple of 3 or 4 vectors; k odd (a half pair)
+    fn = build(shape, buckets_with_every_path(isa, dtype))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((shape.n, shape.k)).astype(np.float32)
+    layout = WeightLayout(isa, dtype)
+    wp = tvm.runtime.tensor(layout.pack(w))
+    wq = quantized(w, dtype)
+    for m in range(1, 301):
+        a = rng.standard_normal((m, shape.k)).astype(np.float32)
+        y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wp, y)
+        want = expected_a(a, isa).astype(np.float64) @ wq.T.astype(np.float64)
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4 * np.sqrt(shape.k), err_msg=f"m={m}")
+
+
+@half_cases
+def test_residual_and_silu_mul_epilogues(isa, dtype):
+    require_runnable(isa)
+    lanes, k = ISAS[isa].lanes, 75
+    rng = np.random.default_rng(1)
+    buckets = buckets_with_every_path(isa, dtype)
+    inter = 13 * lanes
+    gate_up, res = GemmShape(2 * inter, k, dtype), GemmShape(200, k, dtype)
+    f_gu, f_res = build(gate_up, buckets, "silu_mul"), build(res, buckets, "residual")
+    w_gu = rng.standard_normal((gate_up.n, k)).astype(np.float32) * 0.3
+    w_res = rng.standard_normal((res.n, k)).astype(np.float32)
+    wp_gu = tvm.runtime.tensor(WeightLayout(isa, dtype, interleave=True).pack(w_gu))
+    wp_res = tvm.runtime.tensor(WeightLayout(isa, dtype).pack(w_res))
+    for m in (1, 2, 3, 5, 9, 33, 61, 90):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        aq = expected_a(a, isa).astype(np.float64)
+        g, u = np.split(aq @ quantized(w_gu, dtype).T, 2, axis=1)
+        y = tvm.runtime.empty((m, inter), "float32", tvm.cpu())
+        f_gu(tvm.runtime.tensor(a), wp_gu, y)
+        np.testing.assert_allclose(y.numpy(), g / (1 + np.exp(-g)) * u, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
+        r = rng.standard_normal((m, res.n)).astype(np.float32)
+        y = tvm.runtime.empty((m, res.n), "float32", tvm.cpu())
+        f_res(tvm.runtime.tensor(a), wp_res, tvm.runtime.tensor(r), y)
+        want = aq @ quantized(w_res, dtype).T + r
+        np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
+
+
+# The instruction that shows each kernel computes as intended (x86; Arm: its vector registers).
+SIGNATURE = {("avx512bf16", "bfloat16"): "vdpbf16ps", ("avx512", "bfloat16"): "vpslld",
+             ("avx2", "bfloat16"): "vpslld", ("avx512", "float16"): "vcvtph2ps",
+             ("avx2", "float16"): "vcvtph2ps"}
+
+
+@half_cases
+def test_built_for_its_isa_everywhere(isa, dtype):
+    """Built (not run) on any host: the default kernel uses the ISA's registers and instruction."""
+    shape = GemmShape(200, 96, dtype)
+    func = linear_primfunc(shape, default_buckets(shape, 2, None, isa))
+    asm = assembly(tvm.compile(tvm.IRModule({"linear": func}), target=isa_target(isa, 2)))
+    assert VECTOR_REGISTER[isa] in asm
+    if (isa, dtype) in SIGNATURE:
+        assert SIGNATURE[(isa, dtype)] in asm
+    if isa != "avx512bf16":
+        assert "vdpbf16ps" not in asm
+
+
+@pytest.mark.parametrize(("isa", "dtype", "interleave"),
+                         [(i, d, il) for i, d in HALF_CASES for il in (False, True)])
+def test_packing_round_trips(isa, dtype, interleave):
+    lanes = ISAS[isa].lanes
+    n, k = 2 * 3 * lanes, 37
+    w = np.random.default_rng(2).standard_normal((n, k)).astype(np.float32)
+    layout = WeightLayout(isa, dtype, interleave)
+    wp = layout.pack(w)
+    assert wp.shape == layout.shape(n, k) and wp.dtype == numpy_dtype(layout.storage)
+    np.testing.assert_array_equal(layout.unpack(wp, n, k), quantized(w, dtype))
+
+
+def test_dtype_choice_follows_the_cpu_flags():
+    assert kernel_isa("avx512", "bfloat16", {"avx512f", "avx512_bf16"}) == "avx512bf16"
+    assert kernel_isa("avx512", "bfloat16", {"avx512f"}) == "avx512"
+    assert kernel_isa("avx512", "float16", {"avx512f", "avx512_bf16"}) == "avx512"
+    assert kernel_isa("avx2", "bfloat16", {"avx2", "fma"}) == "avx2"
+    assert resolve_dtype("auto", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))[0] == "bfloat16"
+    dtype, why = resolve_dtype("auto", frozenset({"avx2", "fma"}))
+    assert dtype == "bfloat16" and "widened" in why
+    assert resolve_dtype("float16")[0] == "float16"
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_dtype("int4")
+
+
+def test_bad_16bit_schedules_are_refused():
+    with pytest.raises(KernelError, match="computes bfloat16 weights, not float32"):
+        linear_primfunc(GemmShape(64, 64), [Bucket(1, sch("avx512bf16", "bfloat16", 1, 1, 1, 1, 16))])
+    with pytest.raises(KernelError, match="do not compute float16"):
+        linear_primfunc(GemmShape(64, 64, "float16"), [Bucket(1, sch("avx512bf16", "float16", 1, 1, 1, 1, 16))])
+    with pytest.raises(KernelError, match="do not read float32"):
+        WeightLayout("avx512bf16", "float32")
+    assert not microkernels("avx512bf16", "float32")
+    assert to_bfloat16(np.array([1.00390625], np.float32)).astype(np.float32)[0] == 1.0  # ties to even
