@@ -120,8 +120,9 @@ _ISA_TARGETS = {
 
 
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
-    """The host target when this CPU runs ``isa``'s code, else a generic target of that ISA."""
-    if isa == host_isa() or isa in _ISA_TARGETS and can_run(isa) and host_isa() == "avx512":
+    """The host target when ``isa`` is this CPU's (or its AVX512-BF16 extension and this CPU
+    has it), else a generic target of that ISA."""
+    if isa == host_isa() or (isa == "avx512bf16" and host_isa() == "avx512" and can_run(isa)):
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:
         raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")

@@ -44,8 +44,16 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Path:
+GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype: str = "float32") -> Path:
+    """The weights as a GGUF; with a 16-bit ``dtype`` its matrices are F16/BF16 and the 1-D
+    tensors stay F32, as llama.cpp's ``convert_hf_to_gguf.py --outtype f16|bf16`` writes them."""
     import gguf
+
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"no GGUF type for {dtype!r}; one of {', '.join(GGUF_TYPES)}")
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -61,7 +69,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Pa
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"t{i}" for i in range(len(tokens), cfg.vocab_size)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
@@ -74,7 +83,14 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Pa
     w.add_eos_token_id(2)
 
     def put(name: str, arr: np.ndarray) -> None:
-        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or dtype == "float32":
+            w.add_tensor(name, arr)
+        elif dtype == "float16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
 
     put("token_embd.weight", state["model.embed_tokens.weight"])
     put("output_norm.weight", state["model.norm.weight"])
@@ -103,21 +119,23 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path) -> Pa
 
 
 def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
-             log: Callable[[str], None] | None = None) -> Path:
-    """The F32 GGUF of the weights our engine runs for ``model_spec`` (a preset's random weights
-    drawn with ``seed``, or a checkpoint directory), written once under ``cache_dir()/gguf/``."""
+             log: Callable[[str], None] | None = None, dtype: str = "float32") -> Path:
+    """The GGUF (F32, or F16/BF16 matrices for a 16-bit ``dtype``) of the weights our engine runs
+    for ``model_spec`` (a preset's random weights drawn with ``seed``, or a checkpoint
+    directory), written once under ``cache_dir()/gguf/``."""
     from ..host import cache_dir
     from ..model.config import PRESETS
     from ..model.weights import checkpoint_key, random_checkpoint, read_checkpoint
 
     preset = model_spec in PRESETS
     key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
-    path = cache_dir() / "gguf" / f"{cfg.name}-{key}-v{GGUF_VERSION}.gguf"
+    tag = "" if dtype == "float32" else f"-{GGUF_TYPES.get(dtype, dtype)}"
+    path = cache_dir() / "gguf" / f"{cfg.name}-{key}{tag}-v{GGUF_VERSION}.gguf"
     if not path.is_file():
         if log is not None:
-            log(f"writing the same weights as an F32 GGUF: {path}")
+            log(f"writing the same weights as a {GGUF_TYPES.get(dtype, dtype).upper()} GGUF: {path}")
         state = random_checkpoint(cfg, seed) if preset else read_checkpoint(Path(model_spec))
-        write_gguf(cfg, state, path)
+        write_gguf(cfg, state, path, dtype)
         del state
     return path
 

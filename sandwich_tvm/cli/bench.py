@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="m of the MetaSchedule run (default 128)")
     g.add_argument("--rounds", type=positive_int, default=3,
                    help="sweeps per library; each (library, m) is the median over them (default 3)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
+                        "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
@@ -61,24 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
-               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 3) -> dict:
+               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 3,
+               dtype: str = "float32") -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
-    from ..host import cold_weight_bytes
-    from ..kernels.codegen import linear_primfunc, pack_weight
+    from ..host import cold_weight_bytes, cpu_flags
+    from ..kernels.codegen import linear_primfunc
     from ..kernels.database import find_record
+    from ..kernels.microkernel import kernel_isa
+    from ..kernels.packing import WeightLayout, numpy_dtype
     from ..kernels.peak import fma_peak_gflops
     from ..kernels.schedule import GemmShape
     from ..kernels.tuner import tune_gemm
     from ..topology.microbench import sgemm_gflops
     from ..tvm_compat import host_isa, host_target, tvm
 
-    shape = GemmShape(n, k)
+    shape = GemmShape(n, k, dtype)
     rec = find_record(shape, threads, root)
     if rec is None or max(t.m for t in rec.tuned) < max(ms):
-        log(f"tuning n={n} k={k} for m <= {max(ms)} on {threads} threads (resumable) ...")
-        rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root,
+        log(f"tuning n={n} k={k} ({dtype}) for m <= {max(ms)} on {threads} threads (resumable) ...")
+        rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root, dtype=dtype,
                         progress=lambda t: log(f"  m={t.m}: {t.schedule.key} "
                                                f"{'' if math.isnan(t.gflops) else f'{t.gflops:.1f} GFLOPS'}"))
     exe = tvm.compile(tvm.IRModule({"main": linear_primfunc(shape, rec.buckets(), "main")}),
@@ -86,12 +92,18 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     fn = exe.mod["main"]
     rng = np.random.default_rng(0)
     # Cold weights (default): enough copies to overflow the caches, used in turn.
-    copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * 4)))
-    ws = [rng.standard_normal((n, k)).astype("float32") for _ in range(copies)]
+    layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype)
+    wbytes = numpy_dtype(dtype).itemsize
+    copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * wbytes)))
+    # weights exactly representable in ``dtype``: every library multiplies the same values
+    ws = [rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32") for _ in range(copies)]
     w = ws[0]
-    wps = [tvm.runtime.tensor(pack_weight(wi, host_isa())) for wi in ws]
+    wps = [tvm.runtime.tensor(layout.pack(wi)) for wi in ws]
     torch.set_num_threads(threads)
-    wts = [torch.from_numpy(wi) for wi in ws]
+    t_dtype = getattr(torch, dtype)  # torch runs in the dtype asked, as its users would
+    wts = [torch.from_numpy(wi).to(t_dtype) for wi in ws]
+    log(f"Sandwich: {dtype} weights on {layout.isa} micro-kernels; torch F.linear in {dtype}; "
+        "numpy in float32")
     ms_row = None
     if ms_trials > 0:
         from ..baselines.metaschedule import tune_default
@@ -106,7 +118,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         fma_peak = fma_peak_gflops(threads)
         log(f"FMA peak ({threads} threads, register-only loop): {fma_peak:.0f} GFLOPS; "
             f"OpenBLAS SGEMM x {threads} cores: {peak:.0f} GFLOPS; weights: "
-            + ("hot" if hot else f"{copies} copies over {copies * n * k * 4 >> 20} MB"))
+            + ("hot" if hot else f"{copies} copies over {copies * ws[0].size * wbytes >> 20} MB"))
         errs = {}
         for m in ms:
             ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
@@ -122,7 +134,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
             secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
-        xt = {m: torch.from_numpy(xs[m]) for m in ms}
+        xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in ms}
         # Rounds of one sweep per library: memory-bound m drift with the host's bandwidth
         # within seconds, so each (library, m) is the median over rounds taken minutes apart.
         sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in ("sw", "np", "th")}
@@ -146,12 +158,16 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         row = {"m": m, "sandwich_gflops": flops / secs_sw[m] / 1e9, "numpy_gflops": flops / secs_np[m] / 1e9,
                "torch_gflops": flops / secs_th[m] / 1e9, "max_rel_err": errs[m]}
         row["ratio_vs_best"] = row["sandwich_gflops"] / max(row["numpy_gflops"], row["torch_gflops"])
+        row["ratio_vs_torch"] = row["sandwich_gflops"] / row["torch_gflops"]
         row["peak_fraction"] = row["sandwich_gflops"] / peak
         row["fma_peak_fraction"] = row["sandwich_gflops"] / fma_peak
         row["schedule"] = rec.schedule_for(m).key
         rows.append(row)
     ratios = [r["ratio_vs_best"] for r in rows]
-    out = {"n": n, "k": k, "threads": threads, "weights": "hot" if hot else "cold", "peak_gflops": peak,
+    vs_torch = [r["ratio_vs_torch"] for r in rows]
+    out = {"n": n, "k": k, "dtype": dtype, "kernel_isa": layout.isa, "threads": threads,
+           "geomean_vs_torch": float(np.exp(np.mean(np.log(vs_torch)))), "min_vs_torch": min(vs_torch),
+           "weights": "hot" if hot else "cold", "peak_gflops": peak,
            "fma_peak_gflops": fma_peak, "weight_copies": copies,
            "tuning_seconds": rec.seconds, "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
            "min_ratio": min(ratios), "rows": rows}
@@ -172,14 +188,15 @@ def plot(result: dict, path: Path) -> None:
     ms = [r["m"] for r in result["rows"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("sandwich_gflops", "Sandwich"), ("numpy_gflops", "numpy (OpenBLAS)"),
-                       ("torch_gflops", "torch")):
+                       ("torch_gflops", f"torch ({result.get('dtype', 'float32')})")):
         ax.plot(ms, [r[key] for r in result["rows"]], marker="o", label=label)
     ax.axhline(result["fma_peak_gflops"], ls="--", c="black", label="measured FMA peak")
     ax.axhline(result["peak_gflops"], ls=":", c="grey", label="OpenBLAS SGEMM x threads")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("m (tokens)")
     ax.set_ylabel("GFLOPS")
-    ax.set_title(f"fp32 GEMM n={result['n']} k={result['k']}, {result['threads']} threads")
+    ax.set_title(f"{result.get('dtype', 'float32')} GEMM n={result['n']} k={result['k']}, "
+                 f"{result['threads']} threads")
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
                             hot=args.hot_weights, ms_trials=args.metaschedule_trials,
-                            ms_m=args.metaschedule_m, rounds=args.rounds)
+                            ms_m=args.metaschedule_m, rounds=args.rounds, dtype=args.dtype)
     except (ScheduleDbError, ValueError) as exc:
         print_error(console, exc)
         return 2
@@ -218,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    table = Table(title=f"fp32 GEMM n={args.n} k={args.k}, {threads} threads (median GFLOPS)")
-    for col in ("m", "Sandwich", "numpy", "torch", "vs best", "of FMA peak", "schedule"):
+    table = Table(title=f"{args.dtype} GEMM n={args.n} k={args.k}, {threads} threads (median GFLOPS)")
+    for col in ("m", "Sandwich", "numpy fp32", f"torch {args.dtype}", "vs torch", "vs best", "of FMA peak",
+                "schedule"):
         table.add_column(col)
     for r in result["rows"]:
         table.add_row(str(r["m"]), f"{r['sandwich_gflops']:.1f}", f"{r['numpy_gflops']:.1f}",
-                      f"{r['torch_gflops']:.1f}", f"{r['ratio_vs_best']:.2f}x",
+                      f"{r['torch_gflops']:.1f}", f"{r['ratio_vs_torch']:.2f}x", f"{r['ratio_vs_best']:.2f}x",
                       f"{r['fma_peak_fraction']:.0%}", r["schedule"])
     console.print(table)
     if "metaschedule" in result:
@@ -231,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = f", Sandwich {r['sandwich_ratio']:.2f}x" if "sandwich_ratio" in r else ""
         console.print(f"MetaSchedule default search, m={r['m']}: {r['gflops']:.1f} GFLOPS after "
                       f"{r['trials']} trials in {r['tuning_seconds']:.0f} s{vs}")
-    console.print(f"geomean vs best library {result['geomean_ratio']:.2f}x (min {result['min_ratio']:.2f}x); "
+    console.print(f"geomean vs torch {result['geomean_vs_torch']:.2f}x (min {result['min_vs_torch']:.2f}x); "
+                  f"vs best library {result['geomean_ratio']:.2f}x (min {result['min_ratio']:.2f}x); "
                   f"FMA peak {result['fma_peak_gflops']:.0f} GFLOPS; "
                   f"tuning {result['tuning_seconds']:.0f} s; plot {args.plot}")
     return 0

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..host import save_atomic
 from ..model.config import load_config
+from ..model.linear import resolve_dtype
 from ..runtime.loader import open_engine
 from ..runtime.plan import ExecPlan
 from .generate import synthetic_prompt
@@ -23,6 +24,7 @@ def compare_with_stock(args: argparse.Namespace, plan: ExecPlan, console: Consol
         name = "tvm-stock" if stock else "sandwich"
         engine, _, compiled = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                           context=args.prompt_len + args.max_new_tokens + 8,
+                                          dtype="float32" if stock else resolve_dtype(args.dtype)[0],
                                           log=lambda m: console.print(f"[dim]{m}[/]"))
         engine.generate(prompt[:4], 2)  # warm-up
         gen = engine.generate(prompt, args.max_new_tokens)

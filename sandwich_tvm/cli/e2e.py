@@ -176,7 +176,8 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
         notes.append(why)
         return None
     os.sched_setaffinity(0, PROCESS_CPUS)
-    path = gguf_for(args.model, cfg, args.seed, log=log)
+    # the weights in the precision Sandwich runs them (F32, or an F16/BF16 GGUF)
+    path = gguf_for(args.model, cfg, args.seed, log=log, dtype=weight_dtype(args, lambda _m: None))
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
 

@@ -14,6 +14,7 @@ from ..kernels.search import SequenceTuner
 from ..kernels.shapes import linear_shapes
 from ..kernels.tuner import tune_gemm
 from ..model.config import load_config
+from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from .args import positive_int
 
 
@@ -28,12 +29,18 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                         help="micro-kernel sliding window σ (default 16)")
     parser.add_argument("--schedules", type=Path, default=None,
                         help="database root (default: the repository's schedules/)")
+    parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
+                        help=f"the weights' precision the kernels read (default {DEFAULT_DTYPE}; auto: "
+                             "bfloat16); each dtype has its own records")
 
 
 def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int, max_m: int) -> int:
     cfg = load_config(args.model)
-    shapes = linear_shapes(cfg)
-    table = Table(title=f"Sandwich kernels for {cfg.name}, {threads} threads")
+    dtype, why = resolve_dtype(args.dtype)
+    if args.dtype == "auto":
+        console.print(f"weights: {dtype} ({why})")
+    shapes = linear_shapes(cfg, dtype)
+    table = Table(title=f"Sandwich kernels for {cfg.name}, {dtype} weights, {threads} threads")
     for col in ("gemm", "n", "k", "tuned m", "searched", "best GFLOPS", "seconds", "file"):
         table.add_column(col)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -43,7 +50,8 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int,
             ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=args.schedules, progress=lambda _t, task=task: bar.advance(task),
+                            root=args.schedules, dtype=dtype,
+                            progress=lambda _t, task=task: bar.advance(task),
                             log=lambda msg: console.print(msg, markup=False, highlight=False))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),

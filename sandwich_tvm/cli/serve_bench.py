@@ -19,6 +19,7 @@ from rich.console import Console
 
 from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
+from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from ..servebench.report import DEFAULT_SCALES, render, without_requests
 from ..servebench.runner import SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
 from ..servebench.workload import parse_lengths
@@ -85,6 +86,9 @@ def add_serve_parser(sub) -> None:
                    help="Sandwich's tokens per prefill iteration (its scheduler policy; default 512)")
     s.add_argument("--priority", choices=("prefill", "decode"), default="prefill",
                    help="Sandwich's phase when both have work (default prefill)")
+    s.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
+                   help=f"both systems' weights (default {DEFAULT_DTYPE}; auto: bfloat16): Sandwich's "
+                        "--dtype and an F32/F16/BF16 GGUF for llama-server")
     s.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
                    help=f"Sandwich's KV cache dtype (default {DEFAULT_KV_DTYPE}; llama-server's default is "
                         "f16)")
@@ -135,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot, slo_scales=scales, cpus=cpus,
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,
         kv_dtype=args.kv_dtype, prefill_budget=args.prefill_budget, priority=args.priority,
+        dtype=resolve_dtype(args.dtype)[0],
         timeout_s=args.timeout, ready_timeout_s=args.ready_timeout)
 
 

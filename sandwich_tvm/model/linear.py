@@ -87,7 +87,12 @@ class KernelSet:
 
     @property
     def kernel_isa(self) -> str:
-        flags = cpu_flags() if self.isa == host_isa() else frozenset()
+        """The micro-kernels' ISA: ``isa``, or its bf16 extension where ``cpu`` (this host by
+        default, when ``isa`` is its ISA) has it."""
+        if self.cpu is not None:
+            flags = frozenset(self.cpu.features or ())
+        else:
+            flags = cpu_flags() if self.isa == host_isa() else frozenset()
         return kernel_isa(self.isa, self.dtype, flags)
 
     def layout(self, interleave: bool = False) -> WeightLayout:

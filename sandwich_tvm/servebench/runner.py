@@ -66,6 +66,7 @@ class ServeBenchConfig:
     context: int = 2048  # tokens of one sequence (prompt + output)
     seed: int = 0
     kv_dtype: str = "float16"  # Sandwich's KV cache (llama-server's default is f16 too)
+    dtype: str = "float32"  # the weights of both systems (llama-server: an F16/BF16 GGUF)
     prefill_budget: int = 512  # Sandwich's SchedulerPolicy
     priority: str = "prefill"
     out: Path = Path("out")
@@ -183,7 +184,7 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
                "--port", str(port), "--max-batch", str(cfg.max_batch),
                "--context", str(cfg.context), "--kv-cache-tokens", str(cfg.kv_tokens()),
                "--kv-dtype", cfg.kv_dtype, "--prefill-budget", str(cfg.prefill_budget),
-               "--priority", cfg.priority, "--seed", str(cfg.seed)]
+               "--priority", cfg.priority, "--seed", str(cfg.seed), "--dtype", cfg.dtype]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -195,7 +196,7 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
         if why is not None or binary is None:
             raise SystemUnavailable(why or "llama-server was not found")
         try:
-            gguf = llamaserver.gguf_for(cfg.model, model, cfg.seed, log=log)
+            gguf = llamaserver.gguf_for(cfg.model, model, cfg.seed, log=log, dtype=cfg.dtype)
         except ImportError as err:
             raise SystemUnavailable(f"writing the GGUF needs the {err.name} package "
                                     "(pip install -e '.[llamacpp]')") from None
@@ -259,7 +260,7 @@ class _Benchmark:
         self.meta = {
             "model": cfg.model, "model_name": model.name, "num_params": model.num_params(), "mode": cfg.mode,
             "rates": self.rates, "duration_s": cfg.duration_s, "threads": cfg.threads, "cpus": list(cfg.cpus),
-            "max_batch": cfg.max_batch, "context": cfg.context, "kv_dtype": cfg.kv_dtype,
+            "max_batch": cfg.max_batch, "context": cfg.context, "kv_dtype": cfg.kv_dtype, "dtype": cfg.dtype,
             "scheduler": {"prefill_budget": cfg.prefill_budget, "priority": cfg.priority},
             "kv_cache_tokens": {k: v for k, v in self.kv.items() if k in cfg.systems},
             "plan": None if cfg.plan is None else str(cfg.plan), "seed": cfg.seed, "timeout_s": cfg.timeout_s,

@@ -12,7 +12,9 @@ from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerizatio
 from sandwich_tvm.kernels.search import Tuned
 from sandwich_tvm.model.linear import KernelSet
 
-ALL_ISAS = pytest.mark.parametrize("isa", sorted(ISAS))
+from ..isas import ALL_ISAS as VECTOR_ISAS
+
+ALL_ISAS = pytest.mark.parametrize("isa", VECTOR_ISAS)
 
 
 def fake_cpu(isa: str) -> CpuSignature:
@@ -47,7 +49,7 @@ def test_tuned_record_is_used_for_its_thread_count_only(tmp_path, isa):
 def test_records_of_another_isa_are_not_used(tmp_path, isa):
     shape, cpu = GemmShape(64, 32), fake_cpu(isa)
     save_record(KernelRecord(shape, 2, cpu, [Tuned(1, _sched(isa, 1, 2, 2), 1.0, True)]), tmp_path)
-    other = next(i for i in sorted(ISAS) if i != isa)
+    other = next(i for i in VECTOR_ISAS if i != isa)
     ks = KernelSet(2, 2, root=tmp_path, isa=other, cpu=cpu)
     assert ks.buckets(shape, "prefill") == default_buckets(shape, 2, None, other)
     assert all(b.schedule.mk.isa == other for b in ks.buckets(shape, "prefill"))
@@ -84,3 +86,22 @@ def test_default_tiles_fit_the_register_file_and_use_its_lanes(isa):
         mk = bucket.schedule.mk
         assert mk.isa == isa and mk.nr % spec.lanes == 0
         assert mk.registers_used <= spec.registers
+
+
+def test_bf16_kernels_use_bf16_records_only(tmp_path):
+    """A bf16 record serves bf16 weights (on vdpbf16ps where the CPU has it), never fp32 ones."""
+    cpu = CpuSignature("TestVendor", "test cpu", 6, 143, 8, "avx512", ("avx512_bf16", "avx512f"), 48, 2048,
+                       491520)
+    shape = GemmShape(64, 32, "bfloat16")
+    mk = MicroKernel("avx512bf16", 2, 32, "bfloat16")
+    rec = KernelRecord(shape, 2, cpu, [Tuned(8, GemmSchedule(mk, Slice(2, 32, 16), Polymerization(1, 2, 1)),
+                                             1.0, True)])
+    assert rec.kernel_isa == "avx512bf16"
+    save_record(rec, tmp_path)
+    bf16 = KernelSet(2, 2, root=tmp_path, isa="avx512", cpu=cpu, dtype="bfloat16")
+    assert bf16.kernel_isa == "avx512bf16"
+    assert mk in [b.schedule.mk for b in bf16.buckets(shape, "prefill")]
+    assert bf16.sources[("prefill", shape.name)] == "tuned"
+    fp32 = KernelSet(2, 2, root=tmp_path, isa="avx512", cpu=cpu)
+    assert fp32.buckets(GemmShape(64, 32), "prefill") == default_buckets(GemmShape(64, 32), 2, None, "avx512")
+    assert fp32.sources[("prefill", "n64_k32_float32")] == "default"

@@ -14,19 +14,11 @@ from sandwich_tvm.runtime.engine import Engine, EngineError
 from sandwich_tvm.runtime.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
-from .hf_models import CONFIGS, write_hf_model
-
 torch = pytest.importorskip("torch")
 
 CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")  # a real switch between the phases
 DECODE_STEPS = 32
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def hf_case(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    return out, write_hf_model(request.param, out)
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:

@@ -1,0 +1,96 @@
+"""bf16 weights: the compiled model against HF transformers on the same weights, and against
+the fp32 model's greedy tokens on a preset."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import compile_model
+from sandwich_tvm.host import cpu_flags, host_isa
+from sandwich_tvm.kernels.microkernel import kernel_isa
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.compile
+
+CPUS = tuple(sorted(PROCESS_CPUS))
+PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")
+STEPS = 32
+PAIRS = kernel_isa(host_isa(), "bfloat16", cpu_flags()) == "avx512bf16"
+# Against HF on the bf16-rounded weights in fp32: the widening kernels differ only in summation
+# order; vdpbf16ps also rounds each Linear's input to bf16, as torch's bf16 Linear does.
+EXACT_TOL = 3e-2 if PAIRS else 1e-3
+
+
+def open_bf16(model, cfg, kv_dtype="float32") -> Engine:
+    compiled = compile_model(cfg, PLAN, dtype="bfloat16", kv_dtype=kv_dtype)
+    isa, dtype = compiled.weight_layout
+    assert (dtype, isa) == ("bfloat16", kernel_isa(host_isa(), "bfloat16", cpu_flags()))
+    params = load_params(model, cfg, compiled.params, isa, dtype=dtype)
+    packed = [p for p in params if p.ndim == 3]
+    assert packed and all(p.dtype.itemsize == 2 or p.dtype == np.uint32 for p in packed)
+    return Engine(compiled, params, PLAN)
+
+
+def forced_logits(engine: Engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """Logits after the prompt and after each of ``tokens`` but the last (teacher forcing)."""
+    engine.start()
+    out = [engine.prefill(prompt).reshape(-1)]
+    out += [engine.decode(t).reshape(-1) for t in tokens[:-1]]
+    engine.stop()
+    return np.stack(out)
+
+
+def bf16_rounded(hf, tied: bool):
+    """HF's model in fp32 with every weight our bf16 model stores in bf16 rounded to it."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("proj.weight") or name == "lm_head.weight" or (tied and "embed_tokens" in name):
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return ref
+
+
+def test_bf16_model_matches_hf(hf_case):
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    engine = open_bf16(model_dir, cfg)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, STEPS + 1, logits_out=logits)
+    ours = np.stack(logits)
+    tokens = torch.tensor([prompt + gen.tokens[:-1]])
+    with torch.no_grad():
+        exact = bf16_rounded(hf, cfg.tie_word_embeddings)(tokens).logits[0].numpy()[len(prompt) - 1:]
+        in_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(tokens).logits[0].float().numpy()[len(prompt) - 1:]
+    scale = float(np.abs(exact).max())
+    np.testing.assert_allclose(ours, exact, rtol=EXACT_TOL, atol=EXACT_TOL * scale)
+    # HF computing everything in bf16 (its activations and residual stream too) is further off
+    np.testing.assert_allclose(ours, in_bf16, rtol=0.1, atol=0.1 * scale)
+    assert np.mean(ours.argmax(-1) == in_bf16.argmax(-1)) >= 0.9
+    os.sched_setaffinity(0, CPUS)
+
+
+def test_bf16_greedy_agrees_with_fp32_on_the_preset():
+    """64 greedy steps of the fp32 model; the bf16 model, fed the same tokens, picks the same
+    next token at >= 95% of them (random weights have near-ties)."""
+    cfg = load_config("llama-160m")
+    compiled = compile_model(cfg, PLAN, kv_dtype="float32")
+    isa, _ = compiled.weight_layout
+    fp32 = Engine(compiled, load_params("llama-160m", cfg, compiled.params, isa), PLAN)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 32)]
+    gen = fp32.generate(prompt, 64)
+    del fp32
+    bf16 = forced_logits(open_bf16("llama-160m", cfg), prompt, gen.tokens)
+    agree = float(np.mean(bf16.argmax(-1) == np.asarray(gen.tokens)))
+    print(f"bf16 picks the fp32 model's token at {agree:.0%} of {len(gen.tokens)} steps")
+    assert agree >= 0.95, agree
+    os.sched_setaffinity(0, CPUS)
