@@ -15,6 +15,7 @@ sampled before and after each of that prompt length's Sandwich requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -285,7 +286,9 @@ def bench_e2e(args, console: Console) -> dict:
         rows += [merge_rounds(x) for x in rounds]
         if probe is not None and probe.samples[first:]:  # the minutes this length decoded in
             gbs[p] = float(np.median(probe.samples[first:]))
-    pred = predicted(cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
+    # the simulator streams the weights in the dtype Sandwich ran (its compute roof stays fp32 FMA)
+    sim_cfg = dataclasses.replace(cfg, dtype=weight_dtype(args, lambda _m: None))
+    pred = predicted(sim_cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
                      decode_gbs=gbs)
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
@@ -308,6 +311,7 @@ def bench_e2e(args, console: Console) -> dict:
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
             r["decode_bandwidth_gbs"] = pr["decode_gbs"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
+            "dtype": sim_cfg.dtype, "kv_dtype": args.kv_dtype,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
             "bandwidth_samples_gbs": probe.samples if probe else []}
 

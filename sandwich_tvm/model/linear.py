@@ -26,7 +26,7 @@ from ..tvm_compat import tvm
 
 PHASES = ("prefill", "decode")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_DTYPE = "float32"
+DEFAULT_DTYPE = "auto"  # the CLIs: bfloat16 (resolve_dtype), as vLLM's --dtype auto serves 16 bits
 
 
 def check_weight_dtype(dtype: str) -> None:
