@@ -54,43 +54,53 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as float32 numpy arrays (HF names)."""
-    from safetensors import SafetensorError, safe_open
-
+    """Every tensor of the checkpoint (HF names), memory-mapped in its stored dtype (float32,
+    float16, or bfloat16 through ml_dtypes): nothing is read or widened until a tensor is used,
+    so conversion holds one tensor at a time, and bf16/f16 weights reach a 16-bit model without
+    an fp32 round trip."""
     out: dict[str, np.ndarray] = {}
     for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(path), framework="numpy") as fh:
-                for name in fh.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    out[name] = np.asarray(fh.get_tensor(name), dtype=np.float32)
-        except SafetensorError as err:
-            if "bf16" in str(err).lower() or "bfloat16" in str(err).lower():
-                out.update(_read_bf16(path))
-                continue
-            raise ModelLoadError(f"{path} is not a readable safetensors file ({err}); it may be "
-                                 "truncated: re-download it") from err
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"{path} cannot be read ({err}); re-download it") from err
+        out.update(_map_safetensors(path))
     return out
 
 
-def _read_bf16(path: Path) -> dict[str, np.ndarray]:
-    """bfloat16 tensors (numpy has no bf16): widen the raw 16-bit words to float32."""
-    raw = path.read_bytes()
-    header_len = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + header_len])
-    base = 8 + header_len
-    out = {}
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of one safetensors file as read-only views of its memory map."""
+
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"{path} is not a readable safetensors file ({why}); it may be truncated: "
+                              "re-download it")
+
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise bad(f"a header of {header_len} bytes in a file of {size}")
+            header = json.loads(fh.read(header_len))
+        data = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + header_len else np.zeros(0, np.uint8)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise bad(str(err)) from err
+    base, out = 8 + header_len, {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        lo, hi = info["data_offsets"]
-        dt = info["dtype"]
-        data = np.frombuffer(raw[base + lo:base + hi], dtype={"BF16": np.uint16, "F16": np.float16,
-                                                              "F32": np.float32}[dt])
-        if dt == "BF16":
-            data = (data.astype(np.uint32) << 16).view(np.float32)
-        out[name] = data.astype(np.float32).reshape(info["shape"])
+        try:
+            stored, shape, (lo, hi) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise bad(f"tensor {name!r} has a malformed entry: {err}") from err
+        if stored not in _SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"{path}: tensor {name!r} is stored as {stored}; the loader reads "
+                                 f"{', '.join(_SAFETENSORS_DTYPES)}: convert the checkpoint (e.g. "
+                                 "save_pretrained after model.to(torch.bfloat16))")
+        dtype = numpy_dtype(_SAFETENSORS_DTYPES[stored])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not 0 <= lo <= hi <= size - base or hi - lo != nbytes:
+            raise bad(f"tensor {name!r} lies outside the file or has the wrong size")
+        out[name] = data[base + lo:base + hi].view(dtype).reshape(shape)
     return out
 
 

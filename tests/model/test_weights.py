@@ -172,3 +172,29 @@ def test_bad_model_directories(tmp_path):
 def test_large_arrays_are_huge_page_aligned():
     a = aligned_empty((1024, 1024))
     assert a.ctypes.data % (2 << 20) == 0 and a.flags.writeable
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512bf16"])  # widened panels; vdpbf16ps k-pairs
+def test_bf16_checkpoint_reaches_bf16_panels_bit_exact(tmp_path, isa):
+    """A bf16 checkpoint is memory-mapped in bf16 (no fp32 copy) and packed without rounding."""
+    import torch
+    import transformers
+
+    from sandwich_tvm.kernels.packing import WeightLayout, numpy_dtype
+
+    hf = write_hf_model("gqa-small", tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "bf16").torch_dtype == torch.bfloat16
+    state = read_checkpoint(tmp_path / "bf16")
+    assert {a.dtype for a in state.values()} == {numpy_dtype("bfloat16")}
+    assert all(isinstance(a.base, np.memmap) or isinstance(a, np.memmap) for a in state.values())
+    cfg = load_config(tmp_path / "bf16")
+    params = export_module(cfg, KernelSet(2, 1, isa=isa, dtype="bfloat16"))[1]  # any host builds either
+    arrays = load_params(tmp_path / "bf16", cfg, params, isa, dtype="bfloat16")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    i = next(j for j, (n, _) in enumerate(params) if n == name)
+    w = state[name]
+    got = WeightLayout(isa, "bfloat16").unpack(arrays[i], *w.shape)
+    np.testing.assert_array_equal(got, w.astype(np.float32))
+    norm = next(j for j, (n, _) in enumerate(params) if n.endswith("norm.weight"))
+    assert arrays[norm].dtype == np.float32  # 1-D weights stay fp32
