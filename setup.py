@@ -31,6 +31,9 @@ setup(
         "prometheus-client>=0.20",
         "jinja2>=3.1",
         "httpx>=0.27",
+        # bf16 numpy arrays (TVM needs it too); ninja builds the shared-memory all-reduce.
+        "ml_dtypes>=0.4",
+        "ninja>=1.11",
     ],
     extras_require={
         "test": [

@@ -1,7 +1,8 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve`: Sandwich's dynamic-shape GEMM against
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce`: Sandwich's dynamic-shape GEMM against
 numpy and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
 attention kernels against TVM's, ``cli/attention.py``; ``serve``: the serving benchmark over
-the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``).
+the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``; ``allreduce``: the
+shared-memory all-reduce against gloo, ``cli/allreduce.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -22,6 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from .allreduce import add_allreduce_parser, main_allreduce
 from .args import positive_int, threads_beyond_cpus
 from .attention import add_attention_parser, main_attention
 from .common import print_error
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_e2e_parser(sub)
     add_attention_parser(sub)
     add_serve_parser(sub)
+    add_allreduce_parser(sub)
     return parser
 
 
@@ -211,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_attention(args, console)
     if args.what == "serve":
         return main_serve(args, console)
+    if args.what == "allreduce":
+        return main_allreduce(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

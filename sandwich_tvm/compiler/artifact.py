@@ -23,6 +23,7 @@ from pathlib import Path
 from ..host import HostError, cache_dir, ensure_writable, host_signature, save_atomic, sha256_file
 from ..kernels.codegen import KernelError
 from ..kernels.database import ScheduleDbError, find_record
+from ..kernels.packing import WeightLayout
 from ..kernels.shapes import linear_shapes
 from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_kernels
 from ..model.config import LlamaConfig
@@ -61,6 +62,11 @@ class CompiledModel:
     @property
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         return [(n, tuple(s)) for n, s in self.meta["params"]]
+
+    @property
+    def layouts(self) -> dict[str, WeightLayout]:
+        """How each packed parameter is laid out (its ``WeightLayout``, from the model)."""
+        return {n: WeightLayout.from_json(d) for n, d in self.meta.get("layouts", {}).items()}
 
     @property
     def weight_layout(self) -> tuple[str, str]:
@@ -118,9 +124,17 @@ def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, roo
 
 def export_module(cfg: LlamaConfig, kernels: KernelSet | None,
                   kv_dtype: str = "float32") -> tuple[tvm.IRModule, list]:
+    mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype)
+    return mod, params
+
+
+def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32"
+                        ) -> tuple[tvm.IRModule, list, dict[str, WeightLayout]]:
+    """The Relax module, its parameters (name, shape) and the layout of every packed one."""
     model = LlamaForCausalLM(cfg, kernels, kv_dtype)
     mod, named = model.export_tvm(spec=model.get_default_spec())
-    return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named]
+    layouts = {name: p.attrs["layout"] for name, p in named if "layout" in p.attrs}
+    return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], layouts
 
 
 def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_batch: int = 8,
@@ -163,7 +177,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
     try:
-        mod, params = export_module(cfg, kernels, kv_dtype)
+        mod, params, layouts = export_with_layouts(cfg, kernels, kv_dtype)
     except (ScheduleDbError, KernelError) as err:
         raise CompileError(str(err)) from err
     log(f"compiling with {'the default' if stock else 'the sandwich'} Relax pipeline for {target}")
@@ -184,6 +198,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
+        "layouts": {n: layout.to_json() for n, layout in layouts.items()},
         "kv_dtype": kv_dtype, "dtype": dtype, "kernel_isa": kernels.kernel_isa if kernels else host_isa(),
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,

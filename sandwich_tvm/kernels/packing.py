@@ -100,6 +100,13 @@ class WeightLayout:
         out[...] = view
         return out
 
+    def to_json(self) -> dict:
+        return {"isa": self.isa, "dtype": self.dtype, "interleave": self.interleave}
+
+    @classmethod
+    def from_json(cls, d: dict) -> WeightLayout:
+        return cls(str(d["isa"]), str(d["dtype"]), bool(d.get("interleave", False)))
+
     def unpack(self, wp: np.ndarray, n: int, k: int) -> np.ndarray:
         """The float32 ``W[n, k]`` a packed array holds (tests, debugging)."""
         panels, kp, lanes = wp.shape

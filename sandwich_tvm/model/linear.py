@@ -132,16 +132,23 @@ class KernelSet:
         return name, self._funcs[key]
 
 
-class PackedLinear(nn.Module):
-    """``y = x @ W.T (+ residual)`` without bias; ``W[n, k]`` is stored prepacked as
-    ``[panels, k, lanes]``. The residual add is fused into the kernel's store; ``silu_mul``
-    (an interleaved gate_up weight, see ``kernels.codegen``) returns ``silu(gate) * up``."""
+def packed_parameter(n: int, k: int, layout: WeightLayout) -> nn.Parameter:
+    """The parameter holding ``W[n, k]`` packed as ``layout``, which rides on it (``attrs``,
+    as MLC-LLM's shard hints do) to the artifact and the weight loader."""
+    param = nn.Parameter(layout.shape(n, k), layout.storage)
+    param.attrs["layout"] = layout
+    return param
 
-    def __init__(self, in_features: int, out_features: int, kernels: KernelSet):
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T (+ residual)`` without bias; ``W[n, k]`` is stored prepacked
+    (``WeightLayout``). The residual add is fused into the kernel's store; ``silu_mul`` (an
+    ``interleave``d gate_up weight, see ``kernels.codegen``) returns ``silu(gate) * up``."""
+
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, interleave: bool = False):
         self.in_features, self.out_features = in_features, out_features
         self.kernels = kernels
-        layout = kernels.layout()
-        self.weight = nn.Parameter(layout.shape(out_features, in_features), layout.storage)
+        self.weight = packed_parameter(out_features, in_features, kernels.layout(interleave))
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
         return packed_matmul(x, self.weight, self.out_features, self.kernels, residual, silu_mul)

@@ -19,14 +19,15 @@ from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout
 from ..tvm_compat import host_target
 from .config import LlamaConfig
-from .linear import KernelSet, PackedLinear, packed_matmul, phase
+from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter, phase
 from .norm import RMSNorm
 
 
-def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None) -> nn.Module:
+def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
+            interleave: bool = False) -> nn.Module:
     if kernels is None:
         return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
-    return PackedLinear(k, n, kernels)
+    return PackedLinear(k, n, kernels, interleave)
 
 
 def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
@@ -66,14 +67,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels)
+        # silu·mul is gate_up's fused epilogue on Sandwich's kernels: its weight is interleaved
+        self.fused = kernels is not None and fuses_silu_mul(self.inter, kernels.kernel_isa)
+        self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels, interleave=self.fused)
         self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels)
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
-        """``residual + down_proj(silu(gate) * up)``; silu·mul is gate_up's fused epilogue on
-        Sandwich's kernels (its weight is interleaved at conversion), a Relax op otherwise."""
+        """``residual + down_proj(silu(gate) * up)``; silu·mul fused into gate_up's kernel, or
+        a Relax op."""
         proj = self.gate_up_proj
-        if isinstance(proj, PackedLinear) and fuses_silu_mul(self.inter, proj.kernels.kernel_isa):
+        if self.fused:
             h = proj(x, silu_mul=True)
         else:
             gate, up = op.split(proj(x), 2, axis=-1)
@@ -100,8 +103,8 @@ class Embedding(nn.Module):
     def __init__(self, cfg: LlamaConfig, layout: WeightLayout | None):
         self.hidden = cfg.hidden_size
         self.layout = layout
-        shape = layout.shape(cfg.vocab_size, cfg.hidden_size) if layout else (cfg.vocab_size, cfg.hidden_size)
-        self.weight = nn.Parameter(shape, layout.storage if layout else cfg.dtype)
+        self.weight = (packed_parameter(cfg.vocab_size, cfg.hidden_size, layout) if layout
+                       else nn.Parameter((cfg.vocab_size, cfg.hidden_size), cfg.dtype))
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         flat = op.reshape(ids, (-1,))

@@ -209,18 +209,21 @@ def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
 
 def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[str, tuple[int, ...]]],
             isa: str, where: str = "checkpoint",
-            progress: Callable[[int, int], None] | None = None, dtype: str = "float32") -> list[np.ndarray]:
-    """Arrays in ``params`` order (name, expected shape), packed for the ``dtype`` kernels of
-    ``isa`` (a micro-kernel ISA) where the shape is 3-D. The checkpoint must match ``cfg``
-    exactly (``check_checkpoint``)."""
+            progress: Callable[[int, int], None] | None = None, dtype: str = "float32",
+            layouts: dict[str, WeightLayout] | None = None) -> list[np.ndarray]:
+    """Arrays in ``params`` order (name, expected shape), packed where the shape is 3-D: as
+    ``layouts[name]`` (the model's own, from its parameters) when given, else for the
+    ``dtype`` kernels of ``isa`` (a micro-kernel ISA). The checkpoint must match ``cfg``
+    exactly (``check_checkpoint``); tensors are read one at a time."""
     check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
         if len(shape) == 3:  # packed panels of W[n, k]
-            gate_up = name.endswith("mlp.gate_up_proj.weight")
-            # gate_up is interleaved for the silu_mul epilogue
-            layout = WeightLayout(isa, dtype, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
+            layout = (layouts or {}).get(name)
+            if layout is None:  # gate_up is interleaved for the silu_mul epilogue
+                gate_up = name.endswith("mlp.gate_up_proj.weight")
+                layout = WeightLayout(isa, dtype, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
             if hf.ndim != 2 or layout.shape(*hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{name}: the model was built for panels {list(shape)}, but "
                                      f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
@@ -342,23 +345,27 @@ def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]],
 
 def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
                 *, seed: int = 0, log: Callable[[str], None] = lambda _m: None,
-                dtype: str = "float32") -> list[np.ndarray]:
+                dtype: str = "float32", layouts: dict[str, WeightLayout] | None = None) -> list[np.ndarray]:
     """Weights for ``params``: a preset's seeded random weights, or the checkpoint in ``spec``
-    (converted once, then read from the conversion cache); Linear weights in ``dtype``."""
+    (converted once, then read from the conversion cache); Linear weights in ``dtype``, packed
+    as ``layouts`` says (the compiled model's, ``CompiledModel.layouts``) where given."""
     from .config import PRESETS
 
     if str(spec) in PRESETS:
         log(f"random weights for preset {spec} (seed {seed})")
-        return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}", dtype=dtype)
+        return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}", dtype=dtype,
+                       layouts=layouts)
     model_dir = Path(spec)
-    layout = json.dumps([params, isa] + ([dtype] if dtype != "float32" else []))
+    layout = json.dumps([params, isa] + ([dtype] if dtype != "float32" else [])
+                        + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else []))
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:
         log(f"weights from the conversion cache {cached}")
         return arrays
     log(f"converting {model_dir} (once; cached in {cached})")
-    arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir), dtype=dtype)
+    arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir), dtype=dtype,
+                     layouts=layouts)
     save_converted(cached, params, arrays)
     return arrays
 

@@ -30,7 +30,8 @@ def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, sched
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
                              kv_dtype=kv_dtype, dtype=dtype, log=log)
     isa, weight_dtype = compiled.weight_layout
-    params = load_params(model, cfg, compiled.params, isa, seed=seed, log=log, dtype=weight_dtype)
+    params = load_params(model, cfg, compiled.params, isa, seed=seed, log=log, dtype=weight_dtype,
+                         layouts=compiled.layouts)
     engine = Engine(compiled, params, plan, context=context, max_batch=max_batch, prefill_chunk=prefill_chunk,
                     kv_tokens=kv_tokens)
     log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages), at most {engine.context} "

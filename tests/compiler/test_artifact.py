@@ -92,7 +92,7 @@ def test_a_bad_schedules_database_is_a_clear_error(model_dir, tmp_path, capsys, 
         path.parent.mkdir(parents=True)
         path.write_text(save_record(rec, tmp_path / "elsewhere").read_text())
     common = ["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
-              "--schedules", str(tmp_path)]
+              "--schedules", str(tmp_path), "--dtype", "float32"]  # the damaged record's dtype
     assert compile_cli.main([*common, "--out", str(tmp_path / "artifact")]) == 2
     out = capsys.readouterr().out
     assert path.name in out and ("delete it" in out or "re-tune" in out) and "Traceback" not in out

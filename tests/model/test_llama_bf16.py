@@ -34,7 +34,10 @@ def open_bf16(model, cfg, kv_dtype="float32") -> Engine:
     compiled = compile_model(cfg, PLAN, dtype="bfloat16", kv_dtype=kv_dtype)
     isa, dtype = compiled.weight_layout
     assert (dtype, isa) == ("bfloat16", kernel_isa(host_isa(), "bfloat16", cpu_flags()))
-    params = load_params(model, cfg, compiled.params, isa, dtype=dtype)
+    layouts = compiled.layouts  # the parameters' own layouts, through the artifact
+    assert {x.dtype for x in layouts.values()} == {"bfloat16"}
+    assert all(n.endswith("gate_up_proj.weight") for n, x in layouts.items() if x.interleave)
+    params = load_params(model, cfg, compiled.params, isa, dtype=dtype, layouts=layouts)
     packed = [p for p in params if p.ndim == 3]
     assert packed and all(p.dtype.itemsize == 2 or p.dtype == np.uint32 for p in packed)
     return Engine(compiled, params, PLAN)

@@ -1,0 +1,135 @@
+"""A shared-memory all-reduce for processes on one machine (the paper's CPU collective).
+
+The controller creates one segment per process group (``ShmGroup.create``); every rank maps
+it (``ShmGroup.attach``) and calls ``allreduce`` in the same order. The hot loop is C++
+(``shm_allreduce.cc``), compiled once per CPU with ``tvm_ffi.cpp`` and registered as the
+global function ``sandwich.shm_allreduce`` so TVM code (Relax's ``R.call_dps_packed``, a
+Disco worker) can call it too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import numpy as np
+
+from ..host import cache_dir, host_signature
+
+LINE = 128  # bytes per rank's arrival counter
+ONE_SHOT_BYTES = 64 << 10  # up to this, every rank reduces the whole message itself
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class CollectiveError(RuntimeError):
+    """The process group cannot run the collective; the message says why."""
+
+
+def segment_bytes(world: int, slot: int) -> int:
+    """Counters, then two buffer sets of ``world`` input slots and one result slot."""
+    return LINE * world + 2 * (world + 1) * slot
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    """The compiled all-reduce (built once per CPU signature, then loaded from the cache)."""
+    import tvm_ffi
+    import tvm_ffi.cpp
+
+    src = (Path(__file__).with_name("shm_allreduce.cc")).read_text()
+    build = cache_dir() / "collective" / host_signature().slug
+    build.mkdir(parents=True, exist_ok=True)
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # ninja
+    try:
+        mod = tvm_ffi.cpp.load_inline("sandwich_shm_allreduce", cpp_sources=src,
+                                      functions=["shm_allreduce_f32"], extra_cflags=["-O3", "-march=native"],
+                                      build_directory=str(build))
+    except Exception as err:  # a compiler or ninja problem: say what to install
+        raise CollectiveError(f"building the shared-memory all-reduce failed ({err}); it needs a C++ "
+                              "compiler (g++) and ninja (pip install ninja)") from err
+    fn = mod.shm_allreduce_f32
+    tvm_ffi.register_global_func("sandwich.shm_allreduce_f32", fn, override=True)
+    return fn
+
+
+@dataclass
+class ShmGroup:
+    """One rank's view of a process group's segment (``world`` ranks, messages up to ``slot``
+    bytes). ``seq`` counts this rank's collectives; every rank calls them in the same order."""
+
+    name: str
+    rank: int
+    world: int
+    slot: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    seq: int = 0
+    _shm: shared_memory.SharedMemory | None = field(default=None, repr=False)
+    _seg: np.ndarray | None = field(default=None, repr=False)
+    owner: bool = False
+
+    @classmethod
+    def create(cls, world: int, max_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> ShmGroup:
+        """The controller's segment (rank 0's view); pass ``name`` and ``slot`` to the workers."""
+        if world < 1 or world > 64:
+            raise CollectiveError(f"a group has 1..64 ranks, not {world}")
+        slot = -(-max(int(max_bytes), 4) // 4096) * 4096
+        shm = shared_memory.SharedMemory(create=True, size=segment_bytes(world, slot))
+        np.frombuffer(shm.buf, np.uint8)[: LINE * world] = 0
+        return cls._open(shm, 0, world, slot, timeout_s, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, rank: int, world: int, slot: int,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> ShmGroup:
+        """A worker's view of the controller's segment ``name``."""
+        if not 0 <= rank < world:
+            raise CollectiveError(f"rank {rank} is outside a group of {world}")
+        try:
+            shm = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            raise CollectiveError(f"shared-memory segment {name!r} does not exist; the controller has "
+                                  "gone or never created it") from None
+        # The controller owns (and unlinks) the segment: this process must not unlink it at exit.
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        if shm.size < segment_bytes(world, slot):
+            raise CollectiveError(f"segment {name!r} has {shm.size} bytes, fewer than {world} ranks of "
+                                  f"{slot}-byte slots need")
+        return cls._open(shm, rank, world, slot, timeout_s, owner=False)
+
+    @classmethod
+    def _open(cls, shm, rank, world, slot, timeout_s, owner) -> ShmGroup:
+        group = cls(shm.name, rank, world, slot, timeout_s, owner=owner)
+        group._shm, group._seg = shm, np.frombuffer(shm.buf, np.uint8)
+        return group
+
+    def allreduce(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank."""
+        if self._seg is None:
+            raise CollectiveError("the group is closed")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x) if out is None else out
+        if x.nbytes > self.slot:
+            raise CollectiveError(f"a message of {x.nbytes} bytes exceeds the group's {self.slot}-byte slots")
+        self.seq += 1
+        _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x, out, ONE_SHOT_BYTES,
+                  self.timeout_s)
+        return out
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the segment."""
+        if self._shm is None:
+            return
+        self._seg = None
+        self._shm.close()
+        if self.owner:
+            self._shm.unlink()
+        self._shm = None
+
+    def __enter__(self) -> ShmGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+// Sandwich's CPU all-reduce over one shared-memory segment (paper §5.3 / §7.2).
+//
+// Segment layout (bytes), created by the controller and mapped by every rank:
+//   [0, 128 * world)                 one arrival counter per rank, each on its own 128-byte line
+//   then 2 buffer sets (by op parity), each: world input slots + one result slot of `slot` bytes
+// An op with sequence number s (1, 2, ... in the same order on every rank) uses set s & 1, so
+// the next op never overwrites a set a slower rank may still read: writing set s & 1 again (op
+// s + 2) waits at op s + 1's barrier, which every rank passes only after finishing op s.
+//
+// Each rank copies its input into its slot in rank-shifted circular order (rank r starts at
+// chunk r), so ranks write different pages at the same moment; then all ranks meet at a barrier
+// (release/acquire counters, spinning, yielding after a while, with a deadline). Small
+// messages are reduced one-shot: every rank sums all slots. Large ones are reduce-scattered
+// (rank r sums chunk r into the result slot) and all-gathered (every rank copies the result,
+// starting at its own chunk). Chunks are whole cache lines. Sums run in rank order 0..P-1
+// everywhere, so every rank gets bit-identical results.
+#include <sched.h>
+#include <time.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+
+namespace {
+
+constexpr int64_t kLine = 128;
+constexpr int64_t kFloatsPerLine = 16;  // 64-byte cache lines of fp32
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+uint64_t* counter(uint8_t* seg, int64_t rank) { return reinterpret_cast<uint64_t*>(seg + rank * kLine); }
+
+void barrier(uint8_t* seg, int64_t rank, int64_t world, uint64_t target, double timeout_s) {
+  __atomic_store_n(counter(seg, rank), target, __ATOMIC_RELEASE);
+  for (int64_t j = 0; j < world; ++j) {
+    if (j == rank) continue;
+    int64_t spins = 0;
+    double deadline = 0;
+    while (__atomic_load_n(counter(seg, j), __ATOMIC_ACQUIRE) < target) {
+      if (++spins < 4096) continue;
+      sched_yield();
+      if ((spins & 1023) == 0) {
+        double t = now_s();
+        if (deadline == 0) deadline = t + timeout_s;
+        if (t > deadline) {
+          TVM_FFI_THROW(RuntimeError) << "shm all-reduce: rank " << j << " did not arrive within "
+                                      << timeout_s << " s (rank " << rank << " waited at step " << target
+                                      << "); the process group is broken";
+        }
+      }
+    }
+  }
+}
+
+void sum_into(float* __restrict out, float* const* src, int64_t world, int64_t begin, int64_t end) {
+  const float* __restrict s0 = src[0];
+  for (int64_t i = begin; i < end; ++i) out[i] = s0[i];
+  for (int64_t j = 1; j < world; ++j) {
+    const float* __restrict sj = src[j];
+    for (int64_t i = begin; i < end; ++i) out[i] += sj[i];
+  }
+}
+
+}  // namespace
+
+// x, out: float32, the same number of elements on every rank; seg: the mapped segment (uint8);
+// slot: bytes per slot; seq: this op's number (1, 2, ...); one_shot_bytes: the size up to
+// which every rank reduces the whole message itself.
+void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, int64_t slot, int64_t seq,
+                       tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t one_shot_bytes,
+                       double timeout_s) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.dtype() == f32 && out.dtype() == f32) << "shm all-reduce takes float32 tensors";
+  int64_t n = x.numel();
+  TVM_FFI_ICHECK(out.numel() == n) << "input and output differ in size";
+  TVM_FFI_ICHECK(n * 4 <= slot) << "message of " << n * 4 << " bytes exceeds the segment's slot of " << slot;
+  TVM_FFI_ICHECK(0 <= rank && rank < world && seq >= 1) << "bad rank, world or sequence number";
+  uint8_t* seg = static_cast<uint8_t*>(seg_t.data_ptr());
+  uint8_t* set = seg + kLine * world + (seq & 1) * (world + 1) * slot;
+  float* slots[64];
+  TVM_FFI_ICHECK(world <= 64) << "at most 64 ranks";
+  for (int64_t j = 0; j < world; ++j) slots[j] = reinterpret_cast<float*>(set + j * slot);
+  float* result = reinterpret_cast<float*>(set + world * slot);
+  const float* in = static_cast<const float*>(x.data_ptr());
+  float* dst = static_cast<float*>(out.data_ptr());
+
+  // chunks of whole cache lines, one per rank
+  int64_t chunk = ((n + world - 1) / world + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
+  auto span = [&](int64_t c, int64_t* b, int64_t* e) {
+    *b = c * chunk < n ? c * chunk : n;
+    *e = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+  };
+  for (int64_t i = 0; i < world; ++i) {  // rank-shifted circular write
+    int64_t b, e;
+    span((rank + i) % world, &b, &e);
+    if (e > b) std::memcpy(slots[rank] + b, in + b, (e - b) * sizeof(float));
+  }
+  barrier(seg, rank, world, 2 * seq - 1, timeout_s);
+  if (n * 4 <= one_shot_bytes) {
+    sum_into(dst, slots, world, 0, n);
+    return;
+  }
+  int64_t b, e;
+  span(rank, &b, &e);
+  sum_into(result, slots, world, b, e);  // reduce-scatter: this rank's chunk
+  barrier(seg, rank, world, 2 * seq, timeout_s);
+  for (int64_t i = 0; i < world; ++i) {  // all-gather, rank-shifted
+    span((rank + i) % world, &b, &e);
+    if (e > b) std::memcpy(dst + b, result + b, (e - b) * sizeof(float));
+  }
+}
