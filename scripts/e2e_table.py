@@ -16,8 +16,10 @@ def table(result: dict) -> str:
     def get(system: str, prompt: int) -> dict | None:
         return next((r for r in rows if r["system"] == system and r["prompt"] == prompt), None)
 
-    out = ["| prompt | Sandwich TTFT / TPOT ms | llama.cpp TTFT / TPOT ms | TTFT ratio | TPOT ratio "
-           "| torch TTFT / TPOT ms | simulator TTFT / TPOT ms |", "|---|---|---|---|---|---|---|"]
+    dt = result.get("dtype", "float32")
+    out = [f"| prompt | Sandwich ({dt}) TTFT / TPOT ms | llama.cpp ({dt} GGUF) TTFT / TPOT ms | TTFT ratio "
+           "| TPOT ratio | torch TTFT / TPOT ms | TTFT / TPOT vs torch | simulator TTFT / TPOT ms |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["system"] == "sandwich"):
         p = r["prompt"]
         cpp, pt = get("llama.cpp", p), get("torch", p)
@@ -30,7 +32,9 @@ def table(result: dict) -> str:
             tt = r.get("ttft_ratio_vs_llamacpp", r["ttft_ms"] / cpp["ttft_ms"])
             tp = r.get("tpot_ratio_vs_llamacpp", r["tpot_ms"] / cpp["tpot_ms"])
             ratio = f"{tt:.2f} | {tp:.2f}"
-        out.append(f"| {p} | {pair(r)} | {pair(cpp)} | {ratio} | {pair(pt)} | "
+        vs_torch = (f"{r['ttft_ratio_vs_torch']:.2f} / {r['tpot_ratio_vs_torch']:.2f}"
+                    if "ttft_ratio_vs_torch" in r else "-")
+        out.append(f"| {p} | {pair(r)} | {pair(cpp)} | {ratio} | {pair(pt)} | {vs_torch} | "
                    f"{r['predicted_ttft_ms']:.0f} / {r['predicted_tpot_ms']:.2f} |")
     return "\n".join(out)
 

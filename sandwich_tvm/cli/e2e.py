@@ -26,6 +26,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ..host import cpu_flags, host_isa
+from ..kernels.microkernel import ISAS, kernel_isa
 from ..model.config import LlamaConfig, load_config
 from .common import print_error
 from .generate import add_model_args, synthetic_prompt, weight_dtype
@@ -214,10 +216,13 @@ def paired_ratio(row: dict, base: dict, key: str) -> float:
 
 
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
-              refresh: bool = True, decode_gbs: dict[int, float] | None = None) -> list[dict]:
+              refresh: bool = True, decode_gbs: dict[int, float] | None = None,
+              gemm_speedup: float = 1.0) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
     ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
-    on the decode cores when given (the bandwidth sampled around that length's requests)."""
+    on the decode cores when given (the bandwidth sampled around that length's requests).
+    ``gemm_speedup``: the Linear layers' compute roof over the measured fp32 one (2 for bf16
+    pairs on vdpbf16ps, which does two k steps per instruction; attention stays fp32)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
@@ -225,6 +230,7 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
 
     tree, found = load_tree()
     measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
+    measured = dataclasses.replace(measured, gemm_efficiency=measured.gemm_efficiency * gemm_speedup)
     pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
     dec = ServiceConfig((tuple(plan.decode_cpus),), ((0,),))
     out = []
@@ -286,10 +292,11 @@ def bench_e2e(args, console: Console) -> dict:
         rows += [merge_rounds(x) for x in rounds]
         if probe is not None and probe.samples[first:]:  # the minutes this length decoded in
             gbs[p] = float(np.median(probe.samples[first:]))
-    # the simulator streams the weights in the dtype Sandwich ran (its compute roof stays fp32 FMA)
+    # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
     sim_cfg = dataclasses.replace(cfg, dtype=weight_dtype(args, lambda _m: None))
+    pairs = ISAS[kernel_isa(host_isa(), sim_cfg.dtype, cpu_flags())].k_pack
     pred = predicted(sim_cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
-                     decode_gbs=gbs)
+                     decode_gbs=gbs, gemm_speedup=float(pairs))
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:

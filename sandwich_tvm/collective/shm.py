@@ -9,19 +9,22 @@ Disco worker) can call it too.
 
 from __future__ import annotations
 
+import mmap
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
 
 from ..host import cache_dir, host_signature
 
+SHM_DIR = Path("/dev/shm")  # POSIX shared memory on Linux
 LINE = 128  # bytes per rank's arrival counter
 ONE_SHOT_BYTES = 64 << 10  # up to this, every rank reduces the whole message itself
+BLOCK_BYTES = 256 << 10  # larger messages go in blocks of this (their working set stays in cache)
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -67,19 +70,28 @@ class ShmGroup:
     slot: int
     timeout_s: float = DEFAULT_TIMEOUT_S
     seq: int = 0
-    _shm: shared_memory.SharedMemory | None = field(default=None, repr=False)
+    block_bytes: int = BLOCK_BYTES
+    _map: mmap.mmap | None = field(default=None, repr=False)
     _seg: np.ndarray | None = field(default=None, repr=False)
     owner: bool = False
 
     @classmethod
     def create(cls, world: int, max_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> ShmGroup:
-        """The controller's segment (rank 0's view); pass ``name`` and ``slot`` to the workers."""
+        """The controller's segment (rank 0's view); pass ``name`` and ``slot`` to the workers.
+        The segment is a file in /dev/shm that only the owner removes (``close``): Python's
+        ``SharedMemory`` would let a worker's resource tracker remove it when that worker exits."""
         if world < 1 or world > 64:
             raise CollectiveError(f"a group has 1..64 ranks, not {world}")
+        if not SHM_DIR.is_dir():
+            raise CollectiveError(f"{SHM_DIR} does not exist: this system has no POSIX shared memory")
         slot = -(-max(int(max_bytes), 4) // 4096) * 4096
-        shm = shared_memory.SharedMemory(create=True, size=segment_bytes(world, slot))
-        np.frombuffer(shm.buf, np.uint8)[: LINE * world] = 0
-        return cls._open(shm, 0, world, slot, timeout_s, owner=True)
+        name = f"sandwich-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, segment_bytes(world, slot))  # zero-filled: every counter starts at 0
+            return cls._open(name, fd, 0, world, slot, timeout_s, owner=True)
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, name: str, rank: int, world: int, slot: int,
@@ -88,21 +100,24 @@ class ShmGroup:
         if not 0 <= rank < world:
             raise CollectiveError(f"rank {rank} is outside a group of {world}")
         try:
-            shm = shared_memory.SharedMemory(name=name)
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
         except FileNotFoundError:
             raise CollectiveError(f"shared-memory segment {name!r} does not exist; the controller has "
                                   "gone or never created it") from None
-        # The controller owns (and unlinks) the segment: this process must not unlink it at exit.
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        if shm.size < segment_bytes(world, slot):
-            raise CollectiveError(f"segment {name!r} has {shm.size} bytes, fewer than {world} ranks of "
-                                  f"{slot}-byte slots need")
-        return cls._open(shm, rank, world, slot, timeout_s, owner=False)
+        try:
+            size = os.fstat(fd).st_size
+            if size < segment_bytes(world, slot):
+                raise CollectiveError(f"segment {name!r} has {size} bytes, fewer than {world} ranks of "
+                                      f"{slot}-byte slots need")
+            return cls._open(name, fd, rank, world, slot, timeout_s, owner=False)
+        finally:
+            os.close(fd)
 
     @classmethod
-    def _open(cls, shm, rank, world, slot, timeout_s, owner) -> ShmGroup:
-        group = cls(shm.name, rank, world, slot, timeout_s, owner=owner)
-        group._shm, group._seg = shm, np.frombuffer(shm.buf, np.uint8)
+    def _open(cls, name, fd, rank, world, slot, timeout_s, owner) -> ShmGroup:
+        group = cls(name, rank, world, slot, timeout_s, owner=owner)
+        group._map = mmap.mmap(fd, segment_bytes(world, slot))
+        group._seg = np.frombuffer(group._map, np.uint8)
         return group
 
     def allreduce(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -115,18 +130,18 @@ class ShmGroup:
             raise CollectiveError(f"a message of {x.nbytes} bytes exceeds the group's {self.slot}-byte slots")
         self.seq += 1
         _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x, out, ONE_SHOT_BYTES,
-                  self.timeout_s)
+                  self.block_bytes, self.timeout_s)
         return out
 
     def close(self) -> None:
         """Unmap; the owner also removes the segment."""
-        if self._shm is None:
+        if self._map is None:
             return
         self._seg = None
-        self._shm.close()
+        self._map.close()
+        self._map = None
         if self.owner:
-            self._shm.unlink()
-        self._shm = None
+            (SHM_DIR / self.name).unlink(missing_ok=True)
 
     def __enter__(self) -> ShmGroup:
         return self

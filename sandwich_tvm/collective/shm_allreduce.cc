@@ -10,10 +10,13 @@
 // Each rank copies its input into its slot in rank-shifted circular order (rank r starts at
 // chunk r), so ranks write different pages at the same moment; then all ranks meet at a barrier
 // (release/acquire counters, spinning, yielding after a while, with a deadline). Small
-// messages are reduced one-shot: every rank sums all slots. Large ones are reduce-scattered
-// (rank r sums chunk r into the result slot) and all-gathered (every rank copies the result,
+// messages are reduced one-shot: every rank sums all slots. Large ones go in blocks of
+// `block_bytes` (so a block's slots, result and output stay in cache instead of streaming the
+// whole message through DRAM five times): each block is reduce-scattered (rank r sums chunk r
+// of the block into the result slot) and all-gathered (every rank copies the block's result,
 // starting at its own chunk). Chunks are whole cache lines. Sums run in rank order 0..P-1
-// everywhere, so every rank gets bit-identical results.
+// everywhere, so every rank gets bit-identical results. Barrier i of op s waits for the
+// counter value (s << 24) + i: monotonic over ops and over the blocks of one op.
 #include <sched.h>
 #include <time.h>
 
@@ -71,10 +74,10 @@ void sum_into(float* __restrict out, float* const* src, int64_t world, int64_t b
 
 // x, out: float32, the same number of elements on every rank; seg: the mapped segment (uint8);
 // slot: bytes per slot; seq: this op's number (1, 2, ...); one_shot_bytes: the size up to
-// which every rank reduces the whole message itself.
+// which every rank reduces the whole message itself; block_bytes: the block of larger ones.
 void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, int64_t slot, int64_t seq,
                        tvm::ffi::TensorView x, tvm::ffi::TensorView out, int64_t one_shot_bytes,
-                       double timeout_s) {
+                       int64_t block_bytes, double timeout_s) {
   DLDataType f32{kDLFloat, 32, 1};
   TVM_FFI_ICHECK(x.dtype() == f32 && out.dtype() == f32) << "shm all-reduce takes float32 tensors";
   int64_t n = x.numel();
@@ -90,28 +93,35 @@ void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, 
   const float* in = static_cast<const float*>(x.data_ptr());
   float* dst = static_cast<float*>(out.data_ptr());
 
-  // chunks of whole cache lines, one per rank
-  int64_t chunk = ((n + world - 1) / world + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
-  auto span = [&](int64_t c, int64_t* b, int64_t* e) {
-    *b = c * chunk < n ? c * chunk : n;
-    *e = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-  };
-  for (int64_t i = 0; i < world; ++i) {  // rank-shifted circular write
+  uint64_t step = static_cast<uint64_t>(seq) << 24;
+  bool one_shot = n * 4 <= one_shot_bytes;
+  int64_t block = one_shot ? n : block_bytes / 4 / kFloatsPerLine * kFloatsPerLine;
+  TVM_FFI_ICHECK(block > 0 && (n + block - 1) / block < (1 << 22)) << "block_bytes too small";
+  for (int64_t lo = 0; lo < n; lo += block) {
+    int64_t hi = lo + block < n ? lo + block : n;
+    // chunks of whole cache lines, one per rank
+    int64_t chunk = ((hi - lo + world - 1) / world + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
+    auto span = [&](int64_t c, int64_t* b, int64_t* e) {
+      *b = lo + c * chunk < hi ? lo + c * chunk : hi;
+      *e = lo + (c + 1) * chunk < hi ? lo + (c + 1) * chunk : hi;
+    };
+    for (int64_t i = 0; i < world; ++i) {  // rank-shifted circular write
+      int64_t b, e;
+      span((rank + i) % world, &b, &e);
+      if (e > b) std::memcpy(slots[rank] + b, in + b, (e - b) * sizeof(float));
+    }
+    barrier(seg, rank, world, ++step, timeout_s);
+    if (one_shot) {
+      sum_into(dst, slots, world, 0, n);
+      return;
+    }
     int64_t b, e;
-    span((rank + i) % world, &b, &e);
-    if (e > b) std::memcpy(slots[rank] + b, in + b, (e - b) * sizeof(float));
-  }
-  barrier(seg, rank, world, 2 * seq - 1, timeout_s);
-  if (n * 4 <= one_shot_bytes) {
-    sum_into(dst, slots, world, 0, n);
-    return;
-  }
-  int64_t b, e;
-  span(rank, &b, &e);
-  sum_into(result, slots, world, b, e);  // reduce-scatter: this rank's chunk
-  barrier(seg, rank, world, 2 * seq, timeout_s);
-  for (int64_t i = 0; i < world; ++i) {  // all-gather, rank-shifted
-    span((rank + i) % world, &b, &e);
-    if (e > b) std::memcpy(dst + b, result + b, (e - b) * sizeof(float));
+    span(rank, &b, &e);
+    sum_into(result, slots, world, b, e);  // reduce-scatter: this rank's chunk of the block
+    barrier(seg, rank, world, ++step, timeout_s);
+    for (int64_t i = 0; i < world; ++i) {  // all-gather, rank-shifted
+      span((rank + i) % world, &b, &e);
+      if (e > b) std::memcpy(dst + b, result + b, (e - b) * sizeof(float));
+    }
   }
 }
