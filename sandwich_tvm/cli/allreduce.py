@@ -174,12 +174,11 @@ def plot_allreduce(result: dict, path: Path) -> None:
 
 
 def main_allreduce(args: argparse.Namespace, console: Console) -> int:
+    from .args import positive_ints
     from .common import print_error
 
     try:
-        sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
-        if not sizes or sizes[0] < 1:
-            raise ValueError("sizes must be positive integers")
+        sizes = positive_ints(args.sizes, "--sizes")
     except ValueError as err:
         print_error(console, f"bad --sizes {args.sizes!r}: {err}")
         return 2

@@ -26,6 +26,17 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "negative")
 
 
+def positive_ints(text: str, option: str) -> list[int]:
+    """``"4,1,2"`` -> ``[1, 2, 4]``; ValueError naming ``option`` unless all are integers >= 1."""
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise ValueError(f"{option} needs positive integers, e.g. 1,2,4,8")
+    return values
+
+
 def threads_beyond_cpus(threads: int) -> str | None:
     """The error for a ``--threads`` larger than the CPUs this process may use, else None:
     oversubscribed threads time (and tune for) a machine that is not this one."""

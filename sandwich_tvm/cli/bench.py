@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .allreduce import add_allreduce_parser, main_allreduce
-from .args import positive_int, threads_beyond_cpus
+from .args import positive_int, positive_ints, threads_beyond_cpus
 from .attention import add_attention_parser, main_attention
 from .common import print_error
 from .e2e import add_e2e_parser, main_e2e
@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print_error(console, too_many)
         return 2
     try:
-        ms = sorted({int(x) for x in args.m.split(",") if x.strip()})
-        if not ms or ms[0] < 1:
-            raise ValueError("--m needs positive integers, e.g. 1,2,4,8")
+        ms = positive_ints(args.m, "--m")
     except ValueError as exc:
         print_error(console, f"bad --m {args.m!r}: {exc}")
         return 2

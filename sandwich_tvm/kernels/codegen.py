@@ -43,11 +43,6 @@ def packed_panels(n: int, isa: str, dtype: str = "float32") -> int:
     return WeightLayout(isa, dtype).panels(n)
 
 
-def packed_shape(n: int, k: int, isa: str, dtype: str = "float32") -> tuple[int, int, int]:
-    """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``."""
-    return WeightLayout(isa, dtype).shape(n, k)
-
-
 EPILOGUES = ("none", "residual", "bias", "silu_mul")
 
 

@@ -47,15 +47,7 @@ def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32") ->
     a = te.placeholder((m, k), "float32", name="A")
     wp = te.placeholder((panels, k_red, lanes), layout.storage, name="Wp")
     r = te.reduce_axis((0, k), name="r")
-
-    def weight(j, r):
-        if layout.k_pack == 1:
-            return wp[j // lanes, r, j % lanes].astype("float32")
-        word = wp[j // lanes, r // 2, j % lanes]
-        half = (word >> ((r % 2) * 16).astype("uint32")) << tvm.tirx.const(16, "uint32")
-        return tvm.tirx.reinterpret("float32", half)
-
-    y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * weight(j, r), axis=r), name=BLOCK)
+    y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * layout.element(wp, j, r), axis=r), name=BLOCK)
     func = te.create_prim_func([a, wp, y]).with_attr({"global_symbol": "main", "tir.noalias": True})
     return tvm.IRModule({"main": func})
 

@@ -100,6 +100,17 @@ class WeightLayout:
         out[...] = view
         return out
 
+    def element(self, wp, n, k):
+        """The fp32 value of ``W[n, k]`` in a packed buffer ``wp`` (a TE/TIR expression): a 16-bit
+        value widened, or the half of a k-pair word shifted into an fp32's high bits (exact)."""
+        if self.k_pack == 1:
+            return wp[n // self.lanes, k, n % self.lanes].astype("float32")
+        from tvm import tirx
+
+        word = wp[n // self.lanes, k // 2, n % self.lanes]
+        half = (word >> ((k % 2) * 16).astype("uint32")) << tirx.const(16, "uint32")
+        return tirx.reinterpret("float32", half)
+
     def to_json(self) -> dict:
         return {"isa": self.isa, "dtype": self.dtype, "interleave": self.interleave}
 

@@ -19,13 +19,13 @@ from ..host import CpuSignature, cpu_flags, host_isa, host_signature, isa_of
 from ..kernels.codegen import Bucket, linear_primfunc
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
-from ..kernels.microkernel import kernel_isa
+from ..kernels.microkernel import DTYPES, kernel_isa
 from ..kernels.packing import WeightLayout
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import tvm
 
 PHASES = ("prefill", "decode")
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
 DEFAULT_DTYPE = "auto"  # the CLIs: bfloat16 (resolve_dtype), as vLLM's --dtype auto serves 16 bits
 
 

@@ -111,17 +111,10 @@ class Embedding(nn.Module):
         if self.layout is None:
             rows = op.take(self.weight, flat, axis=0)
         else:
-            lanes, pairs = self.layout.lanes, self.layout.k_pack == 2
-
-            def value(w: te.Tensor, row, j):
-                if not pairs:
-                    return w[row // lanes, j, row % lanes].astype("float32")
-                word = w[row // lanes, j // 2, row % lanes]  # bf16 k-pair: the high half is exact
-                half = (word >> ((j % 2) * 16).astype("uint32")) << tirx.const(16, "uint32")
-                return tirx.reinterpret("float32", half)
+            layout = self.layout
 
             def gather(w: te.Tensor, t: te.Tensor) -> te.Tensor:
-                return te.compute((t.shape[0], self.hidden), lambda i, j: value(w, t[i], j),
+                return te.compute((t.shape[0], self.hidden), lambda i, j: layout.element(w, t[i], j),
                                   name="embed_packed")
 
             rows = op.tensor_expr_op(gather, "embed_packed", [self.weight, flat])
