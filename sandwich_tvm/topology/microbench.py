@@ -17,12 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..host import cache_dir, save_atomic
+from ..host import cache_dir, cold_weight_bytes, save_atomic
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
-READ_BYTES = 1 << 30
-PROFILE_VERSION = 2  # bump when a measurement changes, so cached profiles are re-measured
+PROFILE_VERSION = 3  # bump when a measurement changes, so cached profiles are re-measured
 
 
 def sgemm_gflops(cpu: int, n: int = 1536, repeats: int = 5) -> float:
@@ -63,10 +62,11 @@ def _read_kernel(rows: int, k: int):
     return read_sum
 
 
-def read_bandwidth(cpus: list[int], nbytes: int = READ_BYTES, repeats: int = 5) -> list[float]:
-    """GB/s of a streaming read with the first 1..len(cpus) of `cpus` (TVM threads, pinned)."""
+def read_bandwidth(cpus: list[int], nbytes: int | None = None, repeats: int = 5) -> list[float]:
+    """GB/s of a streaming read with the first 1..len(cpus) of `cpus` (TVM threads, pinned),
+    over ``nbytes`` (default: 1 GiB, or twice the last-level cache where that is larger)."""
     max_threads = int(os.environ.get("TVM_NUM_THREADS", len(cpus)))
-    probe = BandwidthProbe(cpus, nbytes, repeats)
+    probe = BandwidthProbe(cpus, cold_weight_bytes(1 << 30) if nbytes is None else nbytes, repeats)
     return [probe.sample(cpus[:n]) for n in range(1, min(len(cpus), max_threads) + 1)]
 
 
@@ -75,10 +75,11 @@ class BandwidthProbe:
     a measurement: this VM's host alternates between phases ~1.6x apart (minutes long), so a
     prediction checked against a timing needs the bandwidth of the same minutes."""
 
-    def __init__(self, cpus: list[int], nbytes: int = 256 << 20, repeats: int = 5) -> None:
+    def __init__(self, cpus: list[int], nbytes: int | None = None, repeats: int = 5) -> None:
         from ..memory import aligned_empty
         from ..tvm_compat import host_target, tvm
 
+        nbytes = cold_weight_bytes(256 << 20) if nbytes is None else nbytes
         k = 2048
         rows = max(nbytes // (k * 32 * 4), 64)
         exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
