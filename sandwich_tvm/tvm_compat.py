@@ -9,6 +9,7 @@ raises ``HostError`` before TVM reads it.
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 from .host import PROCESS_CPUS, can_run, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
@@ -143,7 +144,7 @@ def target_isa(target: tvm.target.Target) -> str:
     return host_isa() if not triple else "generic"
 
 
-_POOL_STARTED = False
+_POOL = threading.local()  # TVM's pool is per calling thread (a Disco worker 0 runs in its own)
 
 
 def pin_thread_pool(cpus: list[int]) -> None:
@@ -152,11 +153,11 @@ def pin_thread_pool(cpus: list[int]) -> None:
     TVM starts its pool lazily, and a pool first configured with fewer workers than
     ``TVM_NUM_THREADS`` never grows back (measured: a later 2-thread run stays at 1-thread
     speed), so the pool is started at full size with one parallel no-op before the first call.
+    The pool belongs to the calling thread (TVM keeps one per thread).
     """
-    global _POOL_STARTED
-    if not _POOL_STARTED:
+    if not getattr(_POOL, "started", False):
         _warm_pool_kernel()(tvm.runtime.empty((64,), "float32", tvm.cpu()))
-        _POOL_STARTED = True
+        _POOL.started = True
     tvm.get_global_func("runtime.config_threadpool")(-2, len(cpus), [str(c) for c in cpus])
 
 

@@ -9,6 +9,7 @@ Disco worker) can call it too.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -118,16 +119,40 @@ class ShmGroup:
         group = cls(name, rank, world, slot, timeout_s, owner=owner)
         group._map = mmap.mmap(fd, segment_bytes(world, slot))
         group._seg = np.frombuffer(group._map, np.uint8)
+        group._words()[rank, 1] = os.getpid()  # peers watch it: a dead rank fails their wait fast
         return group
 
-    def allreduce(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank."""
+    def _words(self) -> np.ndarray:
+        """Each rank's counter line as 64-bit words: [arrivals, pid, aborted, ...]."""
+        return self._seg[: LINE * self.world].view(np.uint64).reshape(self.world, LINE // 8)
+
+    @property
+    def pids(self) -> list[int]:
+        """The process id of every rank that has attached (0 for one that has not)."""
+        return [int(p) for p in self._words()[:, 1]] if self._seg is not None else []
+
+    def set_pid(self, rank: int, pid: int) -> None:
+        """Record ``rank``'s process before it attaches (the controller knows its workers), so a
+        rank that dies while starting fails the others' waits too."""
+        self._words()[rank, 1] = pid
+
+    def abort(self) -> None:
+        """Tell the peers this rank failed: their waits raise instead of timing out."""
+        if self._seg is not None:
+            self._words()[self.rank, 2] = 1
+
+    def allreduce(self, x, out=None):
+        """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank.
+        ``x`` and ``out`` are numpy arrays or any DLPack tensors (TVM's, inside a model); ``out``
+        may be ``x``."""
         if self._seg is None:
             raise CollectiveError("the group is closed")
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty_like(x) if out is None else out
-        if x.nbytes > self.slot:
-            raise CollectiveError(f"a message of {x.nbytes} bytes exceeds the group's {self.slot}-byte slots")
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            out = np.empty_like(x) if out is None else out
+        nbytes = 4 * math.prod(x.shape)
+        if nbytes > self.slot:
+            raise CollectiveError(f"a message of {nbytes} bytes exceeds the group's {self.slot}-byte slots")
         self.seq += 1
         _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x, out, ONE_SHOT_BYTES,
                   self.block_bytes, self.timeout_s)

@@ -17,10 +17,16 @@
 // starting at its own chunk). Chunks are whole cache lines. Sums run in rank order 0..P-1
 // everywhere, so every rank gets bit-identical results. Barrier i of op s waits for the
 // counter value (s << 24) + i: monotonic over ops and over the blocks of one op.
+//
+// Each rank's line also holds its pid (word 1) and an abort flag (word 2). A waiting rank
+// checks, every few thousand spins, whether a late peer has set its flag (it failed and said
+// why) or has exited (its /proc entry is gone or a zombie), and raises instead of waiting out
+// the deadline: a killed worker ends the request within milliseconds.
 #include <sched.h>
 #include <time.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 #include <tvm/ffi/container/tensor.h>
@@ -39,6 +45,35 @@ double now_s() {
 
 uint64_t* counter(uint8_t* seg, int64_t rank) { return reinterpret_cast<uint64_t*>(seg + rank * kLine); }
 
+// True when process `pid` no longer runs (no /proc entry, or a zombie awaiting its parent).
+bool exited(uint64_t pid) {
+  if (pid == 0) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%llu/stat", static_cast<unsigned long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;
+  char buf[512];
+  size_t len = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[len] = 0;
+  const char* paren = std::strrchr(buf, ')');
+  return paren != nullptr && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+// Raise if rank j aborted or exited.
+void check_peer(uint8_t* seg, int64_t j, int64_t rank, uint64_t target) {
+  uint64_t* line = counter(seg, j);
+  if (__atomic_load_n(line + 2, __ATOMIC_ACQUIRE) != 0) {
+    TVM_FFI_THROW(RuntimeError) << "shm all-reduce: rank " << j << " failed (its error is above); rank "
+                                << rank << " stopped waiting at step " << target;
+  }
+  uint64_t pid = __atomic_load_n(line + 1, __ATOMIC_ACQUIRE);
+  if (exited(pid)) {
+    TVM_FFI_THROW(RuntimeError) << "shm all-reduce: rank " << j << " (pid " << pid << ") exited; rank "
+                                << rank << " stopped waiting at step " << target;
+  }
+}
+
 void barrier(uint8_t* seg, int64_t rank, int64_t world, uint64_t target, double timeout_s) {
   __atomic_store_n(counter(seg, rank), target, __ATOMIC_RELEASE);
   for (int64_t j = 0; j < world; ++j) {
@@ -49,6 +84,7 @@ void barrier(uint8_t* seg, int64_t rank, int64_t world, uint64_t target, double 
       if (++spins < 4096) continue;
       sched_yield();
       if ((spins & 1023) == 0) {
+        check_peer(seg, j, rank, target);
         double t = now_s();
         if (deadline == 0) deadline = t + timeout_s;
         if (t > deadline) {

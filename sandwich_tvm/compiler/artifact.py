@@ -29,6 +29,7 @@ from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_ke
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet, check_weight_dtype
 from ..model.llama import LlamaForCausalLM
+from ..model.parallel import Shard, ShardError
 from ..runtime.plan import ExecPlan
 from ..tvm_compat import host_isa, host_target, tvm
 from .pipeline import lowering_passes, schedule_passes, unscheduled
@@ -69,6 +70,16 @@ class CompiledModel:
         return {n: WeightLayout.from_json(d) for n, d in self.meta.get("layouts", {}).items()}
 
     @property
+    def shards(self) -> dict[str, Shard]:
+        """How each parameter of a tensor-parallel model is split over the ranks (its hint)."""
+        return {n: Shard.from_json(d) for n, d in self.meta.get("shards", {}).items()}
+
+    @property
+    def tp(self) -> int:
+        """The processes the model is sharded for (1: unsharded)."""
+        return int(self.meta.get("tp", 1))
+
+    @property
     def weight_layout(self) -> tuple[str, str]:
         """(micro-kernel ISA, weight dtype) the packed parameters are laid out for."""
         return self.meta.get("kernel_isa", self.meta["isa"]), self.meta.get("dtype", "float32")
@@ -106,14 +117,14 @@ class CompiledModel:
 def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None,
               kv_dtype: str = "float32", dtype: str = "float32") -> str:
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
-    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype, dtype,
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype, dtype, plan.tp,
                                    host_signature().to_json(), str(target), plan.prefill_threads,
                                    plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
     if not stock:
-        shapes = list(linear_shapes(cfg, dtype).values())
+        shapes = list(linear_shapes(cfg, dtype, plan.tp).values())
         for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:
                 rec = find_record(shape, threads, root)
@@ -123,18 +134,19 @@ def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, roo
 
 
 def export_module(cfg: LlamaConfig, kernels: KernelSet | None,
-                  kv_dtype: str = "float32") -> tuple[tvm.IRModule, list]:
-    mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype)
+                  kv_dtype: str = "float32", tp: int = 1) -> tuple[tvm.IRModule, list]:
+    mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype, tp)
     return mod, params
 
 
-def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32"
-                        ) -> tuple[tvm.IRModule, list, dict[str, WeightLayout]]:
-    """The Relax module, its parameters (name, shape) and the layout of every packed one."""
-    model = LlamaForCausalLM(cfg, kernels, kv_dtype)
+def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1
+                        ) -> tuple[tvm.IRModule, list, dict[str, dict]]:
+    """The Relax module, its parameters (name, shape) and the hints riding on them: ``layout``
+    (a ``WeightLayout``) of every packed one and ``shard`` (a ``Shard``) of every split one."""
+    model = LlamaForCausalLM(cfg, kernels, kv_dtype, tp)
     mod, named = model.export_tvm(spec=model.get_default_spec())
-    layouts = {name: p.attrs["layout"] for name, p in named if "layout" in p.attrs}
-    return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], layouts
+    hints = {key: {name: p.attrs[key] for name, p in named if key in p.attrs} for key in ("layout", "shard")}
+    return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], hints
 
 
 def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_batch: int = 8,
@@ -171,14 +183,17 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
         ensure_writable(out, "artifact directory")
     except HostError as err:
         raise CompileError(str(err)) from err
+    if stock and plan.tp > 1:
+        raise CompileError(f"the stock TVM build runs one process; the plan has {plan.tp} (tensor "
+                           "parallelism is Sandwich's)")
     kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root,
                                            dtype=dtype)
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
     try:
-        mod, params, layouts = export_with_layouts(cfg, kernels, kv_dtype)
-    except (ScheduleDbError, KernelError) as err:
+        mod, params, hints = export_with_layouts(cfg, kernels, kv_dtype, plan.tp)
+    except (ScheduleDbError, KernelError, ShardError) as err:
         raise CompileError(str(err)) from err
     log(f"compiling with {'the default' if stock else 'the sandwich'} Relax pipeline for {target}")
     try:
@@ -186,7 +201,8 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(mod, target)
             naive = []
         else:
-            mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa, kv_dtype=kv_dtype)
+            mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa, kv_dtype=kv_dtype,
+                                        tp=plan.tp)
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)
@@ -198,7 +214,8 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
-        "layouts": {n: layout.to_json() for n, layout in layouts.items()},
+        "layouts": {n: layout.to_json() for n, layout in hints["layout"].items()},
+        "tp": plan.tp, "shards": {n: shard.to_json() for n, shard in hints["shard"].items()},
         "kv_dtype": kv_dtype, "dtype": dtype, "kernel_isa": kernels.kernel_isa if kernels else host_isa(),
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,

@@ -390,16 +390,16 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
 
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
                           isa: str | None = None, page_size: int = 16,
-                          kv_dtype: str = "float32") -> tvm.IRModule:
+                          kv_dtype: str = "float32", tp: int = 1) -> tvm.IRModule:
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
-    so the cache's runtime calls them unchanged). Decode splits each sequence's pages into
-    two chunks per decode thread."""
-    h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    so the cache's runtime calls them unchanged), for one of ``tp`` ranks' heads. Decode splits
+    each sequence's pages into two chunks per decode thread."""
+    h_kv, h_q, d = cfg.num_key_value_heads // tp, cfg.num_attention_heads // tp, cfg.head_dim
     ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa),
             "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype),
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
                                                                isa=isa, dtype=kv_dtype),
-            "fused_rope": rope_primfunc(cfg, kv_dtype)}
+            "fused_rope": rope_primfunc(cfg, kv_dtype, tp)}
     for gv, func in list(mod.functions_items()):
         if gv.name_hint in ours and isinstance(func, tvm.tirx.PrimFunc):
             new = ours[gv.name_hint]

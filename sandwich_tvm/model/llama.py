@@ -5,7 +5,8 @@ attention inside ``TIRPagedKVCache`` (Llama-3 frequency scaling included), and t
 functions ``prefill``, ``decode``, ``batch_prefill``, ``batch_decode`` and
 ``create_paged_kv_cache``. With a ``KernelSet`` every Linear calls Sandwich's dynamic-m
 kernels on prepacked weights (prefill and decode kernels on the same weight); without one it
-uses ``nn.Linear``, which is TVM's stock build.
+uses ``nn.Linear``, which is TVM's stock build. With ``tp`` > 1 it is one rank's part of a
+Megatron-sharded model (``parallel``): every rank runs the same code on its own shard.
 """
 
 from __future__ import annotations
@@ -21,20 +22,30 @@ from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter, phase
 from .norm import RMSNorm
+from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
 
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
-            interleave: bool = False) -> nn.Module:
-    if kernels is None:
-        return nn.Linear(k, n, bias=False, dtype=cfg.dtype)
-    return PackedLinear(k, n, kernels, interleave)
+            interleave: bool = False, shard: Shard | None = None) -> nn.Module:
+    """``Y = X @ W.T`` with ``W[n, k]`` (this rank's part of a weight split as ``shard``)."""
+    linear = (nn.Linear(k, n, bias=False, dtype=cfg.dtype) if kernels is None
+              else PackedLinear(k, n, kernels, interleave))
+    shard_hint(linear.weight, shard)
+    return linear
 
 
-def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
-    """``linear(x) + residual``: fused into Sandwich's kernel, a separate add in the stock build."""
+def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor, tp: int) -> nn.Tensor:
+    """``linear(x) + residual``: fused into Sandwich's kernel, a separate add in the stock build;
+    sharded, the ranks' partial products are summed (all-reduce) before the residual add."""
+    if tp > 1:
+        return allreduce(linear(x)) + residual
     if isinstance(linear, PackedLinear):
         return linear(x, residual)
     return linear(x) + residual
+
+
+def _row_parallel(tp: int, k: int) -> Shard | None:
+    return Shard(1, (k,)) if tp > 1 else None
 
 
 def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
@@ -44,13 +55,15 @@ def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
-        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                    cfg.head_dim)
-        self.dtype, self.kv_dtype = cfg.dtype, kv_dtype
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // tp,
+                                                    cfg.num_key_value_heads // tp, cfg.head_dim)
+        self.dtype, self.kv_dtype, self.tp = cfg.dtype, kv_dtype, tp
         d = self.head_dim
-        self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels)
-        self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels)
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels,
+                                shard=Shard(0, (q, kv, kv)) if tp > 1 else None)
+        self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q))
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
         """``residual + o_proj(attention(x))``."""
@@ -61,16 +74,18 @@ class Attention(nn.Module):
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
         if self.kv_dtype != self.dtype:
             out = op.astype(out, self.dtype)
-        return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual)
+        return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None):
-        self.inter = cfg.intermediate_size
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, tp: int = 1):
+        full = cfg.intermediate_size
+        self.inter, self.tp = full // tp, tp
         # silu·mul is gate_up's fused epilogue on Sandwich's kernels: its weight is interleaved
         self.fused = kernels is not None and fuses_silu_mul(self.inter, kernels.kernel_isa)
-        self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels, interleave=self.fused)
-        self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels)
+        self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels, interleave=self.fused,
+                                    shard=Shard(0, (full, full)) if tp > 1 else None)
+        self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels, shard=_row_parallel(tp, full))
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
         """``residual + down_proj(silu(gate) * up)``; silu·mul fused into gate_up's kernel, or
@@ -81,13 +96,13 @@ class MLP(nn.Module):
         else:
             gate, up = op.split(proj(x), 2, axis=-1)
             h = op.silu(gate) * up
-        return _project(self.down_proj, h, residual)
+        return _project(self.down_proj, h, residual, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
-        self.self_attn = Attention(cfg, kernels, kv_dtype)
-        self.mlp = MLP(cfg, kernels)
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
+        self.self_attn = Attention(cfg, kernels, kv_dtype, tp)
+        self.mlp = MLP(cfg, kernels, tp)
         self.input_layernorm = _norm(cfg, kernels)
         self.post_attention_layernorm = _norm(cfg, kernels)
 
@@ -122,10 +137,11 @@ class Embedding(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str):
-        tied = cfg.tie_word_embeddings and kernels is not None
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
+        # tied and unsharded: the embedding is read from the packed lm_head (one copy)
+        tied = cfg.tie_word_embeddings and kernels is not None and tp == 1
         self.embed_tokens = Embedding(cfg, kernels.layout() if tied else None)
-        layers = [DecoderLayer(cfg, kernels, kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        layers = [DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = _norm(cfg, kernels)
 
@@ -138,18 +154,26 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``).
-    ``kv_dtype``: what the paged KV cache stores (float32, or 16 bits as llama.cpp's default)."""
+    ``kv_dtype``: what the paged KV cache stores (float32, or 16 bits as llama.cpp's default).
+    ``tp``: the processes a Megatron-sharded model runs on (this is one rank's part)."""
 
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None, kv_dtype: str = "float32"):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None, kv_dtype: str = "float32",
+                 tp: int = 1):
+        check_tp(cfg, tp)
         self.cfg = cfg
         self.kernels = kernels
         self.kv_dtype = kv_dtype
-        self.model = LlamaModel(cfg, kernels, kv_dtype)
-        self.tied = cfg.tie_word_embeddings
+        self.tp = tp
+        self.model = LlamaModel(cfg, kernels, kv_dtype, tp)
+        self.tied = cfg.tie_word_embeddings and tp == 1  # sharded: a vocabulary-split head of its own
         if not self.tied:
-            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, kernels)
+            vocab = Shard(0, (cfg.vocab_size,)) if tp > 1 else None
+            rows = vocab.local(tp) if vocab else cfg.vocab_size
+            self.lm_head = _linear(cfg, cfg.hidden_size, rows, kernels, shard=vocab)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
+        if self.tp > 1:
+            return gather_last(self.lm_head(h), self.cfg.vocab_size)
         if not self.tied:
             return self.lm_head(h)
         w = self.model.embed_tokens.weight
@@ -198,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
             layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, qk_head_dim=cfg.head_dim,
+            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads // self.tp,
+            num_key_value_heads=cfg.num_key_value_heads // self.tp, qk_head_dim=cfg.head_dim,
             v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
             rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),

@@ -81,7 +81,8 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
     return parse_tvmscript(src)
 
 
-def rope_primfunc(cfg: LlamaConfig, dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    """``fused_rope`` for q/k/v stored in ``dtype`` (the KV cache's), computed in fp32."""
-    return _rope_primfunc(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+def rope_primfunc(cfg: LlamaConfig, dtype: str = "float32", tp: int = 1) -> tvm.tirx.PrimFunc:
+    """``fused_rope`` for q/k/v stored in ``dtype`` (the KV cache's), computed in fp32, over one
+    of ``tp`` ranks' heads."""
+    return _rope_primfunc(cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim,
                           tuple(float(x) for x in inv_freq(cfg)), dtype)

@@ -21,6 +21,7 @@ from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout, numpy_dtype
 from ..memory import aligned_empty
 from .config import LlamaConfig
+from .parallel import Shard
 
 FORMAT = 2  # 2: gate_up interleaved for the silu_mul epilogue
 
@@ -210,15 +211,19 @@ def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
 def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[str, tuple[int, ...]]],
             isa: str, where: str = "checkpoint",
             progress: Callable[[int, int], None] | None = None, dtype: str = "float32",
-            layouts: dict[str, WeightLayout] | None = None) -> list[np.ndarray]:
+            layouts: dict[str, WeightLayout] | None = None, shards: dict[str, Shard] | None = None,
+            rank: int = 0, tp: int = 1) -> list[np.ndarray]:
     """Arrays in ``params`` order (name, expected shape), packed where the shape is 3-D: as
     ``layouts[name]`` (the model's own, from its parameters) when given, else for the
-    ``dtype`` kernels of ``isa`` (a micro-kernel ISA). The checkpoint must match ``cfg``
-    exactly (``check_checkpoint``); tensors are read one at a time."""
+    ``dtype`` kernels of ``isa`` (a micro-kernel ISA). In a model split over ``tp`` processes
+    each parameter with a hint in ``shards`` is rank ``rank``'s part. The checkpoint must
+    match ``cfg`` exactly (``check_checkpoint``); tensors are read one at a time."""
     check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
+        if tp > 1 and name in (shards or {}):
+            hf = shards[name].take(np.asarray(hf), rank, tp)
         if len(shape) == 3:  # packed panels of W[n, k]
             layout = (layouts or {}).get(name)
             if layout is None:  # gate_up is interleaved for the silu_mul epilogue
@@ -345,19 +350,24 @@ def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]],
 
 def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
                 *, seed: int = 0, log: Callable[[str], None] = lambda _m: None,
-                dtype: str = "float32", layouts: dict[str, WeightLayout] | None = None) -> list[np.ndarray]:
+                dtype: str = "float32", layouts: dict[str, WeightLayout] | None = None,
+                shards: dict[str, Shard] | None = None, rank: int = 0, tp: int = 1) -> list[np.ndarray]:
     """Weights for ``params``: a preset's seeded random weights, or the checkpoint in ``spec``
     (converted once, then read from the conversion cache); Linear weights in ``dtype``, packed
-    as ``layouts`` says (the compiled model's, ``CompiledModel.layouts``) where given."""
+    as ``layouts`` says (the compiled model's, ``CompiledModel.layouts``) where given; rank
+    ``rank``'s shard of a model split over ``tp`` processes (``CompiledModel.shards``)."""
     from .config import PRESETS
 
+    split = {"shards": shards, "rank": rank, "tp": tp}
     if str(spec) in PRESETS:
-        log(f"random weights for preset {spec} (seed {seed})")
+        log(f"random weights for preset {spec} (seed {seed})" + (f", rank {rank}'s shard" if tp > 1 else ""))
         return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}", dtype=dtype,
-                       layouts=layouts)
+                       layouts=layouts, **split)
     model_dir = Path(spec)
     layout = json.dumps([params, isa] + ([dtype] if dtype != "float32" else [])
-                        + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else []))
+                        + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else [])
+                        + ([rank, tp, sorted((n, x.to_json()) for n, x in (shards or {}).items())]
+                           if tp > 1 else []))
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:
@@ -365,7 +375,7 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
         return arrays
     log(f"converting {model_dir} (once; cached in {cached})")
     arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir), dtype=dtype,
-                     layouts=layouts)
+                     layouts=layouts, **split)
     save_converted(cached, params, arrays)
     return arrays
 

@@ -29,6 +29,13 @@ def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, sched
     check_context(cfg, min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings))
     compiled = compile_model(cfg, plan, stock=stock, max_batch=max_batch, root=schedules, force=force,
                              kv_dtype=kv_dtype, dtype=dtype, log=log)
+    if plan.tp > 1:  # every rank loads its own shard
+        from .tp import TPEngine
+
+        engine = TPEngine(compiled, str(model), plan, context=context, prefill_chunk=prefill_chunk,
+                          max_batch=max_batch, kv_tokens=kv_tokens, seed=seed, log=log)
+        log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages) on each of {plan.tp} ranks")
+        return engine, load_tokenizer(model), compiled
     isa, weight_dtype = compiled.weight_layout
     params = load_params(model, cfg, compiled.params, isa, seed=seed, log=log, dtype=weight_dtype,
                          layouts=compiled.layouts)

@@ -1,7 +1,10 @@
-"""The execution plan the runtime follows: which cores prefill and decode run on.
+"""The execution plan the runtime follows: how many processes, and which cores each one's
+prefill and decode run on.
 
 It comes from the plan stage (``out/plans.json``, the best-ranked Sandwich plan) or, without
-one, every CPU this process may use for both phases.
+one, one process on every CPU this process may use for both phases. A plan of P processes is
+run as P tensor-parallel ranks (``runtime.tp``); rank 0's CPUs are ``prefill_cpus`` and
+``decode_cpus``, every rank's are in ``ranks``.
 """
 
 from __future__ import annotations
@@ -20,13 +23,26 @@ class PlanError(ValueError):
     """A plan file we cannot follow on this machine."""
 
 
+Cpus = tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class ExecPlan:
-    prefill_cpus: tuple[int, ...]
-    decode_cpus: tuple[int, ...]
+    prefill_cpus: Cpus
+    decode_cpus: Cpus
     source: str = "all CPUs"
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
+    ranks: tuple[tuple[Cpus, Cpus], ...] = ()  # every process's (prefill, decode) CPUs; () = one
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            object.__setattr__(self, "ranks", ((tuple(self.prefill_cpus), tuple(self.decode_cpus)),))
+
+    @property
+    def tp(self) -> int:
+        """Processes (tensor-parallel ranks)."""
+        return len(self.ranks)
 
     @property
     def prefill_threads(self) -> int:
@@ -36,9 +52,26 @@ class ExecPlan:
     def decode_threads(self) -> int:
         return len(self.decode_cpus)
 
+    def rank(self, i: int) -> ExecPlan:
+        """Process ``i``'s part: a one-process plan on its CPUs."""
+        prefill, decode = self.ranks[i]
+        return ExecPlan(prefill, decode, f"{self.source}, rank {i} of {self.tp}")
+
+    @classmethod
+    def processes(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
+                  tpot: float | None = None) -> ExecPlan:
+        """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each."""
+        prefill, decode = ranks[0]
+        return cls(tuple(prefill), tuple(decode), source, ttft, tpot,
+                   tuple((tuple(p), tuple(d)) for p, d in ranks))
+
     def describe(self) -> str:
-        return (f"prefill {self.prefill_threads} threads on CPUs {list(self.prefill_cpus)}, "
-                f"decode {self.decode_threads} on {list(self.decode_cpus)} ({self.source})")
+        if self.tp == 1:
+            return (f"prefill {self.prefill_threads} threads on CPUs {list(self.prefill_cpus)}, "
+                    f"decode {self.decode_threads} on {list(self.decode_cpus)} ({self.source})")
+        each = "; ".join(f"rank {i}: prefill {list(p)}, decode {list(d)}"
+                         for i, (p, d) in enumerate(self.ranks))
+        return f"{self.tp} processes (tensor parallel) -- {each} ({self.source})"
 
     @classmethod
     def all_cpus(cls) -> ExecPlan:
@@ -49,19 +82,28 @@ class ExecPlan:
     def from_dict(cls, d: dict, source: str) -> ExecPlan:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: the best plan is {_clip(d)}, not a JSON object; {REPLAN}")
-        tp = d.get("tp", d.get("processes", 1))
-        if tp != 1:
-            raise PlanError(f"{source}: the plan uses {tp} processes (tensor parallelism); this "
-                            "runtime serves one process. Re-plan with a single-process plan.")
-        plan = cls(_cpus(d, "prefill_cpus", source), _cpus(d, "decode_cpus", source), source,
-                   d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"))
-        usable = PROCESS_CPUS
-        outside = sorted(set(plan.prefill_cpus + plan.decode_cpus) - usable)
+        prefill, decode = _cpu_lists(d, "prefill_cpus", source), _cpu_lists(d, "decode_cpus", source)
+        tp = d.get("tp", len(prefill))
+        if type(tp) is not int or tp < 1 or len(prefill) != tp or len(decode) != tp:
+            raise PlanError(f"{source}: the plan says tp {_clip(tp)} but lists CPUs for {len(prefill)} "
+                            f"prefill and {len(decode)} decode processes; {REPLAN}")
+        plan = cls.processes(list(zip(prefill, decode, strict=True)), source,
+                             d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"))
+        every = [c for p, dec in plan.ranks for c in p + dec]
+        outside = sorted(set(every) - PROCESS_CPUS)
         if outside:
             raise PlanError(f"{source}: CPUs {outside} are not available to this process (it may use "
-                            f"{sorted(usable)}); the plan was made for another machine: {REPLAN}")
-        if not set(plan.decode_cpus) <= set(plan.prefill_cpus):
-            raise PlanError(f"{source}: decode CPUs must be a subset of the prefill CPUs; {REPLAN}")
+                            f"{sorted(PROCESS_CPUS)}); the plan was made for another machine: {REPLAN}")
+        for i, (p, dec) in enumerate(plan.ranks):
+            if not set(dec) <= set(p):
+                raise PlanError(f"{source}: decode CPUs must be a subset of the prefill CPUs (process {i}); "
+                                f"{REPLAN}")
+        claimed = [c for p, _ in plan.ranks for c in p]
+        if len(set(claimed)) != len(claimed):
+            raise PlanError(f"{source}: two processes share a CPU ({sorted(claimed)}); {REPLAN}")
+        if len({(len(p), len(dec)) for p, dec in plan.ranks}) > 1:
+            raise PlanError(f"{source}: the processes have different thread counts; every rank runs the "
+                            f"same compiled model, so they must match; {REPLAN}")
         return plan
 
     @classmethod
@@ -94,17 +136,18 @@ def _clip(value: object, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _cpus(d: dict, key: str, source: str) -> tuple[int, ...]:
-    """The first process's CPUs under `key`: a non-empty list of distinct CPU ids."""
+def _cpu_lists(d: dict, key: str, source: str) -> list[Cpus]:
+    """Every process's CPUs under `key`: non-empty lists of distinct CPU ids."""
     lists = d.get(key)
-    if not isinstance(lists, list) or not lists or not isinstance(lists[0], list) or not lists[0]:
+    if (not isinstance(lists, list) or not lists
+            or not all(isinstance(cpus, list) and cpus for cpus in lists)):
         raise PlanError(f"{source}: {key} of the best plan is {_clip(lists)}, not a non-empty list of "
                         f"CPU lists; {REPLAN}")
-    cpus = lists[0]
-    if not all(type(c) is int and c >= 0 for c in cpus) or len(set(cpus)) != len(cpus):
-        raise PlanError(f"{source}: {key} of the best plan holds {_clip(cpus)}, not distinct CPU ids; "
-                        f"{REPLAN}")
-    return tuple(cpus)
+    for cpus in lists:
+        if not all(type(c) is int and c >= 0 for c in cpus) or len(set(cpus)) != len(cpus):
+            raise PlanError(f"{source}: {key} of the best plan holds {_clip(cpus)}, not distinct CPU ids; "
+                            f"{REPLAN}")
+    return [tuple(cpus) for cpus in lists]
 
 
 def resolve_plan(path: Path | None) -> ExecPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,32 @@ def _quitter(name: str, slot: int) -> None:
     ShmGroup.attach(name, 1, 2, slot).close()  # joins, then leaves without a collective
 
 
-def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
+def test_a_rank_that_exits_fails_the_wait_at_once():
     ctx = mp.get_context("spawn")
-    with ShmGroup.create(2, 4096, timeout_s=1.0) as group:
+    with ShmGroup.create(2, 4096, timeout_s=60.0) as group:
         p = ctx.Process(target=_quitter, args=(group.name, group.slot))
         p.start()
         p.join(timeout=60)
-        with pytest.raises(Exception, match="rank 1 did not arrive within 1"):
+        start = time.monotonic()
+        with pytest.raises(Exception, match=f"rank 1 \\(pid {p.pid}\\) exited"):
             group.allreduce(np.ones(16, np.float32))
+        assert time.monotonic() - start < 5  # not the 60 s deadline
+
+
+def test_a_rank_that_never_arrives_is_an_error_not_a_hang():
+    with (ShmGroup.create(2, 4096, timeout_s=1.0) as group,  # rank 1 never attaches
+          pytest.raises(Exception, match="rank 1 did not arrive within 1")):
+        group.allreduce(np.ones(16, np.float32))
+
+
+def test_a_rank_that_aborts_fails_its_peers():
+    with ShmGroup.create(2, 4096, timeout_s=60.0) as group:
+        peer = ShmGroup.attach(group.name, 1, 2, group.slot)
+        assert group.pids == [os.getpid(), os.getpid()]
+        peer.abort()
+        with pytest.raises(Exception, match="rank 1 failed"):
+            group.allreduce(np.ones(16, np.float32))
+        peer.close()
 
 
 def test_bad_groups_are_refused():

@@ -1,0 +1,193 @@
+"""The tensor-parallel engine: a plan of P processes run as P ranks of a sharded model on TVM's
+Disco, summing their partial products through the shared-memory all-reduce.
+
+The controller creates the process group's segment and a Disco ``ProcessSession`` whose
+workers run ``runtime.tp_worker`` (rank 0 is a thread of this process). Every rank loads its
+own shard on its own cores and opens an ``Engine`` on its CPUs of the plan; each ``Engine``
+call here (prefill, decode, the phase switch, ...) runs on every rank in the same order, and
+rank 0's logits come back in-process. A rank that fails or dies ends the request with an
+error naming it, and the group is shut down: workers stopped, the segment removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..collective.shm import DEFAULT_TIMEOUT_S, ShmGroup
+from ..compiler.artifact import CompiledModel
+from . import tp_worker
+from .engine import DEFAULT_CONTEXT, Engine, EngineError, check_context
+from .plan import ExecPlan
+
+WORKER = "sandwich_tvm.runtime.tp_worker"
+
+
+class TPEngine(Engine):
+    """``Engine``'s interface over the ranks of a sharded model (``compiled.tp`` processes).
+    ``model`` is what the ranks load their shards from (a preset name or a checkpoint)."""
+
+    def __init__(self, compiled: CompiledModel, model: str, plan: ExecPlan, *, context: int | None = None,
+                 prefill_chunk: int = 2048, page_size: int = 16, max_batch: int = 1,
+                 kv_tokens: int | None = None, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 log: Callable[[str], None] = lambda _m: None):
+        if compiled.tp != plan.tp:
+            raise EngineError(f"the model was compiled for {compiled.tp} processes, the plan has {plan.tp}")
+        cfg = compiled.config
+        self.cfg, self.plan, self.compiled = cfg, plan, compiled
+        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
+        check_context(cfg, self.context)
+        self.kv_tokens = max(kv_tokens or self.context, self.context)
+        self.prefill_chunk = min(prefill_chunk, self.context)
+        self.page_size, self.max_batch = page_size, max_batch
+        self.phase: str | None = None
+        self.switches: list[float] = []
+        self.huge_page_share = None
+        self.session = self._call = None
+        # the largest message: a prefill chunk's hidden states, or a decode batch's logits
+        slot = 4 * max(self.prefill_chunk * cfg.hidden_size, max_batch * cfg.vocab_size)
+        self.group = ShmGroup.create(plan.tp, slot, timeout_s)
+        try:
+            import tvm.runtime.disco as di
+            import tvm_ffi
+
+            tvm_ffi.init_ffi_api("runtime.disco", "tvm.runtime.disco._ffi_api")
+            t0 = time.perf_counter()
+            every = {c for p, _ in plan.ranks for c in p}
+            before = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, every | before)  # workers inherit it, then pin to their rank's
+            try:
+                self.session = di.ProcessSession(num_workers=plan.tp, entrypoint=WORKER)
+            finally:
+                os.sched_setaffinity(0, before)
+            for rank, pid in _worker_pids().items():
+                self.group.set_pid(rank, pid)
+            log(f"started {plan.tp} tensor-parallel ranks on Disco ({time.perf_counter() - t0:.1f} s)")
+            self._call = self.session.get_global_func("sandwich.tp_call")
+            spec = {"shm": self.group.name, "slot": self.group.slot, "timeout_s": timeout_s,
+                    "ranks": [[list(p), list(d)] for p, d in plan.ranks], "source": plan.source,
+                    "artifact": str(compiled.path), "model": str(model), "seed": seed,
+                    "engine": {"context": self.context, "prefill_chunk": prefill_chunk,
+                               "page_size": page_size, "max_batch": max_batch, "kv_tokens": self.kv_tokens}}
+            self.session.get_global_func("sandwich.tp_init")(json.dumps(spec))
+            self._wait("loading the shards")
+            self.total_pages = self.available_pages()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ the ranks
+    def _wait(self, what: str):
+        """Rank 0's result of the last call, after it finished; a failure shuts the group down."""
+        self.session._sync_worker(0)
+        err = tp_worker.error()
+        if err is not None:
+            self.shutdown()
+            raise EngineError(f"tensor-parallel {what} failed on rank 0: {err}. The process group is shut "
+                              "down; a rank's own error, if it failed first, is printed above")
+        return tp_worker.result()
+
+    def _on_ranks(self, method: str, *args):
+        if self.session is None:
+            raise EngineError("the tensor-parallel process group is shut down; open a new engine")
+        self._call(method, json.dumps(args))
+        return self._wait(method)
+
+    def shutdown(self) -> None:
+        """Stop the workers and remove the shared-memory segment (idempotent). A worker that
+        no longer answers is killed rather than waited for."""
+        pids = [p for p in self.group.pids if p and p != os.getpid()]
+        session, self.session = self.session, None
+        self._call = None  # a remote function freed after its workers exit would write to a closed pipe
+        if session is not None:
+            if all(_alive(p) for p in pids) and tp_worker.error() is None:
+                with contextlib.suppress(Exception):  # a broken pipe: the kill below ends it
+                    session.shutdown()
+            for pid in pids:
+                _kill(pid)
+        self.group.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter teardown
+            self.shutdown()
+
+    # ------------------------------------------------------------------ Engine's interface
+    def use(self, phase: str) -> float:
+        if phase == self.phase:
+            return 0.0
+        ms = float(self._on_ranks("use", phase))
+        self.phase = phase
+        self.switches.append(ms)
+        return ms
+
+    def available_pages(self) -> int:
+        return int(self._on_ranks("available_pages"))
+
+    def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
+        return self._on_ranks("prefill", [int(t) for t in prompt], seq_id)
+
+    def decode(self, token: int, seq_id: int = 0) -> np.ndarray:
+        return self._on_ranks("decode", int(token), seq_id)
+
+    def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        return self._on_ranks("batch_prefill", list(slots), [[int(t) for t in c] for c in chunks])
+
+    def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        return self._on_ranks("batch_decode", list(slots), [int(t) for t in tokens])
+
+    def clear(self) -> None:
+        self._on_ranks("clear")
+
+    def start(self, seq_id: int = 0) -> None:
+        self._on_ranks("start", seq_id)
+
+    def stop(self, seq_id: int = 0) -> None:
+        if self.session is not None:  # after a failure the group is gone, and so is the sequence
+            self._on_ranks("stop", seq_id)
+
+
+def _worker_pids() -> dict[int, int]:
+    """Rank -> pid of this process's Disco workers (``python -m WORKER rank ...``)."""
+    import psutil
+
+    pids = {}
+    for child in psutil.Process().children():
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if WORKER in cmd and cmd.index(WORKER) + 1 < len(cmd):
+            pids[int(cmd[cmd.index(WORKER) + 1])] = child.pid
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(pid: int, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; reaped when it is our child."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.01)
+        if not _alive(pid):
+            break
+        deadline = time.monotonic() + grace_s
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+

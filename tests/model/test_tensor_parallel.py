@@ -1,0 +1,97 @@
+"""Tensor parallelism: the Megatron split of each weight, and a two-process plan (one core per
+rank, TVM Disco, the shared-memory all-reduce) against HF transformers on the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import compile_model
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
+from sandwich_tvm.runtime.engine import EngineError
+from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+torch = pytest.importorskip("torch")
+
+CPUS = sorted(PROCESS_CPUS)
+DECODE_STEPS = 24
+
+
+def test_a_shard_is_each_ranks_part_of_every_segment():
+    w = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    qkv = Shard(0, (6, 2, 2))  # q | k | v rows
+    parts = [qkv.take(w, r, 2) for r in range(2)]
+    assert [p.shape for p in parts] == [(5, 3), (5, 3)] and qkv.local(2) == 5
+    np.testing.assert_array_equal(parts[1], np.concatenate([w[3:6], w[7:8], w[9:10]]))
+    cols = Shard(1, (3,))  # a row-parallel weight: input columns, the last rank padded with zeros
+    assert cols.take(w, 1, 2).shape == (10, 2)
+    np.testing.assert_array_equal(cols.take(w, 1, 2), np.pad(w[:, 2:], ((0, 0), (0, 1))))
+    assert Shard.from_json(qkv.to_json()) == qkv
+    with pytest.raises(ShardError, match="does not split into segments"):
+        Shard(0, (4, 4)).take(w, 0, 2)
+
+
+def test_a_model_that_cannot_be_split_evenly_is_refused():
+    cfg = load_config("llama-160m")  # 12 heads
+    check_tp(cfg, 4)
+    with pytest.raises(ShardError, match="12 attention heads, which 5 processes cannot share"):
+        check_tp(cfg, 5)
+
+
+def _reference(hf, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
+def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    plan = ExecPlan.processes([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
+    compiled = compile_model(cfg, plan, kv_dtype="float32", dtype="float32")
+    assert compiled.tp == 2
+    assert compiled.shards["model.layers.0.mlp.down_proj.weight"] == Shard(1, (cfg.intermediate_size,))
+    engine, _, _ = open_engine(model_dir, plan, context=256, max_batch=1, kv_dtype="float32", dtype="float32")
+    try:
+        prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
+        logits: list[np.ndarray] = []
+        gen = engine.generate(prompt, DECODE_STEPS + 1, logits_out=logits)
+        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+        ours = np.stack(logits)
+        assert ours.shape == ref.shape == (DECODE_STEPS + 1, cfg.vocab_size)
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+        assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
+        assert engine.phase == "decode" and len(engine.switches) == 2  # both ranks switched
+
+        # Kill rank 1 mid-request: the request fails naming it, the group is shut down.
+        segment = Path("/dev/shm", engine.group.name)
+        worker = engine.group.pids[1]
+        assert segment.exists() and worker != os.getpid()
+
+        streamed: list[int] = []
+
+        def kill_at_five(token: int) -> None:
+            streamed.append(token)
+            if len(streamed) == 5:
+                os.kill(worker, signal.SIGKILL)
+
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
+            engine.generate(prompt, 100, on_token=kill_at_five)
+        assert time.monotonic() - start < 20  # not the collective's 60 s deadline
+        assert len(streamed) == 5 and engine.session is None
+        assert not segment.exists() and not Path(f"/proc/{worker}").exists()
+        with pytest.raises(EngineError, match="shut down"):
+            engine.generate(prompt, 2)
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, set(CPUS))
