@@ -22,12 +22,14 @@ def compare_with_stock(args: argparse.Namespace, plan: ExecPlan, console: Consol
     results = {}
     for stock in ([False] if args.no_stock else [False, True]):
         name = "tvm-stock" if stock else "sandwich"
-        engine, _, compiled = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
+        engine, _, compiled = open_engine(args.model, plan.one_process() if stock else plan, stock=stock,
+                                          schedules=args.schedules,
                                           context=args.prompt_len + args.max_new_tokens + 8,
                                           dtype="float32" if stock else resolve_dtype(args.dtype)[0],
                                           log=lambda m: console.print(f"[dim]{m}[/]"))
         engine.generate(prompt[:4], 2)  # warm-up
         gen = engine.generate(prompt, args.max_new_tokens)
+        engine.close()
         results[name] = gen.to_json() | {"kernels": compiled.meta["kernels"]}
         tpot = "n/a" if results[name]["tpot_ms"] is None else f"{gen.tpot_ms:.2f} ms"
         console.print(f"{name}: TTFT {gen.ttft_ms:.1f} ms, TPOT {tpot}, tokens {gen.tokens[:8]}...")

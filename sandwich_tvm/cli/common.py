@@ -65,6 +65,9 @@ def add_machine_args(parser: argparse.ArgumentParser) -> None:
                         help="early-stopping patience per process group (default 32)")
     parser.add_argument("--max-group-levels", type=non_negative_int, default=2,
                         help="latent levels group() may insert (default 2)")
+    parser.add_argument("--max-tp", type=positive_int, default=None, metavar="N",
+                        help="plans of at most N processes (tensor-parallel ranks); default: any the "
+                             "model's heads divide")
     parser.add_argument("--max-trees", type=positive_int, default=MAX_TREES,
                         help=f"bound on the TopoTrees the search generates (default {MAX_TREES}); "
                              "a bounded search says so and ranks the plans it found")
@@ -103,7 +106,7 @@ def run_search(args: argparse.Namespace, tree: TopoTree, model: LlamaConfig, pro
     """`search_plans` with the options of add_machine_args."""
     return search_plans(tree, model, profile, trace, top_k=args.top_k, patience=args.patience,
                         max_group_levels=args.max_group_levels, max_trees=args.max_trees,
-                        progress=progress)
+                        progress=progress, max_tp=getattr(args, "max_tp", None))
 
 
 def bound_note(stats: SearchStats) -> str | None:

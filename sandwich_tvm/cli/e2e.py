@@ -51,6 +51,10 @@ def add_e2e_parser(sub) -> None:
     e.add_argument("--torch-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of the torch baseline (default auto: bfloat16 where the CPU has AMX or "
                         "AVX512-BF16, as its users would run it; float32 elsewhere)")
+    e.add_argument("--also-plan", type=Path, default=None, metavar="FILE",
+                   help="also run Sandwich on this plans.json (e.g. two processes against one), its "
+                        "requests interleaved with the main plan's; rows 'sandwich tpP', with ratios to "
+                        "'sandwich' and the simulator's predictions for that plan")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
@@ -58,7 +62,8 @@ def add_e2e_parser(sub) -> None:
 Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
 
 
-def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None) -> Runner:
+def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None,
+               name: str = "sandwich") -> Runner:
     from ..runtime.loader import open_engine
 
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
@@ -77,7 +82,7 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
         if probe is not None:  # the bandwidth of the minutes this request decoded in
             probe.sample()
         decode_total = sum(gen.decode_ms)
-        row = {"system": "tvm-stock" if stock else "sandwich", "prompt": p, "ttft_ms": gen.ttft_ms,
+        row = {"system": "tvm-stock" if stock else name, "prompt": p, "ttft_ms": gen.ttft_ms,
                "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
                "switch_ms": gen.switch_ms,
                "tokens": gen.tokens[:16], "weights_huge_page_share": engine.huge_page_share,
@@ -231,17 +236,37 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     tree, found = load_tree()
     measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
     measured = dataclasses.replace(measured, gemm_efficiency=measured.gemm_efficiency * gemm_speedup)
-    pre = ServiceConfig((tuple(plan.prefill_cpus),), ((0,),))
-    dec = ServiceConfig((tuple(plan.decode_cpus),), ((0,),))
+    if plan.tp > 1:  # the all-reduce the ranks run, measured between as many processes
+        measured = dataclasses.replace(measured, **allreduce_profile(plan.tp, cfg.hidden_size, log))
+    where = dict(zip(tree.pus, tree.domains, strict=True))
+
+    def config(cpus: list[tuple[int, ...]]) -> ServiceConfig:
+        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus))
+
+    pre, dec = config([p for p, _ in plan.ranks]), config([d for _, d in plan.ranks])
     out = []
     for n in prompts:
         gbs = (decode_gbs or {}).get(n)
-        profile = measured if gbs is None else with_bandwidth(measured, len(plan.decode_cpus), gbs)
+        profile = measured if gbs is None else with_bandwidth(measured, len(plan.all_decode_cpus), gbs)
         p = np.array([n], dtype=float)
         sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs})
     return out
+
+
+def allreduce_profile(procs: int, hidden: int, log) -> dict:
+    """The simulator's all-reduce terms from the shared-memory all-reduce timed now between
+    ``procs`` processes: the latency of one token's hidden state and the bus bandwidth of a
+    prefill-sized message (2 (P - 1) / P x bytes / time)."""
+    from .allreduce import run_shm
+
+    big = 1 << 20
+    t = run_shm(procs, [hidden, big], rounds=3)
+    gbs = 2 * (procs - 1) / procs * 4 * big / t[big] / 1e9
+    log(f"all-reduce between {procs} processes: {t[hidden] * 1e6:.1f} µs for {hidden} floats, "
+        f"{gbs:.1f} GB/s bus bandwidth at 4 MB")
+    return {"allreduce_latency_us": t[hidden] * 1e6, "allreduce_gbs": gbs}
 
 
 def with_bandwidth(profile, cores: int, gbs: float):
@@ -264,6 +289,7 @@ def bench_e2e(args, console: Console) -> dict:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     log(plan.describe())
+    threads = len(plan.all_prefill_cpus)  # every system gets the plan's cores
     rows: list[dict] = []
     notes: list[str] = []
     unknown = set(systems) - {"sandwich", "llamacpp", "torch", "stock"}
@@ -276,10 +302,15 @@ def bench_e2e(args, console: Console) -> dict:
     if "sandwich" in systems:
         from ..topology.microbench import BandwidthProbe
 
-        probe = BandwidthProbe(list(plan.decode_cpus))
+        probe = BandwidthProbe(list(plan.all_decode_cpus))
         runners.append(tvm_runner(args, cfg, plan, prompts, False, log, probe))
+    also = resolve_plan(args.also_plan) if args.also_plan is not None else None
+    also_name = f"sandwich tp{also.tp}" if also is not None else None
+    if also is not None:
+        log(f"also: {also.describe()}")
+        runners.append(tvm_runner(args, cfg, also, prompts, False, log, name=also_name))
     if "llamacpp" in systems:
-        runners.append(llamacpp_runner(args, cfg, prompts, plan.prefill_threads, notes, log))
+        runners.append(llamacpp_runner(args, cfg, prompts, threads, notes, log))
     runners = [r for r in runners if r is not None]
     gbs: dict[int, float] = {}
     for i, p in enumerate(prompts):
@@ -297,13 +328,15 @@ def bench_e2e(args, console: Console) -> dict:
     pairs = ISAS[kernel_isa(host_isa(), sim_cfg.dtype, cpu_flags())].k_pack
     pred = predicted(sim_cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
                      decode_gbs=gbs, gemm_speedup=float(pairs))
+    also_pred = (predicted(sim_cfg, also, prompts, args.new_tokens, log, refresh=False, decode_gbs=gbs,
+                           gemm_speedup=float(pairs)) if also is not None else [])
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:
-        rows += run_torch(args, cfg, prompts, plan.prefill_threads, log)
+        rows += run_torch(args, cfg, prompts, threads, log)
         gc.collect()
     if "stock" in systems:
-        stock = tvm_runner(args, cfg, plan, prompts, True, log)
+        stock = tvm_runner(args, cfg, plan.one_process(), prompts, True, log)
         rows += [merge_rounds([row]) for p in prompts if (row := stock(p)) is not None]
     for r in rows:
         if r["system"] == "sandwich":
@@ -314,10 +347,18 @@ def bench_e2e(args, console: Console) -> dict:
                     r[f"tpot_ratio_vs_{tag}"] = paired_ratio(r, base, "tpot")
                     if "tokens" in base:
                         r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
-            pr = next(x for x in pred if x["prompt"] == r["prompt"])
+        if r["system"] in ("sandwich", also_name):
+            source = pred if r["system"] == "sandwich" else also_pred
+            pr = next(x for x in source if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
             r["decode_bandwidth_gbs"] = pr["decode_gbs"]
-    return {"model": cfg.name, "plan": plan.describe(), "threads": plan.prefill_threads,
+        if r["system"] == also_name:
+            base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
+            r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
+            r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
+            r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
+    return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
+            "also_plan": also.describe() if also is not None else None,
             "dtype": sim_cfg.dtype, "kv_dtype": args.kv_dtype,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
             "bandwidth_samples_gbs": probe.samples if probe else []}
@@ -338,6 +379,11 @@ def print_e2e(result: dict, console: Console) -> None:
                       f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),
                       "-" if r.get("switch_ms") is None else f"{r['switch_ms'] * 1e3:.0f}")
     console.print(table)
+    for r in result["rows"]:
+        if r.get("tpot_ratio_vs_sandwich") is not None:
+            console.print(f"{r['system']} ({result['also_plan']}) at {r['prompt']} tokens: TTFT "
+                          f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
+                          f"the main plan's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
     for n in result["notes"]:
         console.print(n)
 

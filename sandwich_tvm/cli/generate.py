@@ -15,6 +15,7 @@ from ..compiler.artifact import CompileError
 from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
 from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
+from ..model.parallel import ShardError
 from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
@@ -54,7 +55,8 @@ def weight_dtype(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     return dtype
 
 
-LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError)
+LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError,
+               ShardError)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from ..kernels.shapes import linear_shapes
 from ..kernels.tuner import tune_gemm
 from ..model.config import load_config
 from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
+from ..model.parallel import check_tp
 from .args import positive_int
 
 
@@ -29,18 +30,26 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                         help="micro-kernel sliding window σ (default 16)")
     parser.add_argument("--schedules", type=Path, default=None,
                         help="database root (default: the repository's schedules/)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="P",
+                        help="tune one rank's shard shapes of a model split over P processes (default 1)")
     parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
                         help=f"the weights' precision the kernels read (default {DEFAULT_DTYPE}; auto: "
                              "bfloat16); each dtype has its own records")
 
 
-def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int, max_m: int) -> int:
+def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int, max_m: int,
+                       tp: int | None = None) -> int:
+    """Tune the model's GEMMs for ``threads`` (one rank's shards when split over ``tp`` processes;
+    default ``--tp``)."""
     cfg = load_config(args.model)
+    tp = getattr(args, "tp", 1) if tp is None else tp
+    check_tp(cfg, tp)
     dtype, why = resolve_dtype(args.dtype)
     if args.dtype == "auto":
         console.print(f"weights: {dtype} ({why})")
-    shapes = linear_shapes(cfg, dtype)
-    table = Table(title=f"Sandwich kernels for {cfg.name}, {dtype} weights, {threads} threads")
+    shapes = linear_shapes(cfg, dtype, tp)
+    shards = f", one of {tp} ranks' shards" if tp > 1 else ""
+    table = Table(title=f"Sandwich kernels for {cfg.name}, {dtype} weights, {threads} threads{shards}")
     for col in ("gemm", "n", "k", "tuned m", "searched", "best GFLOPS", "seconds", "file"):
         table.add_column(col)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

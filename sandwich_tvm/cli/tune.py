@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=positive_int, default=16,
                         help="chain: new tokens (default 16)")
     parser.add_argument("--no-stock", action="store_true", help="chain: skip TVM's stock build")
+    parser.add_argument("--plan", type=Path, default=None, metavar="FILE",
+                        help="'all': skip the plan stage and run the chain on this plans.json (e.g. a "
+                             "tensor-parallel plan of your own)")
     return parser
 
 
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
             print_error(console, exc)
             return 2
-    code = plan_stage(args, console)
+    if args.plan is not None and args.stage != "all":
+        print_error(console, f"--plan is for the 'all' chain, not the {args.stage} stage")
+        return 2
+    code = 0 if args.plan is not None else plan_stage(args, console)
     if code or args.stage == "plan":
         return code
     return run_chain(args, console)
@@ -128,12 +134,12 @@ def run_chain(args: argparse.Namespace, console: Console) -> int:
     from .generate import LOAD_ERRORS
 
     try:
-        plan = ExecPlan.from_file(args.out / "plans.json")
+        plan = ExecPlan.from_file(args.plan or args.out / "plans.json")
         max_m = 4 if args.max_m is None else args.max_m
         console.rule(f"[bold]kernels stage: m <= {max_m}, {plan.describe()}")
         for threads in sorted({plan.prefill_threads, plan.decode_threads}, reverse=True):
             limit = max_m if threads == plan.prefill_threads else min(max_m, args.decode_max_m)
-            tune_model_kernels(args, console, threads, limit)
+            tune_model_kernels(args, console, threads, limit, tp=plan.tp)
         console.rule("[bold]compile and generate")
         return compare_with_stock(args, plan, console)
     except (*LOAD_ERRORS, ScheduleDbError) as exc:

@@ -135,29 +135,37 @@ void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, 
   TVM_FFI_ICHECK(block > 0 && (n + block - 1) / block < (1 << 22)) << "block_bytes too small";
   for (int64_t lo = 0; lo < n; lo += block) {
     int64_t hi = lo + block < n ? lo + block : n;
+    // Block b is staged at offset (b & 1) * block of every slot and of the result, not at its
+    // own offset: the staging stays cache-resident, so DRAM sees only the input read and the
+    // output write. Block b + 2 reuses block b's buffers only after every rank passed block
+    // b + 1's first barrier, by which time all of block b's reads are done.
+    int64_t shift = ((lo / block) & 1) * block - lo;  // message index -> staging index
     // chunks of whole cache lines, one per rank
     int64_t chunk = ((hi - lo + world - 1) / world + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
     auto span = [&](int64_t c, int64_t* b, int64_t* e) {
       *b = lo + c * chunk < hi ? lo + c * chunk : hi;
       *e = lo + (c + 1) * chunk < hi ? lo + (c + 1) * chunk : hi;
     };
+    if (one_shot) shift = 0;
     for (int64_t i = 0; i < world; ++i) {  // rank-shifted circular write
       int64_t b, e;
       span((rank + i) % world, &b, &e);
-      if (e > b) std::memcpy(slots[rank] + b, in + b, (e - b) * sizeof(float));
+      if (e > b) std::memcpy(slots[rank] + shift + b, in + b, (e - b) * sizeof(float));
     }
     barrier(seg, rank, world, ++step, timeout_s);
     if (one_shot) {
       sum_into(dst, slots, world, 0, n);
       return;
     }
+    float* staged[64];
+    for (int64_t j = 0; j < world; ++j) staged[j] = slots[j] + shift;
     int64_t b, e;
     span(rank, &b, &e);
-    sum_into(result, slots, world, b, e);  // reduce-scatter: this rank's chunk of the block
+    sum_into(result + shift, staged, world, b, e);  // reduce-scatter: this rank's chunk of the block
     barrier(seg, rank, world, ++step, timeout_s);
     for (int64_t i = 0; i < world; ++i) {  // all-gather, rank-shifted
       span((rank + i) % world, &b, &e);
-      if (e > b) std::memcpy(dst + b, result + b, (e - b) * sizeof(float));
+      if (e > b) std::memcpy(dst + b, result + shift + b, (e - b) * sizeof(float));
     }
   }
 }

@@ -32,6 +32,8 @@ def check_tp(cfg: LlamaConfig, tp: int) -> None:
     share of the MLP (the constraints TopoTree's plans already respect)."""
     if tp < 1:
         raise ShardError(f"tensor parallelism must be 1 or more processes, not {tp}")
+    if cfg.tp_degrees_ok(tp):
+        return
     for what, count in (("attention heads", cfg.num_attention_heads),
                         ("KV heads", cfg.num_key_value_heads),
                         ("MLP columns (intermediate_size)", cfg.intermediate_size)):

@@ -156,6 +156,9 @@ class Engine:
         self.switches: list[float] = []
         self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
 
+    def close(self) -> None:
+        """Release what the engine holds besides memory (a tensor-parallel engine's processes)."""
+
     # ------------------------------------------------------------------ thread plans
     def use(self, phase: str) -> float:
         """Put the thread pool on ``phase``'s cores; returns the switch time in ms (0 if already)."""

@@ -52,6 +52,22 @@ class ExecPlan:
     def decode_threads(self) -> int:
         return len(self.decode_cpus)
 
+    @property
+    def all_prefill_cpus(self) -> Cpus:
+        """Every process's prefill CPUs."""
+        return tuple(c for p, _ in self.ranks for c in p)
+
+    @property
+    def all_decode_cpus(self) -> Cpus:
+        """Every process's decode CPUs."""
+        return tuple(c for _, d in self.ranks for c in d)
+
+    def one_process(self) -> ExecPlan:
+        """The same CPUs as one process (for a build that runs one: TVM's stock baseline)."""
+        if self.tp == 1:
+            return self
+        return ExecPlan(self.all_prefill_cpus, self.all_decode_cpus, f"{self.source}, as one process")
+
     def rank(self, i: int) -> ExecPlan:
         """Process ``i``'s part: a one-process plan on its CPUs."""
         prefill, decode = self.ranks[i]

@@ -113,6 +113,8 @@ class TPEngine(Engine):
                 _kill(pid)
         self.group.close()
 
+    close = shutdown
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter teardown
             self.shutdown()

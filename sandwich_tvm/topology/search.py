@@ -95,11 +95,11 @@ class _EarlyStop:
 def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, trace: Trace, *,
                  top_k: int = 10, patience: int = 32, max_group_levels: int = 2,
                  power_of_two: bool = True, max_trees: int | None = MAX_TREES,
-                 progress: Progress | None = None) -> SearchResult:
+                 progress: Progress | None = None, max_tp: int | None = None) -> SearchResult:
     """Explore `tree` and return the top-k Sandwich plans by predicted request latency.
 
     At most `max_trees` TopoTrees are generated (None: no bound); `stats.bounded` tells
-    whether the bound cut the exploration short.
+    whether the bound cut the exploration short. `max_tp` bounds the processes of a plan.
     """
     if top_k < 1 or patience < 1 or max_group_levels < 0 or (max_trees is not None and max_trees < 1):
         raise ValueError(f"search_plans: top_k ({top_k}), patience ({patience}) and max_trees "
@@ -135,7 +135,7 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
         cuts = {}
         for depth in range(g_tree.height + 1):
             config = cross_section(g_tree, depth)
-            if model.tp_degrees_ok(config.tp):
+            if model.tp_degrees_ok(config.tp) and (max_tp is None or config.tp <= max_tp):
                 cuts[depth] = config
             else:
                 stats.cuts_rejected_tp += 1

@@ -52,6 +52,9 @@ def test_tp_limits_reject_degrees_that_do_not_divide_heads(trace):
     result = search_plans(tree, model, load_profile("epyc-milan7763-2s"), trace)
     assert result.plans and all(model.tp_degrees_ok(p.plan.tp) for p in result.plans)
     assert result.stats.cuts_rejected_tp > 0
+    assert any(p.plan.tp > 1 for p in result.plans)  # two sockets: multi-process plans rank
+    bounded = search_plans(tree, model, load_profile("epyc-milan7763-2s"), trace, max_tp=1)
+    assert bounded.plans and all(p.plan.tp == 1 for p in bounded.plans)  # tune plan --max-tp 1
 
 
 @pytest.mark.parametrize(("source", "profile"), [
