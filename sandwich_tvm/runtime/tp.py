@@ -50,6 +50,7 @@ class TPEngine(Engine):
         self.switches: list[float] = []
         self.huge_page_share = None
         self.session = self._call = None
+        self._pipes: list[int] = []
         # the largest message: a prefill chunk's hidden states, or a decode batch's logits
         slot = 4 * max(self.prefill_chunk * cfg.hidden_size, max_batch * cfg.vocab_size)
         self.group = ShmGroup.create(plan.tp, slot, timeout_s)
@@ -66,8 +67,10 @@ class TPEngine(Engine):
                 self.session = di.ProcessSession(num_workers=plan.tp, entrypoint=WORKER)
             finally:
                 os.sched_setaffinity(0, before)
-            for rank, pid in _worker_pids().items():
+            workers = _worker_pids()
+            for rank, pid in workers.items():
                 self.group.set_pid(rank, pid)
+            self._pipes = _pipes_to(list(workers.values()))
             log(f"started {plan.tp} tensor-parallel ranks on Disco ({time.perf_counter() - t0:.1f} s)")
             self._call = self.session.get_global_func("sandwich.tp_call")
             spec = {"shm": self.group.name, "slot": self.group.slot, "timeout_s": timeout_s,
@@ -96,20 +99,32 @@ class TPEngine(Engine):
     def _on_ranks(self, method: str, *args):
         if self.session is None:
             raise EngineError("the tensor-parallel process group is shut down; open a new engine")
-        self._call(method, json.dumps(args))
+        try:
+            self._call(method, json.dumps(args))
+        except Exception as err:  # the command could not reach a worker: say which one is gone
+            gone = [f"rank {r} (pid {p})" for r, p in enumerate(self.group.pids) if r and not _alive(p)]
+            self.shutdown()
+            raise EngineError(f"tensor-parallel {method}: {', '.join(gone) or 'a worker'} exited ({err}). "
+                              "The process group is shut down") from None
         return self._wait(method)
 
     def shutdown(self) -> None:
-        """Stop the workers and remove the shared-memory segment (idempotent). A worker that
-        no longer answers is killed rather than waited for."""
+        """Stop the workers and remove the shared-memory segment (idempotent).
+
+        A healthy group is stopped by Disco itself (the session's destructor sends every worker
+        the shutdown command, joins rank 0's thread and reaps the processes). In a broken one
+        (a rank failed or died) every worker is killed first, and its command pipe is pointed
+        at a pipe of ours, so Disco's shutdown command does not fail on a closed pipe."""
         pids = [p for p in self.group.pids if p and p != os.getpid()]
         session, self.session = self.session, None
-        self._call = None  # a remote function freed after its workers exit would write to a closed pipe
+        self._call = None  # a remote function holds the session
         if session is not None:
-            if all(_alive(p) for p in pids) and tp_worker.error() is None:
-                with contextlib.suppress(Exception):  # a broken pipe: the kill below ends it
-                    session.shutdown()
-            for pid in pids:
+            if not all(_alive(p) for p in pids) or tp_worker.error() is not None:
+                for pid in pids:
+                    _kill(pid)
+                _plug(self._pipes)
+            del session  # the destructor: Disco's own shutdown
+            for pid in pids:  # reaped by Disco; anything left is killed
                 _kill(pid)
         self.group.close()
 
@@ -167,6 +182,41 @@ def _worker_pids() -> dict[int, int]:
         if WORKER in cmd and cmd.index(WORKER) + 1 < len(cmd):
             pids[int(cmd[cmd.index(WORKER) + 1])] = child.pid
     return pids
+
+
+def _pipes_to(pids: list[int]) -> list[int]:
+    """This process's write ends of the pipes the processes ``pids`` read (Disco's command
+    pipes), found by their pipe inodes in /proc."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ours = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link in inodes and link.startswith("pipe:"):
+                with open(f"/proc/self/fdinfo/{fd}") as info:
+                    flags = int(info.read().split("flags:")[1].split()[0], 8)
+                if flags & 3 == os.O_WRONLY:
+                    ours.append(int(fd))
+    return ours
+
+
+_SINKS: list[int] = []  # read ends kept open so writes to plugged pipes succeed
+
+
+def _plug(fds: list[int]) -> None:
+    """Point each write end in ``fds`` at a fresh pipe whose read end we keep: a command sent to
+    a dead worker lands there instead of failing (a few bytes; the pipe holds 64 KB)."""
+    for fd in fds:
+        r, w = os.pipe()
+        with contextlib.suppress(OSError):
+            os.dup2(w, fd)
+        os.close(w)
+        _SINKS.append(r)
 
 
 def _alive(pid: int) -> bool:

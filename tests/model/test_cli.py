@@ -41,6 +41,23 @@ def test_generate_json(model_dir, capsys):
     assert out["ttft_ms"] > 0 and out["tpot_ms"] > 0
 
 
+@pytest.mark.skipif(len(PROCESS_CPUS) < 2, reason="a two-process plan needs two CPUs")
+def test_generate_runs_a_two_process_plan(model_dir, tmp_path, capsys):
+    """A plans.json of two processes runs as two tensor-parallel ranks, with one process's tokens."""
+    cpus = sorted(PROCESS_CPUS)
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[cpus[0]], [cpus[1]]],
+                                          "decode_cpus": [[cpus[0]], [cpus[1]]]}]}))
+    tokens = {}
+    for name, plan in (("one", model_dir / "plans.json"), ("two", two)):
+        code = generate_cli.main(["--model", str(model_dir), "--plan", str(plan), "--prompt-len", "20",
+                                  "--max-new-tokens", "8", "--dtype", "float32", "--kv-dtype", "float32",
+                                  "--json"])
+        assert code == 0
+        tokens[name] = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens["two"] == tokens["one"] and len(tokens["one"]) == 8
+
+
 def test_generate_streams_text_through_the_tokenizer(model_dir, capsys):
     code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                               "--prompt", "w5 w17 w200 w3", "--max-new-tokens", "4"])
