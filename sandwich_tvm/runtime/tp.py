@@ -11,11 +11,13 @@ error naming it, and the group is shut down: workers stopped, the segment remove
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -27,6 +29,14 @@ from .engine import DEFAULT_CONTEXT, Engine, EngineError, check_context
 from .plan import ExecPlan
 
 WORKER = "sandwich_tvm.runtime.tp_worker"
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # engines to shut down at exit (Ctrl-C of a server)
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for engine in list(_OPEN):
+        with contextlib.suppress(Exception):
+            engine.shutdown()
 
 
 class TPEngine(Engine):
@@ -54,6 +64,7 @@ class TPEngine(Engine):
         # the largest message: a prefill chunk's hidden states, or a decode batch's logits
         slot = 4 * max(self.prefill_chunk * cfg.hidden_size, max_batch * cfg.vocab_size)
         self.group = ShmGroup.create(plan.tp, slot, timeout_s)
+        _OPEN.add(self)
         try:
             import tvm.runtime.disco as di
             import tvm_ffi
