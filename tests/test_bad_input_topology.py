@@ -190,6 +190,8 @@ def test_plan_directory_is_named_a_directory(tmp_path):
     ({"tp": 2, "prefill_cpus": [[0], [0]], "decode_cpus": [[0], [0]]}, "two processes share a CPU"),
     ({"tp": 2, "prefill_cpus": [[0], [1]], "decode_cpus": [[0], [0]]},
      "decode CPUs must be a subset of the prefill CPUs \\(process 1\\)"),
+    ({"tp": 2, "prefill_cpus": [[0], [1]], "decode_cpus": [[0], [1]], "numa": [[0]]},
+     "not one list of NUMA node ids per process"),
     ("best", "not a JSON object"),
 ])
 def test_malformed_plans_raise_plan_error(tmp_path, plan, expected):
@@ -222,9 +224,10 @@ def test_missing_default_plan_uses_every_cpu(tmp_path, monkeypatch):
 def test_a_two_process_plan_is_read_whole(tmp_path):
     """Every process's CPUs reach the runtime (not process 0's alone)."""
     plan = ExecPlan.from_file(_plans(tmp_path / "plans.json", [
-        {"tp": 2, "prefill_cpus": [[0], [1]], "decode_cpus": [[0], [1]], "predicted_tpot_ms": 5.0}]))
-    assert plan.tp == 2 and plan.ranks == (((0,), (0,)), ((1,), (1,)))
-    assert plan.rank(1).prefill_cpus == (1,) and plan.rank(1).tp == 1
+        {"tp": 2, "prefill_cpus": [[0], [1]], "decode_cpus": [[0], [1]], "predicted_tpot_ms": 5.0,
+         "numa": [[0], [0]]}]))
+    assert plan.tp == 2 and plan.ranks == (((0,), (0,)), ((1,), (1,))) and plan.numa == ((0,), (0,))
+    assert plan.rank(1).prefill_cpus == (1,) and plan.rank(1).tp == 1 and plan.rank(1).numa == ((0,),)
     assert plan.predicted_tpot_ms == 5.0 and "2 processes" in plan.describe()
     assert ExecPlan.all_cpus().tp == 1
 

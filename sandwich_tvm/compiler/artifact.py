@@ -32,6 +32,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
 from ..runtime.plan import ExecPlan
 from ..tvm_compat import host_isa, host_target, tvm
+from .phases import select_phase_kernels
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 
 FORMAT = 2
@@ -201,6 +202,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
             exe = tvm.compile(mod, target)
             naive = []
         else:
+            mod = select_phase_kernels(kernels)(mod)
             mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa, kv_dtype=kv_dtype,
                                         tp=plan.tp)
             with target:

@@ -1,14 +1,11 @@
 """Linear layers on prepacked weights that call Sandwich's generated kernels.
 
-Prefill and decode are separate Relax functions; while one is being traced the *phase*
-context says which kernel set a Linear calls, so both phases share one prepacked weight.
+A Linear calls its GEMM's prefill kernel; the compiler's ``SelectPhaseKernels`` pass swaps in
+the decode kernel inside the decode functions, so both phases share one prepacked weight.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +21,6 @@ from ..kernels.packing import WeightLayout
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import tvm
 
-PHASES = ("prefill", "decode")
 WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
 DEFAULT_DTYPE = "auto"  # the CLIs: bfloat16 (resolve_dtype), as vLLM's --dtype auto serves 16 bits
 
@@ -48,21 +44,6 @@ def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str,
         return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
     return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
                         f"widened to fp32 on {isa} (half the weight bytes of fp32)")
-_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("sandwich_phase", default="prefill")
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Trace the enclosed model code for ``name`` ('prefill' or 'decode')."""
-    if name not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, not {name!r}")
-    token = _PHASE.set(name)
-    try:
-        yield
-    finally:
-        _PHASE.reset(token)
-
-
 @dataclass
 class KernelSet:
     """Which generated kernel each (phase, n, k) Linear calls.
@@ -83,6 +64,8 @@ class KernelSet:
     cpu: CpuSignature | None = None
     dtype: str = "float32"
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
+    # kernel name -> (shape, phase, epilogue), for the pass that picks the decode kernels
+    calls: dict[str, tuple[GemmShape, str, str]] = field(default_factory=dict)
     _funcs: dict[tuple[str, GemmShape, str], tvm.tirx.PrimFunc] = field(default_factory=dict)
 
     @property
@@ -129,6 +112,7 @@ class KernelSet:
         key = (phase_name, shape, epilogue)
         if key not in self._funcs:
             self._funcs[key] = linear_primfunc(shape, self.buckets(shape, phase_name), name, epilogue)
+            self.calls[name] = (shape, phase_name, epilogue)
         return name, self._funcs[key]
 
 
@@ -156,8 +140,9 @@ class PackedLinear(nn.Module):
 
 def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
                   residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
-    """``x[..., k] @ W.T (+ residual[..., n])`` through the current phase's kernel for (n, k);
-    ``weight`` is packed. With ``silu_mul`` the result is ``silu(gate) * up``, ``[..., n / 2]``."""
+    """``x[..., k] @ W.T (+ residual[..., n])`` through the prefill kernel for (n, k) (the decode
+    functions get the decode kernel from ``compiler.phases``); ``weight`` is packed. With
+    ``silu_mul`` the result is ``silu(gate) * up``, ``[..., n / 2]``."""
     k = int(x.shape[-1])
     lead = list(x.shape[:-1])
 
@@ -167,7 +152,7 @@ def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
     x2 = rows(x, k)
     args = [x2, weight] + ([] if residual is None else [rows(residual, n)])
     epilogue = "silu_mul" if silu_mul else "none" if residual is None else "residual"
-    name, func = kernels.primfunc(GemmShape(n, k, kernels.dtype), _PHASE.get(), epilogue)
+    name, func = kernels.primfunc(GemmShape(n, k, kernels.dtype), "prefill", epilogue)
     n_out = n // 2 if silu_mul else n
     y = op.tensor_ir_op(func, name, args=args, out=nn.Tensor.placeholder((x2.shape[0], n_out), x.dtype))
     return op.reshape(y, (*lead, n_out)) if len(lead) != 1 else y

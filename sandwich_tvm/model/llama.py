@@ -20,7 +20,7 @@ from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout
 from ..tvm_compat import host_target
 from .config import LlamaConfig
-from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter, phase
+from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
 
@@ -195,23 +195,19 @@ class LlamaForCausalLM(nn.Module):
         return self._logits(h)
 
     def prefill(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
-        with phase("prefill"):
-            return self._forward(input_ids, paged_kv_cache, None), paged_kv_cache
+        return self._forward(input_ids, paged_kv_cache, None), paged_kv_cache
 
     def decode(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
-        with phase("decode"):
-            return self._decode(input_ids, paged_kv_cache)
+        return self._decode(input_ids, paged_kv_cache)
 
     def _decode(self, ids: nn.Tensor, kv: PagedKVCache):
         return self._logits(self.model(ids, kv)), kv
 
     def batch_prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
-        with phase("prefill"):
-            return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache
+        return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache
 
     def batch_decode(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
-        with phase("decode"):
-            return self._decode(input_ids, paged_kv_cache)
+        return self._decode(input_ids, paged_kv_cache)
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var,

@@ -34,6 +34,7 @@ class ExecPlan:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
     ranks: tuple[tuple[Cpus, Cpus], ...] = ()  # every process's (prefill, decode) CPUs; () = one
+    numa: tuple[tuple[int, ...], ...] = ()  # every process's NUMA nodes (its memory), when known
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -69,17 +70,19 @@ class ExecPlan:
         return ExecPlan(self.all_prefill_cpus, self.all_decode_cpus, f"{self.source}, as one process")
 
     def rank(self, i: int) -> ExecPlan:
-        """Process ``i``'s part: a one-process plan on its CPUs."""
+        """Process ``i``'s part: a one-process plan on its CPUs (and NUMA nodes)."""
         prefill, decode = self.ranks[i]
-        return ExecPlan(prefill, decode, f"{self.source}, rank {i} of {self.tp}")
+        return ExecPlan(prefill, decode, f"{self.source}, rank {i} of {self.tp}",
+                        numa=self.numa[i:i + 1])
 
     @classmethod
     def processes(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
-                  tpot: float | None = None) -> ExecPlan:
-        """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each."""
+                  tpot: float | None = None, numa: list[tuple[int, ...]] | None = None) -> ExecPlan:
+        """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each, process i's
+        memory on NUMA nodes ``numa[i]`` when given."""
         prefill, decode = ranks[0]
         return cls(tuple(prefill), tuple(decode), source, ttft, tpot,
-                   tuple((tuple(p), tuple(d)) for p, d in ranks))
+                   tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()))
 
     def describe(self) -> str:
         if self.tp == 1:
@@ -103,8 +106,13 @@ class ExecPlan:
         if type(tp) is not int or tp < 1 or len(prefill) != tp or len(decode) != tp:
             raise PlanError(f"{source}: the plan says tp {_clip(tp)} but lists CPUs for {len(prefill)} "
                             f"prefill and {len(decode)} decode processes; {REPLAN}")
+        numa = d.get("numa")
+        if numa is not None and (not isinstance(numa, list) or len(numa) != tp or not all(
+                isinstance(n, list) and n and all(type(x) is int and x >= 0 for x in n) for n in numa)):
+            raise PlanError(f"{source}: numa of the best plan is {_clip(numa)}, not one list of NUMA node "
+                            f"ids per process; {REPLAN}")
         plan = cls.processes(list(zip(prefill, decode, strict=True)), source,
-                             d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"))
+                             d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa)
         every = [c for p, dec in plan.ranks for c in p + dec]
         outside = sorted(set(every) - PROCESS_CPUS)
         if outside:

@@ -74,18 +74,22 @@ class TPEngine(Engine):
             every = {c for p, _ in plan.ranks for c in p}
             before = os.sched_getaffinity(0)
             os.sched_setaffinity(0, every | before)  # workers inherit it, then pin to their rank's
+            earlier = _children()  # another engine's workers are not ours
             try:
                 self.session = di.ProcessSession(num_workers=plan.tp, entrypoint=WORKER)
             finally:
                 os.sched_setaffinity(0, before)
-            workers = _worker_pids()
-            for rank, pid in workers.items():
+            workers = _workers(exclude=earlier)
+            for rank, (pid, _) in workers.items():
                 self.group.set_pid(rank, pid)
-            self._pipes = _pipes_to(list(workers.values()))
+            self._pipes = [fd for _, fd in workers.values()]
+            if len(workers) != plan.tp - 1:
+                raise EngineError(f"started {len(workers)} of {plan.tp - 1} tensor-parallel worker processes")
             log(f"started {plan.tp} tensor-parallel ranks on Disco ({time.perf_counter() - t0:.1f} s)")
             self._call = self.session.get_global_func("sandwich.tp_call")
             spec = {"shm": self.group.name, "slot": self.group.slot, "timeout_s": timeout_s,
                     "ranks": [[list(p), list(d)] for p, d in plan.ranks], "source": plan.source,
+                    "numa": [list(n) for n in plan.numa],
                     "artifact": str(compiled.path), "model": str(model), "seed": seed,
                     "engine": {"context": self.context, "prefill_chunk": prefill_chunk,
                                "page_size": page_size, "max_batch": max_batch, "kv_tokens": self.kv_tokens}}
@@ -180,40 +184,42 @@ class TPEngine(Engine):
             self._on_ranks("stop", seq_id)
 
 
-def _worker_pids() -> dict[int, int]:
-    """Rank -> pid of this process's Disco workers (``python -m WORKER rank ...``)."""
+def _children() -> set[int]:
     import psutil
 
-    pids = {}
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _workers(exclude: set[int]) -> dict[int, tuple[int, int]]:
+    """Rank -> (pid, our write end of its command pipe) for this process's live Disco workers
+    (children not in ``exclude``). A worker runs ``python -m WORKER rank world groups read_fd
+    write_fd``; its ``read_fd`` is the pipe's read end, ours the write-only one on that pipe."""
+    import psutil
+
+    found = {}
     for child in psutil.Process().children():
+        if child.pid in exclude:
+            continue
         try:
             cmd = child.cmdline()
-        except psutil.Error:
+            if WORKER not in cmd or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank, read_fd = int(cmd[cmd.index(WORKER) + 1]), int(cmd[-2])
+            found[rank] = (child.pid, os.readlink(f"/proc/{child.pid}/fd/{read_fd}"))
+        except (psutil.Error, OSError, ValueError, IndexError):
             continue
-        if WORKER in cmd and cmd.index(WORKER) + 1 < len(cmd):
-            pids[int(cmd[cmd.index(WORKER) + 1])] = child.pid
-    return pids
-
-
-def _pipes_to(pids: list[int]) -> list[int]:
-    """This process's write ends of the pipes the processes ``pids`` read (Disco's command
-    pipes), found by their pipe inodes in /proc."""
-    inodes = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    ours = []
+    ours = {}
     for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/self/fd/{fd}")
-            if link in inodes and link.startswith("pipe:"):
-                with open(f"/proc/self/fdinfo/{fd}") as info:
-                    flags = int(info.read().split("flags:")[1].split()[0], 8)
-                if flags & 3 == os.O_WRONLY:
-                    ours.append(int(fd))
-    return ours
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ours.setdefault(os.readlink(f"/proc/self/fd/{fd}"), []).append(int(fd))
+    out = {}
+    for rank, (pid, pipe) in found.items():
+        for fd in ours.get(pipe, []) if pipe.startswith("pipe:") else []:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                flags = int(info.read().split("flags:")[1].split()[0], 8)
+            if flags & 3 == os.O_WRONLY:
+                out[rank] = (pid, fd)
+    return out
 
 
 _SINKS: list[int] = []  # read ends kept open so writes to plugged pipes succeed

@@ -74,15 +74,19 @@ def _init(spec_json: str) -> None:
     from ..collective.shm import ShmGroup
     from ..compiler.artifact import CompiledModel
     from ..model.weights import load_params
+    from ..topology.hwloc import bind_memory, numa_node_count
     from .engine import Engine
     from .plan import ExecPlan
 
     spec = json.loads(spec_json)
     rank = worker_id()
     _STATE["rank"] = rank
-    plan = ExecPlan.processes([(tuple(p), tuple(d)) for p, d in spec["ranks"]], spec["source"])
+    plan = ExecPlan.processes([(tuple(p), tuple(d)) for p, d in spec["ranks"]], spec["source"],
+                              numa=spec["numa"])
     mine = plan.rank(rank)
     os.sched_setaffinity(0, set(mine.prefill_cpus))  # this rank's cores touch its weights first
+    if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
+        bind_memory(list(mine.numa[0]))
     group = ShmGroup.attach(spec["shm"], rank, plan.tp, spec["slot"], spec["timeout_s"])
     _STATE["group"] = group
     compiled = CompiledModel.load(spec["artifact"])

@@ -77,7 +77,7 @@ def load_library() -> ctypes.CDLL | None:
         if not name:
             continue
         try:
-            lib = ctypes.CDLL(name)
+            lib = ctypes.CDLL(name, use_errno=True)
         except OSError:
             continue
         lib.hwloc_get_api_version.restype = ctypes.c_uint
@@ -107,6 +107,66 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hwloc_bitmap_alloc.restype = vp
     lib.hwloc_bitmap_free.argtypes = [vp]
     lib.hwloc_bitmap_next.argtypes = [vp, ctypes.c_int]
+    lib.hwloc_bitmap_set.argtypes = [vp, ctypes.c_uint]
+    lib.hwloc_set_membind.argtypes = [vp, vp, ctypes.c_int, ctypes.c_int]
+    lib.hwloc_get_membind.argtypes = [vp, vp, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+
+
+MEMBIND_BIND = 2  # hwloc_membind_policy_t: allocate on these nodes
+MEMBIND_THREAD, MEMBIND_STRICT, MEMBIND_BYNODESET = 1 << 1, 1 << 2, 1 << 5
+
+
+class MembindError(RuntimeError):
+    """Memory cannot be bound to the NUMA nodes a plan names; the message says why."""
+
+
+def numa_node_count() -> int:
+    """NUMA nodes of this machine (sysfs; 1 where it says nothing)."""
+    return max(1, len([p for p in Path("/sys/devices/system/node").glob("node[0-9]*")]))
+
+
+def _membind(nodes: list[int] | None) -> list[int]:
+    """Bind the calling thread's future allocations to ``nodes`` (None: only read the binding);
+    returns the nodes bound afterwards."""
+    lib = load_library()
+    if lib is None:
+        raise MembindError("binding memory to NUMA nodes needs libhwloc 2.x (apt install libhwloc15)")
+    topo = ctypes.c_void_p()
+    lib.hwloc_topology_init(ctypes.byref(topo))
+    bitmap = lib.hwloc_bitmap_alloc()
+    try:
+        lib.hwloc_topology_load(topo)
+        if nodes is not None:
+            for node in nodes:
+                lib.hwloc_bitmap_set(bitmap, node)
+            flags = MEMBIND_THREAD | MEMBIND_STRICT | MEMBIND_BYNODESET
+            if lib.hwloc_set_membind(topo, bitmap, MEMBIND_BIND, flags) != 0:
+                raise MembindError(f"hwloc could not bind memory to NUMA nodes {nodes}: "
+                                   f"{os.strerror(ctypes.get_errno())}")
+            lib.hwloc_bitmap_free(bitmap)
+            bitmap = lib.hwloc_bitmap_alloc()
+        policy = ctypes.c_int()
+        if lib.hwloc_get_membind(topo, bitmap, ctypes.byref(policy), MEMBIND_THREAD | MEMBIND_BYNODESET) != 0:
+            raise MembindError(f"hwloc cannot read the memory binding: {os.strerror(ctypes.get_errno())}")
+        out, i = [], lib.hwloc_bitmap_next(bitmap, -1)
+        while i >= 0:
+            out.append(i)
+            i = lib.hwloc_bitmap_next(bitmap, i)
+        return out
+    finally:
+        lib.hwloc_bitmap_free(bitmap)
+        lib.hwloc_topology_destroy(topo)
+
+
+def bind_memory(nodes: list[int]) -> list[int]:
+    """Allocate the calling thread's future memory on NUMA ``nodes`` (hwloc's strict BIND
+    policy), as a rank does before it first touches its weights; returns the bound nodes."""
+    return _membind(list(nodes))
+
+
+def memory_binding() -> list[int]:
+    """The NUMA nodes the calling thread's allocations go to."""
+    return _membind(None)
 
 
 def discover(*, synthetic: str | None = None, xml: str | os.PathLike | None = None) -> Discovery:

@@ -142,3 +142,27 @@ def test_real_machine_falls_back_to_sysfs_with_a_warning(monkeypatch):
     assert set(os.sched_getaffinity(0)) <= set(tree.pus)
     with pytest.raises(TopologyError, match="libhwloc"):
         topology.hwloc.discover(synthetic="package:1 core:2 pu:1")
+
+
+def test_a_thread_binds_its_memory_to_a_numa_node():
+    """What a rank does before loading its shard on a multi-node plan (hwloc's strict BIND)."""
+    import threading
+
+    if hwloc.load_library() is None:
+        pytest.skip("libhwloc 2.x is not installed")
+    result: dict = {}
+
+    def bind() -> None:
+        result["bound"] = hwloc.bind_memory([0])
+        result["read"] = hwloc.memory_binding()
+        try:
+            hwloc.bind_memory([4095])  # no such node
+        except hwloc.MembindError as err:
+            result["error"] = str(err)
+
+    thread = threading.Thread(target=bind)
+    thread.start()
+    thread.join()
+    assert result["bound"] == result["read"] == [0]
+    assert "could not bind memory to NUMA nodes [4095]" in result["error"]
+    assert hwloc.numa_node_count() >= 1
