@@ -122,15 +122,7 @@ class Engine:
     def __init__(self, compiled: CompiledModel, params: Sequence[np.ndarray], plan: ExecPlan, *,
                  context: int | None = None, prefill_chunk: int = 2048, page_size: int = 16,
                  max_batch: int = 1, kv_tokens: int | None = None):
-        cfg = compiled.config
-        self.cfg, self.plan, self.compiled = cfg, plan, compiled
-        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
-        check_context(cfg, self.context)
-        self.kv_tokens = max(kv_tokens or self.context, self.context)
-        if self.kv_tokens > self.context:
-            check_kv_memory(cfg, self.kv_tokens, option="--kv-cache-tokens")
-        self.prefill_chunk = min(prefill_chunk, self.context)
-        self.page_size, self.max_batch = page_size, max_batch
+        self._limits(compiled, plan, context, prefill_chunk, page_size, max_batch, kv_tokens)
         pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
         if max(plan.prefill_threads, plan.decode_threads) > pool:
             raise EngineError(f"the plan needs {max(plan.prefill_threads, plan.decode_threads)} threads "
@@ -152,9 +144,22 @@ class Engine:
         self._prefill, self._decode = self.vm["prefill"], self.vm["decode"]
         self._batch_prefill, self._batch_decode = self.vm["batch_prefill"], self.vm["batch_decode"]
         self.total_pages = self.available_pages()
+        self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
+
+    def _limits(self, compiled: CompiledModel, plan: ExecPlan, context: int | None, prefill_chunk: int,
+                page_size: int, max_batch: int, kv_tokens: int | None) -> None:
+        """The run's sizes, checked against the model's context and the memory available."""
+        cfg = compiled.config
+        self.cfg, self.plan, self.compiled = cfg, plan, compiled
+        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
+        check_context(cfg, self.context)
+        self.kv_tokens = max(kv_tokens or self.context, self.context)
+        if self.kv_tokens > self.context:
+            check_kv_memory(cfg, self.kv_tokens, option="--kv-cache-tokens")
+        self.prefill_chunk = min(prefill_chunk, self.context)
+        self.page_size, self.max_batch = page_size, max_batch
         self.phase: str | None = None
         self.switches: list[float] = []
-        self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
 
     def close(self) -> None:
         """Release what the engine holds besides memory (a tensor-parallel engine's processes)."""

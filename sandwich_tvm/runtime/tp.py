@@ -25,7 +25,7 @@ import numpy as np
 from ..collective.shm import DEFAULT_TIMEOUT_S, ShmGroup
 from ..compiler.artifact import CompiledModel
 from . import tp_worker
-from .engine import DEFAULT_CONTEXT, Engine, EngineError, check_context
+from .engine import Engine, EngineError
 from .plan import ExecPlan
 
 WORKER = "sandwich_tvm.runtime.tp_worker"
@@ -49,20 +49,12 @@ class TPEngine(Engine):
                  log: Callable[[str], None] = lambda _m: None):
         if compiled.tp != plan.tp:
             raise EngineError(f"the model was compiled for {compiled.tp} processes, the plan has {plan.tp}")
-        cfg = compiled.config
-        self.cfg, self.plan, self.compiled = cfg, plan, compiled
-        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
-        check_context(cfg, self.context)
-        self.kv_tokens = max(kv_tokens or self.context, self.context)
-        self.prefill_chunk = min(prefill_chunk, self.context)
-        self.page_size, self.max_batch = page_size, max_batch
-        self.phase: str | None = None
-        self.switches: list[float] = []
+        self._limits(compiled, plan, context, prefill_chunk, page_size, max_batch, kv_tokens)
         self.huge_page_share = None
         self.session = self._call = None
         self._pipes: list[int] = []
         # the largest message: a prefill chunk's hidden states, or a decode batch's logits
-        slot = 4 * max(self.prefill_chunk * cfg.hidden_size, max_batch * cfg.vocab_size)
+        slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
         self.group = ShmGroup.create(plan.tp, slot, timeout_s)
         _OPEN.add(self)
         try:

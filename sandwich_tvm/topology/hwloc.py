@@ -143,9 +143,8 @@ def _membind(nodes: list[int] | None) -> list[int]:
             if lib.hwloc_set_membind(topo, bitmap, MEMBIND_BIND, flags) != 0:
                 raise MembindError(f"hwloc could not bind memory to NUMA nodes {nodes}: "
                                    f"{os.strerror(ctypes.get_errno())}")
-            lib.hwloc_bitmap_free(bitmap)
-            bitmap = lib.hwloc_bitmap_alloc()
         policy = ctypes.c_int()
+        # read back into the same bitmap (hwloc_get_membind overwrites it)
         if lib.hwloc_get_membind(topo, bitmap, ctypes.byref(policy), MEMBIND_THREAD | MEMBIND_BYNODESET) != 0:
             raise MembindError(f"hwloc cannot read the memory binding: {os.strerror(ctypes.get_errno())}")
         out, i = [], lib.hwloc_bitmap_next(bitmap, -1)
