@@ -8,6 +8,8 @@ vendor, family/model/stepping, the ISA features that change generated code and t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -280,6 +282,19 @@ def save_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive lock on ``path`` (created if needed) for the ``with`` block: processes
+    that build the same cached file one after another instead of over each other."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

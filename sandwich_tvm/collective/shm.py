@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..host import cache_dir, host_signature
+from ..host import cache_dir, file_lock, host_signature
 
 SHM_DIR = Path("/dev/shm")  # POSIX shared memory on Linux
 LINE = 128  # bytes per rank's arrival counter
@@ -40,7 +40,9 @@ def segment_bytes(world: int, slot: int) -> int:
 
 @lru_cache(maxsize=1)
 def _kernel():
-    """The compiled all-reduce (built once per CPU signature, then loaded from the cache)."""
+    """The compiled all-reduce (built once per CPU signature, then loaded from the cache; the
+    ranks of a new group start together, so the build is locked: one compiles, the others wait
+    and load its library instead of reading it half-written)."""
     import tvm_ffi
     import tvm_ffi.cpp
 
@@ -49,9 +51,10 @@ def _kernel():
     build.mkdir(parents=True, exist_ok=True)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # ninja
     try:
-        mod = tvm_ffi.cpp.load_inline("sandwich_shm_allreduce", cpp_sources=src,
-                                      functions=["shm_allreduce_f32"], extra_cflags=["-O3", "-march=native"],
-                                      build_directory=str(build))
+        with file_lock(build / ".lock"):
+            mod = tvm_ffi.cpp.load_inline("sandwich_shm_allreduce", cpp_sources=src,
+                                          functions=["shm_allreduce_f32"],
+                                          extra_cflags=["-O3", "-march=native"], build_directory=str(build))
     except Exception as err:  # a compiler or ninja problem: say what to install
         raise CollectiveError(f"building the shared-memory all-reduce failed ({err}); it needs a C++ "
                               "compiler (g++) and ninja (pip install ninja)") from err
@@ -141,20 +144,24 @@ class ShmGroup:
         if self._seg is not None:
             self._words()[self.rank, 2] = 1
 
-    def allreduce(self, x, out=None):
-        """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank.
-        ``x`` and ``out`` are numpy arrays or any DLPack tensors (TVM's, inside a model); ``out``
-        may be ``x``."""
+    def allreduce(self, x, out=None, residual=None):
+        """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank, plus
+        ``residual`` when given (the same on every rank; added in the same pass). ``x``,
+        ``residual`` and ``out`` are numpy arrays or any DLPack tensors (TVM's, inside a model);
+        ``out`` may be ``x`` or ``residual``."""
         if self._seg is None:
             raise CollectiveError("the group is closed")
         if isinstance(x, np.ndarray):
             x = np.ascontiguousarray(x, dtype=np.float32)
             out = np.empty_like(x) if out is None else out
+        if isinstance(residual, np.ndarray):
+            residual = np.ascontiguousarray(residual, dtype=np.float32)
         nbytes = 4 * math.prod(x.shape)
         if nbytes > self.slot:
             raise CollectiveError(f"a message of {nbytes} bytes exceeds the group's {self.slot}-byte slots")
         self.seq += 1
-        _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x, out, ONE_SHOT_BYTES,
+        _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x,
+                  x if residual is None else residual, residual is not None, out, ONE_SHOT_BYTES,
                   self.block_bytes, self.timeout_s)
         return out
 

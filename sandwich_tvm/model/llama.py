@@ -36,9 +36,9 @@ def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
 
 def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor, tp: int) -> nn.Tensor:
     """``linear(x) + residual``: fused into Sandwich's kernel, a separate add in the stock build;
-    sharded, the ranks' partial products are summed (all-reduce) before the residual add."""
+    sharded, the ranks' partial products are summed by the all-reduce, which adds the residual."""
     if tp > 1:
-        return allreduce(linear(x)) + residual
+        return allreduce(linear(x), residual)
     if isinstance(linear, PackedLinear):
         return linear(x, residual)
     return linear(x) + residual

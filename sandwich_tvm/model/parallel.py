@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn import op
 from .config import LlamaConfig
 
 ALLREDUCE = "sandwich.tp_allreduce"  # (x, out): out = sum of x over the ranks
+ALLREDUCE_ADD = "sandwich.tp_allreduce_add"  # (x, residual, out): out = residual + sum of x
 GATHER = "sandwich.tp_gather_last"  # (x, out): rank r's x fills out[..., r * w : (r + 1) * w]
 
 
@@ -91,9 +92,13 @@ def shard_hint(param: nn.Parameter, shard: Shard | None) -> nn.Parameter:
     return param
 
 
-def allreduce(x: nn.Tensor) -> nn.Tensor:
-    """The sum of ``x`` over the ranks (the row-parallel Linear's partial products)."""
-    return op.extern(ALLREDUCE, [x], out=nn.Tensor.placeholder(x.shape, x.dtype))
+def allreduce(x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
+    """The sum of ``x`` over the ranks (the row-parallel Linear's partial products), plus
+    ``residual`` when given: the residual add is fused into the collective's reduction."""
+    out = nn.Tensor.placeholder(x.shape, x.dtype)
+    if residual is None:
+        return op.extern(ALLREDUCE, [x], out=out)
+    return op.extern(ALLREDUCE_ADD, [x, residual], out=out)
 
 
 def gather_last(x: nn.Tensor, full: int) -> nn.Tensor:

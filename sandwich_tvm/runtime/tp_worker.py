@@ -8,8 +8,9 @@ of the controller (``runtime.tp``), which imports this module too, so every rank
   (first touched by the rank's own cores) and open its engine;
 - ``sandwich.tp_call(method, json)``: run one ``Engine`` method (prefill, decode, use, ...);
   rank 0's result is read by the controller in-process (``result()``);
-- the collectives the sharded model calls (``model.parallel``): ``sandwich.tp_allreduce`` and
-  ``sandwich.tp_gather_last``, and Disco's own CPU all-reduce (``runtime.disco..allreduce``,
+- the collectives the sharded model calls (``model.parallel``): ``sandwich.tp_allreduce``,
+  ``sandwich.tp_allreduce_add`` (the residual add fused in) and ``sandwich.tp_gather_last``,
+  and Disco's own CPU all-reduce (``runtime.disco..allreduce``,
   which ``Session.allreduce`` and ``nn.op.ccl_allreduce`` reach on CPU workers).
 
 An exception must not leave a registered function (Disco aborts the process): it is kept
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import tvm_ffi
 
-from ..model.parallel import ALLREDUCE, GATHER
+from ..model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER
 
 _STATE: dict = {}  # this rank's group, engine, last result and last error
 
@@ -111,6 +112,11 @@ def _call(method: str, args_json: str):
 @tvm_ffi.register_global_func(ALLREDUCE, override=True)
 def _allreduce(x, out) -> None:
     _STATE["group"].allreduce(x, out)
+
+
+@tvm_ffi.register_global_func(ALLREDUCE_ADD, override=True)
+def _allreduce_add(x, residual, out) -> None:
+    _STATE["group"].allreduce(x, out, residual)
 
 
 @tvm_ffi.register_global_func(GATHER, override=True)

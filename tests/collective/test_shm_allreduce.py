@@ -18,25 +18,41 @@ SIZES = [1, 15, 768, 4096, 4099, ONE_SHOT_BYTES // 4 + 17, 300_001]
 
 
 def message(rank: int, n: int) -> np.ndarray:
-    return np.random.default_rng(1000 * rank + n).standard_normal(n).astype(np.float32)
+    return np.random.default_rng(1000 * (rank + 1) + n).standard_normal(n).astype(np.float32)
 
 
-def _worker(name: str, rank: int, world: int, slot: int, sizes: list[int], results) -> None:
+RESIDUAL = -1  # the residual stream's "rank": the same array on every rank
+
+
+def reduce_all(group: ShmGroup, sizes: list[int], residual: bool) -> list[np.ndarray]:
+    """Each size's all-reduce; with ``residual``, the residual is added in place (out=residual)."""
+    if not residual:
+        return [group.allreduce(message(group.rank, n)) for n in sizes]
+    outs = []
+    for n in sizes:
+        stream = message(RESIDUAL, n)
+        assert group.allreduce(message(group.rank, n), out=stream, residual=stream) is stream
+        outs.append(stream)
+    return outs
+
+
+def _worker(name: str, rank: int, world: int, slot: int, sizes: list[int], residual: bool, results) -> None:
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
     with ShmGroup.attach(name, rank, world, slot, timeout_s=30) as group:
-        outs = [group.allreduce(message(rank, n)) for n in sizes]
+        outs = reduce_all(group, sizes, residual)
     results.put((rank, [o.tobytes() for o in outs]))
 
 
-def run_group(world: int, sizes: list[int]) -> list[list[np.ndarray]]:
+def run_group(world: int, sizes: list[int], residual: bool = False) -> list[list[np.ndarray]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with ShmGroup.create(world, max(sizes) * 4, timeout_s=30) as group:
-        procs = [ctx.Process(target=_worker, args=(group.name, r, world, group.slot, sizes, results))
+        procs = [ctx.Process(target=_worker,
+                             args=(group.name, r, world, group.slot, sizes, residual, results))
                  for r in range(1, world)]
         for p in procs:
             p.start()
-        mine = [group.allreduce(message(0, n)) for n in sizes]
+        mine = reduce_all(group, sizes, residual)
         got = dict(results.get(timeout=60) for _ in procs)
         for p in procs:
             p.join(timeout=30)
@@ -48,13 +64,15 @@ def run_group(world: int, sizes: list[int]) -> list[list[np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_rank_order_sum(world):
-    per_rank = run_group(world, SIZES)
+@pytest.mark.parametrize(("world", "residual"), [(2, False), (3, False), (2, True)])
+def test_every_rank_gets_the_rank_order_sum(world, residual):
+    per_rank = run_group(world, SIZES, residual)
     for i, n in enumerate(SIZES):
         want = message(0, n)
         for r in range(1, world):
             want = want + message(r, n)  # float32 adds in rank order, as the kernel does
+        if residual:
+            want = want + message(RESIDUAL, n)  # then the residual, fused into the same pass
         for r in range(world):
             np.testing.assert_array_equal(per_rank[r][i], want, err_msg=f"rank {r}, n={n}")
 
