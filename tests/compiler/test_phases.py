@@ -1,5 +1,6 @@
 """The kernel choice per phase is a Relax pass: the model calls prefill kernels, the pass gives
-the decode functions the decode kernels of the same GEMMs."""
+the decode functions the decode kernels of the same GEMMs (``decode``, whose m is 1, the
+single-bucket kernel for m = 1)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ def test_decode_functions_call_decode_kernels_after_the_pass():
     mod = select_phase_kernels(kernels)(mod)
     for f in ("prefill", "batch_prefill"):
         assert _linear_kernels(mod, f) == before[f]
-    for f in ("decode", "batch_decode"):
-        after = _linear_kernels(mod, f)
-        assert after == {n.replace("_prefill", "_decode") for n in before[f]}
+    assert _linear_kernels(mod, "batch_decode") == {n.replace("_prefill", "_decode")
+                                                    for n in before["batch_decode"]}
+    assert _linear_kernels(mod, "decode") == {n.replace("_prefill", "_decode") + "_m1"
+                                              for n in before["decode"]}
+    for name in _linear_kernels(mod, "decode"):  # one variant: no dispatch on m
+        assert str(mod[name].script()).count('T.sblock("v') == 1, name
+    for name in _linear_kernels(mod, "batch_decode"):  # every bucket up to the batch
+        assert str(mod[name].script()).count('T.sblock("v') > 1, name
     # one decode kernel per GEMM and epilogue, built for the decode plan's threads and batch
     assert {s for (phase, s) in kernels.sources if phase == "decode"} == {
         shape.name for shape, phase, _ in kernels.calls.values() if phase == "prefill"}
