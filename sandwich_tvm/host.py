@@ -81,7 +81,7 @@ def host_isa() -> str:
 
 
 _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
-              "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}}
+              "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"}}
 
 
 def can_run(isa: str) -> bool:
@@ -206,7 +206,7 @@ def llvm_mattr(flags: frozenset[str] | set[str] | None = None) -> list[str]:
 def half_precision_units(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     """The CPU's bf16 matrix/dot-product units (AMX, AVX512-BF16): where bf16 beats fp32."""
     flags = cpu_flags() if flags is None else flags
-    return [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    return [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in flags]
 
 
 def last_level_cache_bytes() -> int:

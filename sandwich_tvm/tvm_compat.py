@@ -117,13 +117,16 @@ _ISA_TARGETS = {
     "avx512": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4"},
     "avx512bf16": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512bf16"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
+    "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},
 }
 
 
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
     """The host target when ``isa`` is this CPU's (or its AVX512-BF16 extension and this CPU
     has it), else a generic target of that ISA."""
-    if isa == host_isa() or (isa == "avx512bf16" and host_isa() == "avx512" and can_run(isa)):
+    from .kernels.microkernel import BF16_UNITS  # a table of values, no TVM
+
+    if isa == host_isa() or (isa in BF16_UNITS.get(host_isa(), ()) and can_run(isa)):
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:
         raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")

@@ -145,7 +145,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     lines = textwrap.dedent(head).strip("\n").split("\n")
     base = 3
     if isa.k_pack == 2:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
-        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL!r}):")
+        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL[isa.name]!r}):")
         base = 4
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
@@ -161,21 +161,25 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     return "\n".join(lines) + "\n"
 
 
-# ``vdpbf16ps`` takes ``<32 x bfloat>`` operands, a type the wheel's TIR-to-LLVM code generator
-# cannot emit (bf16 is legalized to u16 storage, and an unlegalized bf16 crashes it). The
-# kernel passes the pairs as 32-bit words and this function, linked into the module through
-# TVM's ``pragma_import_llvm`` and inlined, reinterprets them (a no-op bitcast).
-DPBF16_LL = """
-declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
-define linkonce_odr <16 x float> @sandwich_dpbf16ps(<16 x float> %acc, <16 x i32> %a,
-                                                    <16 x i32> %b) alwaysinline {
-  %ab = bitcast <16 x i32> %a to <32 x bfloat>
-  %bb = bitcast <16 x i32> %b to <32 x bfloat>
-  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc,
-                                                           <32 x bfloat> %ab, <32 x bfloat> %bb)
-  ret <16 x float> %r
-}
+# The bf16 pair dot products take ``<2L x bfloat>`` operands, a type the wheel's TIR-to-LLVM
+# code generator cannot emit (bf16 is legalized to u16 storage, and an unlegalized bf16 crashes
+# it). The kernel passes the pairs as 32-bit words and this function, linked into the module
+# through TVM's ``pragma_import_llvm`` and inlined, reinterprets them (a no-op bitcast) for
+# the ISA's instruction: ``vdpbf16ps`` (16 lanes) or Arm's ``bfdot`` (4 lanes). Both compute,
+# per fp32 lane i, acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
+_DPBF16_TEMPLATE = """
+declare <{L} x float> @{intrinsic}(<{L} x float>, <{L2} x bfloat>, <{L2} x bfloat>)
+define linkonce_odr <{L} x float> @sandwich_dpbf16ps(<{L} x float> %acc, <{L} x i32> %a,
+                                                    <{L} x i32> %b) alwaysinline {{
+  %ab = bitcast <{L} x i32> %a to <{L2} x bfloat>
+  %bb = bitcast <{L} x i32> %b to <{L2} x bfloat>
+  %r = call <{L} x float> @{intrinsic}(<{L} x float> %acc, <{L2} x bfloat> %ab, <{L2} x bfloat> %bb)
+  ret <{L} x float> %r
+}}
 """
+DPBF16_LL = {isa: _DPBF16_TEMPLATE.format(L=lanes, L2=2 * lanes, intrinsic=intrinsic)
+             for isa, lanes, intrinsic in (("avx512bf16", 16, "llvm.x86.avx512bf16.dpbf16ps.512"),
+                                           ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
 
 
 def _bf16_bits(x: str) -> str:

@@ -7,9 +7,10 @@ within the register file (BLIS's rule; spilling costs more than a smaller tile).
 
 The dtype is the weight's storage precision; accumulation is fp32 everywhere. On the plain
 vector ISAs a 16-bit weight is widened to fp32 as it is loaded (bf16: a 16-bit shift; f16:
-``vcvtph2ps``) and the tile is the fp32 one. ``avx512bf16`` is its own ISA: ``vdpbf16ps``
-multiplies *pairs* along k (A rounded to bf16 when it is packed, B packed with k-pairs
-interleaved), so one instruction does two k steps of the tile.
+``vcvtph2ps``) and the tile is the fp32 one. ``avx512bf16`` and ``neonbf16`` are ISAs of their
+own: ``vdpbf16ps`` (x86) and ``bfdot`` (Armv8.6 BF16) multiply *pairs* along k (A rounded to
+bf16 when it is packed, B packed with k-pairs interleaved), so one instruction does two k steps
+of the tile.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ ISAS: dict[str, Isa] = {
     "avx512bf16": Isa("avx512bf16", lanes=16, registers=32,
                       default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 4, 4)),
                       dtypes=("bfloat16",), k_pack=2, needs=("avx512_bf16",)),
+    "neonbf16": Isa("neonbf16", lanes=4, registers=32,
+                    default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4)),
+                    dtypes=("bfloat16",), k_pack=2, needs=("bf16",)),
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# vector ISA -> the bf16 dot-product ISAs a CPU of it may have
+BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512bf16",), "neon": ("neonbf16",)}
 
 
 def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset()) -> str:
@@ -66,8 +72,10 @@ def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozense
     the bf16 dot-product unit where the CPU has it, else the vector ISA (widening loads)."""
     if dtype not in DTYPES:
         raise ValueError(f"weight dtype {dtype!r} is not one of {DTYPES}")
-    if dtype == "bfloat16" and isa == "avx512" and "avx512_bf16" in flags:
-        return "avx512bf16"
+    if dtype == "bfloat16":
+        for unit in BF16_UNITS.get(isa, ()):
+            if set(ISAS[unit].needs) <= set(flags):
+                return unit
     return isa
 
 

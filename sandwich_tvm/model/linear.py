@@ -33,8 +33,8 @@ def check_weight_dtype(dtype: str) -> None:
 
 def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
     """``(dtype, why)`` for a ``--dtype`` value. ``auto`` is bfloat16 on every CPU: computed on
-    the bf16 dot-product unit where there is one (AVX512-BF16), else widened to fp32 as it is
-    loaded, which still halves the bytes decode streams per token."""
+    the bf16 dot-product unit where there is one (AVX512-BF16, Arm's BF16), else widened to fp32
+    as it is loaded, which still halves the bytes decode streams per token."""
     if dtype != "auto":
         check_weight_dtype(dtype)
         return dtype, "as asked"
@@ -42,6 +42,8 @@ def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str,
     isa = kernel_isa(isa_of(flags), "bfloat16", flags)
     if isa == "avx512bf16":
         return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
+    if isa == "neonbf16":
+        return "bfloat16", "this CPU has Arm's BF16 extension: bf16 weights run on bfdot"
     return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
                         f"widened to fp32 on {isa} (half the weight bytes of fp32)")
 @dataclass

@@ -99,8 +99,10 @@ def test_residual_and_silu_mul_epilogues(isa, dtype):
         np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
 
 
-# The instruction that shows each kernel computes as intended (x86; Arm: its vector registers).
-SIGNATURE = {("avx512bf16", "bfloat16"): "vdpbf16ps", ("avx512", "bfloat16"): "vpslld",
+# The instruction that shows each kernel computes as intended (Arm's widening kernels: its
+# vector registers).
+SIGNATURE = {("avx512bf16", "bfloat16"): "vdpbf16ps", ("neonbf16", "bfloat16"): "bfdot",
+             ("avx512", "bfloat16"): "vpslld",
              ("avx2", "bfloat16"): "vpslld", ("avx512", "float16"): "vcvtph2ps",
              ("avx2", "float16"): "vcvtph2ps"}
 
@@ -116,6 +118,8 @@ def test_built_for_its_isa_everywhere(isa, dtype):
         assert SIGNATURE[(isa, dtype)] in asm
     if isa != "avx512bf16":
         assert "vdpbf16ps" not in asm
+    if isa != "neonbf16":
+        assert "bfdot" not in asm
 
 
 @pytest.mark.parametrize(("isa", "dtype", "interleave"),
@@ -135,6 +139,11 @@ def test_dtype_choice_follows_the_cpu_flags():
     assert kernel_isa("avx512", "bfloat16", {"avx512f"}) == "avx512"
     assert kernel_isa("avx512", "float16", {"avx512f", "avx512_bf16"}) == "avx512"
     assert kernel_isa("avx2", "bfloat16", {"avx2", "fma"}) == "avx2"
+    assert kernel_isa("neon", "bfloat16", {"asimd", "bf16"}) == "neonbf16"  # Armv8.6 BFDOT
+    assert kernel_isa("neon", "bfloat16", {"asimd"}) == "neon"
+    assert kernel_isa("neon", "float16", {"asimd", "bf16"}) == "neon"
+    dtype, why = resolve_dtype("auto", frozenset({"asimd", "bf16"}))
+    assert dtype == "bfloat16" and "bfdot" in why
     assert resolve_dtype("auto", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))[0] == "bfloat16"
     dtype, why = resolve_dtype("auto", frozenset({"avx2", "fma"}))
     assert dtype == "bfloat16" and "widened" in why
