@@ -9,6 +9,7 @@ Disco worker) can call it too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -166,14 +167,16 @@ class ShmGroup:
         return out
 
     def close(self) -> None:
-        """Unmap; the owner also removes the segment."""
+        """The owner removes the segment; every rank unmaps it (or, while a view of it is still
+        alive somewhere, leaves the mapping to go with the last view)."""
         if self._map is None:
             return
         self._seg = None
-        self._map.close()
-        self._map = None
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
+        with contextlib.suppress(BufferError):  # a numpy or DLPack view outlives the group
+            self._map.close()
+        self._map = None
 
     def __enter__(self) -> ShmGroup:
         return self

@@ -117,3 +117,13 @@ def test_bad_groups_are_refused():
             group.allreduce(np.ones(2000, np.float32))
         with pytest.raises(CollectiveError, match="outside a group of 2"):
             ShmGroup.attach(group.name, 2, 2, group.slot)
+
+
+def test_the_owner_removes_the_segment_even_while_a_view_of_it_lives():
+    group = ShmGroup.create(1, 4096)
+    view = group._seg[:64]  # e.g. a tensor someone kept
+    path = Path("/dev/shm", group.name)
+    assert path.exists()
+    group.close()
+    assert not path.exists()
+    assert view.shape == (64,)  # still mapped, goes with the view
