@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from sandwich_tvm.host import HostError, ensure_writable, half_precision_units, tvm_num_threads
+from sandwich_tvm.host import HostError, ensure_writable, file_lock, half_precision_units, tvm_num_threads
 
 
 @pytest.mark.parametrize("value,message", [("abc", "not a positive integer"), ("0", "not a positive integer"),
@@ -73,3 +75,25 @@ def test_torch_baseline_dtype_follows_the_cpu():
     assert torch_dtype("float32")[0] == "float32"
     assert half_precision_units({"avx2", "avx512_bf16"}) == ["avx512_bf16"]
     assert half_precision_units({"avx2", "fma"}) == []
+    assert half_precision_units({"asimd", "bf16"}) == ["bf16"]  # Arm: torch's bf16 kernels too
+
+
+def _hold_lock(lock, ready, log) -> None:
+    with file_lock(lock):
+        ready.set()
+        time.sleep(0.3)
+        with open(log, "a") as fh:
+            fh.write("first\n")
+
+
+def test_file_lock_makes_processes_take_turns(tmp_path):
+    """The ranks of a new group build the all-reduce under this lock: the second waits."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(tmp_path / ".lock", ready, tmp_path / "log"))
+    holder.start()
+    assert ready.wait(60)
+    with file_lock(tmp_path / ".lock"), open(tmp_path / "log", "a") as fh:
+        fh.write("second\n")
+    holder.join(60)
+    assert (tmp_path / "log").read_text().splitlines() == ["first", "second"]
