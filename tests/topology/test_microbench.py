@@ -11,15 +11,15 @@ import pytest
 
 from sandwich_tvm.cli import tune as tune_cli
 from sandwich_tvm.host import cold_weight_bytes
+from sandwich_tvm.memory import aligned_empty
 from sandwich_tvm.topology import load_tree
-from sandwich_tvm.topology.microbench import measure_profile, read_bandwidth
+from sandwich_tvm.topology.microbench import BandwidthProbe, measure_profile, read_bandwidth
 
 pytestmark = pytest.mark.compile
 
 
-def _numpy_read_gbs(cpus: list[int], nbytes: int = 1 << 29) -> float:
+def _numpy_read_gbs(cpus: list[int], data: np.ndarray) -> float:
     """STREAM-like read with plain numpy: one Python thread per core, each summing a slice."""
-    data = np.ones(nbytes // 4, np.float32)
     parts = np.array_split(data, len(cpus))
 
     def work(part, cpu):
@@ -45,10 +45,18 @@ def test_read_bandwidth_agrees_with_numpy():
     nbytes = cold_weight_bytes(1 << 29)
     cpus = sorted(os.sched_getaffinity(0))
     ours = read_bandwidth(cpus, nbytes=nbytes, repeats=3)
-    plain = _numpy_read_gbs(cpus, nbytes)
     assert len(ours) == min(len(cpus), int(os.environ["TVM_NUM_THREADS"]))
+    assert all(bw > 1 for bw in ours)
+    # The same kind of memory as ours (2 MiB pages: a 4 KiB-page read runs ~1.4x slower), and
+    # the two reads interleaved: this VM's bandwidth flips between phases ~1.6x apart for
+    # minutes at a time, so each ratio compares readings of the same moment; the median of
+    # three survives one flip.
+    data = aligned_empty((nbytes // 4,))
+    data[...] = 1.0
+    probe = BandwidthProbe(cpus, nbytes, repeats=3)
+    ratios = [probe.sample() / _numpy_read_gbs(cpus, data) for _ in range(3)]
     # Two different codes on a noisy VM: agree within a factor of 1.6 with all cores.
-    assert plain / 1.6 < ours[-1] < plain * 1.6
+    assert 1 / 1.6 < float(np.median(ratios)) < 1.6, ratios
 
 
 def test_profile_is_measured_cached_and_sane(tmp_path):
