@@ -82,6 +82,8 @@ def host_isa() -> str:
 
 _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
               "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"}}
+# vector ISA -> the bf16 dot-product ISAs a CPU of it may have
+BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512bf16",), "neon": ("neonbf16",)}
 
 
 def can_run(isa: str) -> bool:

@@ -12,7 +12,7 @@ import os
 import threading
 from functools import lru_cache
 
-from .host import PROCESS_CPUS, can_run, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
+from .host import BF16_UNITS, PROCESS_CPUS, can_run, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
 
 # Read before TVM's pool starts (and re-pins the calling thread, notes §5).
 os.environ["TVM_NUM_THREADS"] = str(tvm_num_threads())
@@ -122,10 +122,8 @@ _ISA_TARGETS = {
 
 
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
-    """The host target when ``isa`` is this CPU's (or its AVX512-BF16 extension and this CPU
-    has it), else a generic target of that ISA."""
-    from .kernels.microkernel import BF16_UNITS  # a table of values, no TVM
-
+    """The host target when ``isa`` is this CPU's (or its bf16 dot-product extension and this
+    CPU has it), else a generic target of that ISA."""
     if isa == host_isa() or (isa in BF16_UNITS.get(host_isa(), ()) and can_run(isa)):
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:

@@ -13,8 +13,8 @@
 // messages are reduced one-shot: every rank sums all slots. Large ones go in blocks of
 // `block_bytes` (so a block's slots, result and output stay in cache instead of streaming the
 // whole message through DRAM five times): each block is reduce-scattered (rank r sums chunk r
-// of the block into the result slot) and all-gathered (every rank copies the block's result,
-// starting at its own chunk). Chunks are whole cache lines. Sums run in rank order 0..P-1
+// of the block, plus the residual when asked, into its output and the result slot) and
+// all-gathered (every rank copies the other ranks' chunks of the result, rank-shifted). Chunks are whole cache lines. Sums run in rank order 0..P-1
 // everywhere, so every rank gets bit-identical results. Barrier i of op s waits for the
 // counter value (s << 24) + i: monotonic over ops and over the blocks of one op.
 //

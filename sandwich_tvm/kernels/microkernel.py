@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..host import BF16_UNITS
+
 
 @dataclass(frozen=True)
 class Isa:
@@ -63,8 +65,6 @@ ISAS: dict[str, Isa] = {
                     dtypes=("bfloat16",), k_pack=2, needs=("bf16",)),
 }
 DTYPES = ("float32", "bfloat16", "float16")
-# vector ISA -> the bf16 dot-product ISAs a CPU of it may have
-BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512bf16",), "neon": ("neonbf16",)}
 
 
 def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset()) -> str:

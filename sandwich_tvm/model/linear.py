@@ -112,8 +112,8 @@ class KernelSet:
         """The kernel for ``shape`` in ``phase_name``: every bucket of its schedule (any m), or,
         for a call whose ``m`` is known when compiling, only the bucket that serves that m (a
         kernel of one variant streams cold weights faster: in one function with the other
-        variants LLVM compiled the same loop nest into a slower one, 160 vs 230-350 us for a
-        1-thread 3072x768 bf16 GEMV on Zen 4)."""
+        variants LLVM compiled the same loop nest into a slower one, 351 vs 154 us a call for a
+        1-thread 3072x768 bf16 GEMV on Zen 4, ``scripts/decode_profile.py``)."""
         suffix = ("" if epilogue == "none" else f"_{epilogue}") + ("" if m is None else f"_m{m}")
         name = f"sandwich_linear_{shape.name}_{phase_name}{suffix}"
         key = (phase_name, shape, epilogue, m)
