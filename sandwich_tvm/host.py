@@ -81,13 +81,34 @@ def host_isa() -> str:
 
 
 _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
-              "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"}}
-# vector ISA -> the bf16 dot-product ISAs a CPU of it may have
-BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512bf16",), "neon": ("neonbf16",)}
+              "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"},
+              "amx": {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"}}
+# vector ISA -> the bf16 units a CPU of it may have, best first
+BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amx", "avx512bf16"), "neon": ("neonbf16",)}
+
+
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@lru_cache(maxsize=1)
+def enable_amx() -> bool:
+    """Ask Linux for the AMX tile data state (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``), once per process and for all its threads: without it the first tile
+    instruction kills the process (SIGILL). False where the CPU or the kernel has no AMX."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64" or "amx_tile" not in cpu_flags():
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
 def can_run(isa: str) -> bool:
-    """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code)."""
+    """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code); AMX
+    also needs the kernel's permission, which this asks for."""
+    if isa == "amx" and not enable_amx():
+        return False
     return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
 
 

@@ -12,12 +12,23 @@ import os
 import threading
 from functools import lru_cache
 
-from .host import BF16_UNITS, PROCESS_CPUS, can_run, cpu_flags, host_isa, llvm_mattr, tvm_num_threads
+from .host import (
+    BF16_UNITS,
+    PROCESS_CPUS,
+    can_run,
+    cpu_flags,
+    enable_amx,
+    host_isa,
+    llvm_mattr,
+    tvm_num_threads,
+)
 
 # Read before TVM's pool starts (and re-pins the calling thread, notes §5).
 os.environ["TVM_NUM_THREADS"] = str(tvm_num_threads())
 
 import tvm  # noqa: E402
+
+enable_amx()  # every process that runs our kernels imports TVM through here (Disco workers too)
 from tvm.script import tirx as T  # noqa: E402,F401
 
 __all__ = ["tvm", "T", "host_target", "host_isa", "isa_target", "cpu_flags", "parse_tvmscript",
@@ -116,6 +127,8 @@ _ISA_TARGETS = {
     "avx2": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
     "avx512": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4"},
     "avx512bf16": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512bf16"]},
+    "amx": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
+            "mattr": ["+avx512bf16", "+amx-tile", "+amx-bf16"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
     "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},
 }

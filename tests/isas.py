@@ -10,11 +10,12 @@ from sandwich_tvm.kernels.microkernel import ISAS
 ALL_ISAS = sorted(isa for isa, spec in ISAS.items() if "float32" in spec.dtypes)  # vector ISAs
 every_isa = pytest.mark.parametrize("isa", ALL_ISAS)
 # Every (micro-kernel ISA, weight dtype) with 16-bit weights: widened on the vector ISAs, bf16
-# pairs on avx512bf16 and neonbf16.
+# pairs on avx512bf16 and neonbf16, bf16 tiles on amx.
 HALF_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes if dt != "float32"]
 
 # What a vector register looks like in each ISA's assembly.
-VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "neon": ".4s", "neonbf16": ".4s"}
+VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "neon": ".4s", "neonbf16": ".4s",
+                   "amx": "%tmm"}
 
 
 def require_runnable(isa: str) -> None:

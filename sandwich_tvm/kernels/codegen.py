@@ -16,6 +16,12 @@ columns alternate every ``lanes`` columns, so a tile of an even number of vector
 number of vectors, split-K and several KC blocks per thread need the whole sum first: they
 write the GEMM to a scratch buffer and a parallel pass applies the epilogue.
 
+AMX tiles (``gemm_bf16_amx_*``, ``amx``) take the same loop nest: A is packed into 16-row x
+16-pair tiles (1 KB each), each thread loads the tile configuration first, the register tile
+becomes tm x tn accumulator tiles over whole 16-pair k steps, and the accumulators are stored
+to the thread's slot of a scratch ``C`` from which the ordinary store (tails, epilogues, KC
+blocks and split-K partials) reads.
+
 Trap (notes §2): the accumulator must be a small *global*-scope block buffer: TVM then puts
 it on the stack and LLVM keeps it in registers; ``local`` scope becomes a workspace
 allocation whose stores stay in the hot loop (3x slower). "Small" is under 1 KB (TVM's
@@ -33,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..tvm_compat import parse_tvmscript, tvm
+from .amx import amx, tile_config, tile_kloop
 from .microkernel import ISAS, STACK_BYTES
 from .packing import KernelError, WeightLayout
 from .schedule import GemmSchedule, GemmShape, cdiv
@@ -84,6 +91,25 @@ class _Acc:
         return [("jj", self.nr, "", lambda u: f"acc[{u}, {ii}, jj]")]
 
 
+class _TileAcc(_Acc):
+    """An AMX tile's accumulator: the tile registers, stored once per tile into this thread's
+    slot ``C<v>[t, MR, NR]`` of a buffer allocated once per call (a tile of 16 x 16 fp32 is
+    1 KB, which TVM would otherwise allocate from the workspace pool for every tile)."""
+
+    def __init__(self, buf: str, mr: int, nr: int, lanes: int) -> None:
+        super().__init__(1, mr, nr, lanes)
+        self.buf, self.split = buf, False
+
+    def alloc(self) -> list[str]:
+        return []
+
+    def vec(self, u: str, ii: str, q: str, w: str) -> str:
+        return f"{self.buf}[t, {ii}, {q} * {self.lanes} + {w}]"
+
+    def columns(self, ii: str) -> list[tuple[str, int, str, object]]:
+        return [("jj", self.nr, "", lambda u: f"{self.buf}[t, {ii}, jj]")]
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Rows ``m <= m_max`` (the last bucket: every larger m) run ``schedule``."""
@@ -102,6 +128,8 @@ def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
         raise KernelError(f"slice {s} is not a whole number of {mk.mr}x{mk.nr} tiles")
     if mk.nr % mk.lanes:
         raise KernelError(f"NR={mk.nr} is not a multiple of {mk.lanes} lanes")
+    if ISAS[mk.isa].tile_rows and s.kc % ISAS[mk.isa].k_align:
+        raise KernelError(f"KC={s.kc} is not a whole number of {ISAS[mk.isa].k_align}-pair AMX tiles")
 
 
 def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
@@ -115,10 +143,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
         raise KernelError("a kernel needs at least one bucket")
     if epilogue not in EPILOGUES:
         raise KernelError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
-    isas = {b.schedule.mk.isa for b in buckets}
-    if len(isas) != 1:
-        raise KernelError(f"buckets mix ISAs {sorted(isas)}")
-    isa = ISAS[isas.pop()]
+    isa = ISAS[_layout_isa({b.schedule.mk.isa for b in buckets})]
     for b in buckets:
         check_schedule(shape, b.schedule)
     n, k, lanes = shape.n, shape.k, isa.lanes
@@ -144,8 +169,9 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     '''
     lines = textwrap.dedent(head).strip("\n").split("\n")
     base = 3
-    if isa.k_pack == 2:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
-        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL[isa.name]!r}):")
+    dot = {b.schedule.mk.isa for b in buckets} & set(DPBF16_LL)
+    if dot:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
+        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL[dot.pop()]!r}):")
         base = 4
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
@@ -182,6 +208,15 @@ DPBF16_LL = {isa: _DPBF16_TEMPLATE.format(L=lanes, L2=2 * lanes, intrinsic=intri
                                            ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
 
 
+def _layout_isa(isas: set[str]) -> str:
+    """The ISA whose weight layout the buckets read: theirs, or the one the others' extend (an
+    AMX kernel's small-m buckets are avx512bf16 register tiles on the same packed weight)."""
+    for isa in isas:
+        if isas <= {isa, *ISAS[isa].extends}:
+            return isa
+    raise KernelError(f"buckets mix ISAs {sorted(isas)} that read different weight layouts")
+
+
 def _bf16_bits(x: str) -> str:
     """TIR text of the bf16 bits of fp32 ``x`` (round to nearest even) in a uint32."""
     bits = f'T.reinterpret("uint32", {x})'
@@ -199,7 +234,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     mr, nr, lanes = mk.mr, mk.nr, mk.lanes
     nv = nr // lanes
     pairs_k = mk.k_pack == 2  # k counts bf16 pairs (one vdpbf16ps each)
-    k = cdiv(k_full, mk.k_pack)
+    tiles = ISAS[mk.isa].tile_rows > 0  # an AMX tile grid
+    tm, tn = mk.tiles
+    # AMX walks the padded k (16 pairs per tile; A and W are zero there)
+    k = WeightLayout(mk.isa, mk.dtype).reduction(k_full) if tiles else cdiv(k_full, mk.k_pack)
     kc = min(s.kc, k)
     mct, nct = s.mc // mr, s.nc // nr
     kb, ktail = cdiv(k, kc), k - (cdiv(k, kc) - 1) * kc
@@ -227,16 +265,32 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         conds.append(f"{pc} < {kb}")
 
     out = [f'with T.sblock("v{v}"):']
-    out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "{"uint32" if pairs_k else "float32"}")')
+    if tiles:  # A in 16 x 16-pair tiles, 1 KB each: Ap[row tile, k tile, row, pair]
+        out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 16), "uint32")')
+        out.append(f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")')
+    else:
+        a_dtype = "uint32" if pairs_k else "float32"
+        out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "{a_dtype}")')
     if scratch:
         out.append(f'    {y} = T.sblock_alloc_buffer((m, {n}), "float32")')
     if p.pk > 1:
         out.append(f'    {part} = T.sblock_alloc_buffer(({p.pk - 1}, m, {n}), "float32")')
+    if tiles:
+        out += [
+            f"    for it in T.parallel({mt} * {tm}):",
+            f"        for kb, ii, kk in T.grid({k // 16}, 16, 16):",
+            f"            {ap}[it, kb, ii, kk] = {_pack_a(16, k_full, True, 'kb * 16 + kk', 2 * k > k_full)}",
+            f"    for t in T.parallel({threads}):",
+            *_indent(tile_config(16, 64), 2),
+        ]
+    else:
+        out += [
+            f"    for it in T.parallel({mt}):",
+            f"        for kk, ii in T.grid({k}, {mr}):",
+            f"            {ap}[it, kk, ii] = {_pack_a(mr, k_full, pairs_k)}",
+            f"    for t in T.parallel({threads}):",
+        ]
     out += [
-        f"    for it in T.parallel({mt}):",
-        f"        for kk, ii in T.grid({k}, {mr}):",
-        f"            {ap}[it, kk, ii] = {_pack_a(mr, k_full, pairs_k)}",
-        f"    for t in T.parallel({threads}):",
         f"        for jc in range({cdiv(nchunk, nct)}):",
         f"            for pcl in range({kchunk}):",
         f"                for ic in range(({mchunk} + T.int64({mct - 1})) // T.int64({mct})):",
@@ -246,13 +300,14 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         '                                with T.sblock("tile"):',
     ]
     ku = mk.k_partials
-    acc = _Acc(ku, mr, nr, lanes)
+    acc = _TileAcc(f"C{v}", mr, nr, lanes) if tiles else _Acc(ku, mr, nr, lanes)
     tile = acc.alloc()
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
-    tile += [f"for u, ii in T.grid({ku}, {mr}):"]
-    for var, width, _, elem in acc.columns("ii"):
-        tile += [f"    for {var} in T.vectorized({width}):", f"        {elem('u')} = T.float32(0)"]
+    if not tiles:
+        tile += [f"for u, ii in T.grid({ku}, {mr}):"]
+        for var, width, _, elem in acc.columns("ii"):
+            tile += [f"    for {var} in T.vectorized({width}):", f"        {elem('u')} = T.float32(0)"]
 
     def fma(kidx: str, u: str) -> list[str]:
         def column(q: str) -> list[str]:
@@ -271,6 +326,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         return [f"for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, column), 1)]
 
     def kloop(length: int) -> list[str]:
+        if tiles:  # A tile (it, kb) and the B tile of 16 pairs of panel jt * tn + j, from kq
+            return tile_kloop(tm, tn, length,
+                              lambda i: f"{ap}[{it} * {tm} + {i}, {pc} * {kc // 16} + kq, 0, 0]",
+                              lambda j: f"Wp[{jt} * {nv} + {j}, {pc} * {kc} + kq * 16, 0]")
         lines = []
         if length // ku:
             lines += [f"for kq in range({length // ku}):", f"    for u in T.unroll({ku}):"]
@@ -280,10 +339,15 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             lines += _indent(fma(f"{pc} * {kc} + {length - length % ku} + kr", "0"), 1)
         return lines
 
+    if tiles:
+        tile += [amx("tilezero", c) for c in range(tm * tn)]
     if ktail == kc:
         tile += kloop(kc)
     else:
         tile += [f"if {pc} < {kb - 1}:"] + _indent(kloop(kc), 1) + ["else:"] + _indent(kloop(ktail), 1)
+    if tiles:  # the accumulator tiles to this thread's C slot (row stride NR floats)
+        tile += [amx("tilestored64", i * tn + j, f"T.address_of(C{v}[t, {i * 16}, {j * 16}])",
+                      f"T.int64({nr * 4})") for i in range(tm) for j in range(tn)]
 
     def store(target: str) -> list[str]:
         """``target`` opens the subscript: ``Y[`` or ``P0[1, `` for split-K partials."""
@@ -350,6 +414,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         for cc in range(1, p.pk):
             tile += [f"elif {c} == {cc}:"] + _indent(store(f"{part}[{cc - 1}, "), 1)
     out += _indent(tile, 9)
+    if tiles:  # give the tile state back (a thread without it saves and restores less)
+        out += ["        " + amx("tilerelease")]
 
     if p.pk > 1:
         nch = cdiv(n, threads)
@@ -385,9 +451,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     return out
 
 
-def _pack_a(mr: int, k: int, pairs: bool) -> str:
+def _pack_a(mr: int, k: int, pairs: bool, kk: str = "kk", padded: bool = False) -> str:
     """The packed A panel's element ``[it, kk, ii]``: A's value, zero past m; with ``pairs``
-    the bf16 pair (A[., 2kk], A[., 2kk + 1]) in one word, zero past k too."""
+    the bf16 pair (A[., 2kk], A[., 2kk + 1]) in one word, zero past k too (``padded``: kk
+    runs past k / 2, AMX's whole tiles)."""
     row = f"it * {mr} + ii"
 
     def a(col: str, guard: bool) -> str:
@@ -396,8 +463,8 @@ def _pack_a(mr: int, k: int, pairs: bool) -> str:
         return f"T.if_then_else({cond}, A[T.min({row}, m - T.int64(1)), {col_in}], T.float32(0))"
 
     if not pairs:
-        return a("kk", False)
-    lo, hi = _bf16_bits(a("2 * kk", False)), _bf16_bits(a("2 * kk + 1", k % 2 == 1))
+        return a(kk, False)
+    lo, hi = _bf16_bits(a(f"2 * ({kk})", padded)), _bf16_bits(a(f"2 * ({kk}) + 1", padded or k % 2 == 1))
     return f"{lo} | ({hi} << T.uint32(16))"
 
 

@@ -115,7 +115,7 @@ class KernelRecord:
             sch = t.schedule
             if t.m < 1:
                 raise ValueError(f"tuned m={t.m} is not positive")
-            if sch.mk.isa != self.kernel_isa or sch.mk not in microkernels(sch.mk.isa, sch.mk.dtype):
+            if sch.mk not in microkernels(self.kernel_isa, self.shape.dtype):
                 raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.kernel_isa} "
                                  f"{self.shape.dtype} register tile")
             if min(sch.poly.pm, sch.poly.pn, sch.poly.pk) < 1 or sch.poly.threads != self.threads:

@@ -21,12 +21,13 @@ def _tiles(isa: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def _mk(isa: str, mr: int, vectors: int, dtype: str = "float32") -> MicroKernel:
-    mk = MicroKernel(isa, mr, vectors * ISAS[isa].lanes, dtype)
     kernels = microkernels(isa, dtype)
     if not kernels:
         raise ValueError(f"{isa} has no micro-kernels for {dtype} weights")
-    if mk in kernels:
-        return mk
+    for own in (isa, *ISAS[isa].extends):  # AMX's small-m tiles are avx512bf16 register tiles
+        mk = MicroKernel(own, mr, vectors * ISAS[own].lanes, dtype)
+        if mk in kernels:
+            return mk
     # A tile the register file cannot hold: the largest one with at most ``mr`` rows.
     return max((m for m in kernels if m.mr <= mr), key=lambda m: (m.mr * m.nr, m.nr))
 

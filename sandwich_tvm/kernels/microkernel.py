@@ -11,6 +11,15 @@ vector ISAs a 16-bit weight is widened to fp32 as it is loaded (bf16: a 16-bit s
 own: ``vdpbf16ps`` (x86) and ``bfdot`` (Armv8.6 BF16) multiply *pairs* along k (A rounded to
 bf16 when it is packed, B packed with k-pairs interleaved), so one instruction does two k steps
 of the tile.
+
+``amx`` is a *tile* ISA: eight tile registers of 16 rows x 64 bytes, and ``tdpbf16ps`` adds a
+16 x 32 bf16 A tile times a 16 (k-pairs) x 16 (columns) B tile into a 16 x 16 fp32 tile. Its
+micro-kernels are grids of tm x tn accumulator tiles fed by tm A tiles and tn B tiles (the
+budget is tm * tn + tm + tn <= 8 tiles: 16x16 up to 32x32, oneDNN's 2x2). Its B tile is one
+``avx512bf16`` panel block (16 columns of k-pairs, 64 bytes per pair row), so the two share a
+weight layout (both pad k to whole B tiles, ``k_align``) and an AMX CPU also serves its small
+m with the ``avx512bf16`` register tiles (``extends``): a tile of 16 rows wastes 15 of them on
+one decode row.
 """
 
 from __future__ import annotations
@@ -38,6 +47,10 @@ class Isa:
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # weight dtypes it computes
     k_pack: int = 1  # k steps one instruction reduces (2: bf16 pairs)
     needs: tuple[str, ...] = ()  # CPU flags beyond the base ISA's
+    tile_rows: int = 0  # rows per tile register (AMX: 16); 0 for a vector ISA
+    k_align: int = 1  # the packed weight's k (in k_pack units) is padded to a multiple of this
+    extends: tuple[str, ...] = ()  # ISAs whose micro-kernels also serve this one's layout
+    peak_ratio: float = 1.0  # peak MACs per cycle over the vector ISA's (AMX bf16: 512 vs 64)
 
     @property
     def max_nr(self) -> int:
@@ -59,10 +72,15 @@ ISAS: dict[str, Isa] = {
                 default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4))),
     "avx512bf16": Isa("avx512bf16", lanes=16, registers=32,
                       default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 4, 4)),
-                      dtypes=("bfloat16",), k_pack=2, needs=("avx512_bf16",)),
+                      dtypes=("bfloat16",), k_pack=2, needs=("avx512_bf16",), k_align=16),
     "neonbf16": Isa("neonbf16", lanes=4, registers=32,
                     default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4)),
                     dtypes=("bfloat16",), k_pack=2, needs=("bf16",)),
+    # registers: tile registers; default tiles 16x32 and 32x32 (MR, NR in 16-column tiles)
+    "amx": Isa("amx", lanes=16, registers=8,
+               default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (15, 4, 4), (31, 16, 2), (_LARGE, 32, 2)),
+               dtypes=("bfloat16",), k_pack=2, needs=("amx_bf16", "amx_tile", "avx512_bf16"),
+               tile_rows=16, k_align=16, extends=("avx512bf16",), peak_ratio=8.0),
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -101,8 +119,17 @@ class MicroKernel:
         return ISAS[self.isa].k_pack
 
     @property
+    def tiles(self) -> tuple[int, int]:
+        """An AMX micro-kernel's grid of accumulator tiles (rows, columns); (0, 0) for a vector one."""
+        rows = ISAS[self.isa].tile_rows
+        return (self.mr // rows, self.nr // self.lanes) if rows else (0, 0)
+
+    @property
     def registers_used(self) -> int:
         vectors = self.nr // self.lanes
+        if ISAS[self.isa].tile_rows:  # accumulator tiles + A tiles + B tiles
+            tm, tn = self.tiles
+            return tm * tn + tm + tn
         return self.mr * vectors + vectors + 1
 
     @property
@@ -113,6 +140,8 @@ class MicroKernel:
         accumulators to stay busy; a 1x16 tile has only 2, so it keeps 4 k-partials.
         """
         spec, vectors = ISAS[self.isa], self.nr // self.lanes
+        if spec.tile_rows:
+            return 1
         ku = 1
         while ku * 2 * self.mr * vectors <= 8 and (ku * 2 * self.mr + 1) * vectors + 1 <= spec.registers:
             ku *= 2
@@ -153,6 +182,13 @@ def enumerate_microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKerne
     if dtype not in spec.dtypes:
         return ()
     kernels = []
+    if spec.tile_rows:
+        for tm in range(1, spec.registers):
+            for tn in range(1, spec.registers):
+                mk = MicroKernel(isa, tm * spec.tile_rows, tn * spec.lanes, dtype)
+                if mk.registers_used <= spec.registers:
+                    kernels.append(mk)
+        return tuple(kernels)
     for vectors in range(1, 5):
         nr = vectors * spec.lanes
         for mr in range(1, 33):
@@ -171,7 +207,10 @@ REGISTRY.update({isa: REGISTRY[(isa, "float32")] for isa in ISAS})
 
 
 def microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKernel, ...]:
-    return REGISTRY.get((isa, dtype), ())
+    """The micro-kernels that serve ``isa``'s weight layout: its own and those it ``extends``."""
+    if isa not in ISAS:
+        return ()
+    return tuple(mk for name in (isa, *ISAS[isa].extends) for mk in REGISTRY.get((name, dtype), ()))
 
 
 def by_name(name: str) -> MicroKernel:

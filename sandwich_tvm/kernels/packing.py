@@ -6,7 +6,9 @@ register tile. n is zero-padded so the last column tile of *every* NR is in boun
 ``k_pack`` of 2 (``vdpbf16ps``) interleaves k-pairs: the two bf16 values of one column at k
 and k + 1 sit next to each other in one 32-bit word, and the panel is stored as ``uint32``.
 A gate_up weight for the ``silu_mul`` epilogue is interleaved first (gate and up rows
-alternating every ``lanes`` rows).
+alternating every ``lanes`` rows). AMX reads 16 k-pairs of a panel as one B tile, so its
+layout pads k (zeros) to a multiple of 32 (``k_align`` pairs); otherwise it is the
+``avx512bf16`` layout.
 """
 
 from __future__ import annotations
@@ -73,9 +75,14 @@ class WeightLayout:
         widths = {mk.nr for mk in microkernels(self.isa, self.dtype)} or {ISAS[self.isa].max_nr}
         return max(cdiv(n, w) * w for w in widths) // self.lanes
 
+    def reduction(self, k: int) -> int:
+        """Rows of the packed reduction axis: k in ``k_pack`` units, padded to ``k_align``."""
+        align = ISAS[self.isa].k_align
+        return cdiv(cdiv(k, self.k_pack), align) * align
+
     def shape(self, n: int, k: int) -> tuple[int, int, int]:
         """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``."""
-        return self.panels(n), cdiv(k, self.k_pack), self.lanes
+        return self.panels(n), self.reduction(k), self.lanes
 
     def pack(self, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``W[n, k]`` (any float dtype) -> the packed array; written into ``out`` (e.g. a

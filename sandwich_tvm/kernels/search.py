@@ -163,8 +163,13 @@ def run_search(search: Search, measure: Measure) -> tuple[GemmSchedule, float]:
 
 
 def model_score(mk: MicroKernel, m: int) -> float:
-    """Analytic prior (Triton-style pruning): useful rows x FMA share x FMA-chain occupancy."""
+    """Analytic prior (Triton-style pruning): useful rows x FMA share x FMA-chain occupancy
+    (AMX: x its peak over the vector units', one tile product per load of tm + tn tiles)."""
     useful = m / (cdiv(m, mk.mr) * mk.mr)
+    spec = ISAS[mk.isa]
+    if spec.tile_rows:
+        tm, tn = mk.tiles
+        return useful * tm * tn / (tm * tn + tm + tn) * spec.peak_ratio
     vectors = mk.nr // mk.lanes
     fma = mk.mr * vectors
     share = fma / (fma + vectors + mk.mr)

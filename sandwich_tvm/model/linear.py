@@ -33,13 +33,16 @@ def check_weight_dtype(dtype: str) -> None:
 
 def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
     """``(dtype, why)`` for a ``--dtype`` value. ``auto`` is bfloat16 on every CPU: computed on
-    the bf16 dot-product unit where there is one (AVX512-BF16, Arm's BF16), else widened to fp32
+    the bf16 unit where there is one (AMX, AVX512-BF16, Arm's BF16), else widened to fp32
     as it is loaded, which still halves the bytes decode streams per token."""
     if dtype != "auto":
         check_weight_dtype(dtype)
         return dtype, "as asked"
     flags = cpu_flags() if flags is None else flags
     isa = kernel_isa(isa_of(flags), "bfloat16", flags)
+    if isa == "amx":
+        return "bfloat16", ("this CPU has AMX: bf16 prefill GEMMs run on tdpbf16ps tiles, decode-sized "
+                            "ones on AVX512-BF16's vdpbf16ps")
     if isa == "avx512bf16":
         return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
     if isa == "neonbf16":

@@ -147,4 +147,8 @@ def _disco_allreduce(send, kind: int, in_group: bool, recv) -> None:
 if __name__ == "__main__":
     from tvm.exec import disco_worker
 
+    from ..host import enable_amx
+
+    enable_amx()  # the tile permission is per process: this worker runs AMX kernels too
+
     disco_worker.main()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc
+from sandwich_tvm.host import cpu_flags, enable_amx
+from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc, linear_source
 from sandwich_tvm.kernels.defaults import default_buckets
 from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel, kernel_isa, microkernels
 from sandwich_tvm.kernels.packing import WeightLayout, numpy_dtype, to_bfloat16
@@ -28,6 +29,8 @@ def sch(isa, dtype, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSc
 
 
 def buckets_with_every_path(isa: str, dtype: str) -> list[Bucket]:
+    if ISAS[isa].tile_rows:
+        return amx_buckets(dtype)
     big = 256 // (4 * ISAS[isa].lanes)  # a 4-vector tile over 1 KB: one accumulator per column
     return [
         Bucket(1, sch(isa, dtype, 1, 2, 1, 4, 16)),  # several KC blocks per thread
@@ -35,6 +38,18 @@ def buckets_with_every_path(isa: str, dtype: str) -> list[Bucket]:
         Bucket(40, sch(isa, dtype, 4, 3, 8, 6, 24, pn=1, pk=2)),  # split-K
         Bucket(80, sch(isa, dtype, big, 4, 2 * big, 8, 48)),
         Bucket(1 << 62, sch(isa, dtype, 4, 2, 8, 8, 64, pm=2, pn=1)),
+    ]
+
+
+def amx_buckets(dtype: str) -> list[Bucket]:
+    """AMX tiles of every grid shape, the avx512bf16 register tile serving small m on the same
+    weight, several KC blocks per thread (16-pair blocks over k = 101's 64 padded pairs), split-K."""
+    return [
+        Bucket(3, sch("avx512bf16", dtype, 1, 2, 1, 4, 16)),
+        Bucket(20, sch("amx", dtype, 16, 1, 16, 1, 16)),
+        Bucket(40, sch("amx", dtype, 16, 3, 16, 3, 32, pn=1, pk=2)),
+        Bucket(90, sch("amx", dtype, 32, 2, 64, 4, 64, pm=2, pn=1)),
+        Bucket(1 << 62, sch("amx", dtype, 48, 1, 48, 2, 32)),
     ]
 
 
@@ -102,6 +117,7 @@ def test_residual_and_silu_mul_epilogues(isa, dtype):
 # The instruction that shows each kernel computes as intended (Arm's widening kernels: its
 # vector registers).
 SIGNATURE = {("avx512bf16", "bfloat16"): "vdpbf16ps", ("neonbf16", "bfloat16"): "bfdot",
+             ("amx", "bfloat16"): "tdpbf16ps",
              ("avx512", "bfloat16"): "vpslld",
              ("avx2", "bfloat16"): "vpslld", ("avx512", "float16"): "vcvtph2ps",
              ("avx2", "float16"): "vcvtph2ps"}
@@ -116,8 +132,10 @@ def test_built_for_its_isa_everywhere(isa, dtype):
     assert VECTOR_REGISTER[isa] in asm
     if (isa, dtype) in SIGNATURE:
         assert SIGNATURE[(isa, dtype)] in asm
-    if isa != "avx512bf16":
+    if "avx512bf16" not in (isa, *ISAS[isa].extends):
         assert "vdpbf16ps" not in asm
+    if isa != "amx":
+        assert "tdpbf16ps" not in asm
     if isa != "neonbf16":
         assert "bfdot" not in asm
 
@@ -136,6 +154,8 @@ def test_packing_round_trips(isa, dtype, interleave):
 
 def test_dtype_choice_follows_the_cpu_flags():
     assert kernel_isa("avx512", "bfloat16", {"avx512f", "avx512_bf16"}) == "avx512bf16"
+    assert kernel_isa("avx512", "bfloat16", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}) == "amx"
+    assert kernel_isa("avx512", "float16", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}) == "avx512"
     assert kernel_isa("avx512", "bfloat16", {"avx512f"}) == "avx512"
     assert kernel_isa("avx512", "float16", {"avx512f", "avx512_bf16"}) == "avx512"
     assert kernel_isa("avx2", "bfloat16", {"avx2", "fma"}) == "avx2"
@@ -145,6 +165,9 @@ def test_dtype_choice_follows_the_cpu_flags():
     dtype, why = resolve_dtype("auto", frozenset({"asimd", "bf16"}))
     assert dtype == "bfloat16" and "bfdot" in why
     assert resolve_dtype("auto", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))[0] == "bfloat16"
+    amx_flags = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    dtype, why = resolve_dtype("auto", amx_flags)
+    assert dtype == "bfloat16" and "AMX" in why
     dtype, why = resolve_dtype("auto", frozenset({"avx2", "fma"}))
     assert dtype == "bfloat16" and "widened" in why
     assert resolve_dtype("float16")[0] == "float16"
@@ -162,3 +185,27 @@ def test_bad_16bit_schedules_are_refused():
         WeightLayout("avx512bf16", "float32")
     assert not microkernels("avx512bf16", "float32")
     assert to_bfloat16(np.array([1.00390625], np.float32)).astype(np.float32)[0] == 1.0  # ties to even
+
+
+def test_amx_kernel_configures_its_tiles_in_every_thread():
+    """Tile state is per thread: each parallel task loads the configuration before its first
+    tile instruction and releases it after; built for AMX on any host, its assembly inspected."""
+    shape = GemmShape(96, 80, "bfloat16")
+    buckets = [Bucket(1 << 62, sch("amx", "bfloat16", 32, 2, 32, 2, 32))]
+    src = linear_source(shape, buckets)
+    thread = src.index("for t in T.parallel(")
+    assert thread < src.index("llvm.x86.ldtilecfg") < src.index("llvm.x86.tdpbf16ps")
+    assert src.rindex("llvm.x86.tdpbf16ps") < src.index("llvm.x86.tilerelease")
+    exe = tvm.compile(tvm.IRModule({"linear": linear_primfunc(shape, buckets)}), target=isa_target("amx", 2))
+    asm = assembly(exe)
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+        assert instruction in asm, instruction
+    with pytest.raises(KernelError, match="whole number of 16-pair AMX tiles"):
+        linear_primfunc(shape, [Bucket(1 << 62, sch("amx", "bfloat16", 16, 1, 16, 1, 24))])
+
+
+def test_amx_permission_is_asked_once_per_process():
+    if "amx_tile" not in cpu_flags():
+        assert not enable_amx()
+        pytest.skip("this CPU has no AMX: nothing to ask the kernel for")
+    assert enable_amx() and enable_amx()  # granted, and asking again is harmless

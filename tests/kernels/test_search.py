@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels
+from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels, microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice, polymerizations
 from sandwich_tvm.kernels.search import (
     Problem,
     SequenceTuner,
     caps,
     fast_start,
+    model_score,
     refine,
     run_search,
     slice_search,
@@ -26,6 +27,22 @@ def test_microkernels_fit_the_register_file():
     names = {mk.name for mk in REGISTRY["avx2"]}
     assert "gemm_f32_avx2_6x16" in names and "gemm_f32_avx2_7x16" not in names  # 7x16 spills
     assert MicroKernel("avx2", 1, 16).k_partials > 1  # thin tiles get k-partial chains
+
+
+def test_amx_tiles_fit_the_tile_registers():
+    """AMX: tm x tn accumulator tiles + tm A tiles + tn B tiles within its 8 tile registers."""
+    names = {mk.name for mk in enumerate_microkernels("amx", "bfloat16")}
+    assert names == {f"gemm_bf16_amx_{r}x{c}" for r, c in
+                     ((16, 16), (16, 32), (16, 48), (32, 16), (32, 32), (48, 16))}
+    assert MicroKernel("amx", 32, 32, "bfloat16").registers_used == 8
+    assert not enumerate_microkernels("amx", "float32")
+    # the same packed weight also serves small m with avx512bf16 register tiles
+    both = microkernels("amx", "bfloat16")
+    assert MicroKernel("avx512bf16", 1, 64, "bfloat16") in both and len(both) > len(names)
+    # the prior prefers AMX tiles once m fills a tile, the register tile for a decode row
+    amx, vec = MicroKernel("amx", 16, 32, "bfloat16"), MicroKernel("avx512bf16", 4, 64, "bfloat16")
+    assert model_score(amx, 64) > model_score(vec, 64)
+    assert model_score(amx, 1) < model_score(MicroKernel("avx512bf16", 1, 64, "bfloat16"), 1)
 
 
 def test_polymerizations_cover_split_k():

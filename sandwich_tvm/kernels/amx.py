@@ -1,0 +1,53 @@
+"""AMX micro-kernel pieces: the TensorIR text of the tile instructions a ``gemm_bf16_amx_*``
+kernel is made of (``codegen`` places them in its loop nest).
+
+AMX has eight tile registers, configured per thread by ``ldtilecfg`` (here: every tile 16 rows
+x 64 bytes). ``tdpbf16ps C, A, B`` adds A (16 rows x 32 bf16 along k) times B (16 k-pair rows x
+16 columns, each a bf16 pair) into C (16 x 16 fp32). The instructions are LLVM's tile-number
+intrinsics (``llvm.x86.tileloadd64`` ...: tile registers are immediates), called through
+``T.call_llvm_intrin``; the target must carry ``+amx-tile,+amx-bf16`` (``host_target`` adds
+them from the CPU flags) and the process must hold the kernel's permission
+(``host.enable_amx``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+TILE_ROWS = 16  # rows of every tile
+TILE_BYTES = 64  # bytes per tile row: 16 fp32, or 16 bf16 pairs
+PAIRS = 16  # k-pairs one tdpbf16ps reduces (32 bf16)
+
+
+def amx(intrinsic: str, *args: object) -> str:
+    """One AMX instruction as a TIR statement (ints are tile registers: ``T.uint8`` immediates)."""
+    text = ", ".join(f"T.uint8({a})" if isinstance(a, int) else str(a) for a in args)
+    return f'T.evaluate(T.call_llvm_intrin("void", "llvm.x86.{intrinsic}"{", " if text else ""}{text}))'
+
+
+def tile_config(rows: int = TILE_ROWS, colsb: int = TILE_BYTES) -> list[str]:
+    """Load the tile configuration (palette 1, all eight tiles ``rows`` x ``colsb`` bytes) for
+    this thread: tile state is per thread, so each parallel task loads it before its first tile."""
+    return ['with T.sblock("amx_config"):',
+            '    cfg = T.sblock_alloc_buffer((64,), "uint8", scope="global")',
+            "    for i in range(64):",
+            "        cfg[i] = T.uint8(0)",
+            "    cfg[0] = T.uint8(1)",
+            "    for r in range(8):",
+            f"        cfg[16 + 2 * r] = T.uint8({colsb})",
+            f"        cfg[48 + r] = T.uint8({rows})",
+            "    " + amx("ldtilecfg", "T.address_of(cfg[0])")]
+
+
+def tile_kloop(tm: int, tn: int, pairs: int, a_tile: Callable[[int], str],
+               b_tile: Callable[[int], str]) -> list[str]:
+    """The k loop of a tm x tn tile grid over ``pairs`` k-pairs (a multiple of 16): per step
+    ``kq``, load A tiles ``a_tile(i)`` and B tiles ``b_tile(j)`` (buffer elements, 64-byte rows)
+    and add every product. Registers: accumulators 0 .. tm*tn - 1, then the A tiles, then B."""
+    a_reg, b_reg = tm * tn, tm * tn + tm
+    body = [amx("tileloadd64", a_reg + i, f"T.address_of({a_tile(i)})", f"T.int64({TILE_BYTES})")
+            for i in range(tm)]
+    body += [amx("tileloadd64", b_reg + j, f"T.address_of({b_tile(j)})", f"T.int64({TILE_BYTES})")
+             for j in range(tn)]
+    body += [amx("tdpbf16ps", i * tn + j, a_reg + i, b_reg + j) for i in range(tm) for j in range(tn)]
+    return [f"for kq in range({pairs // PAIRS}):", *["    " + line for line in body]]
