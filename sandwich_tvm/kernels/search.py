@@ -242,9 +242,17 @@ class SequenceTuner:
                 if len(recent) == self.window:
                     break
             pool = recent
-        fitting = [mk for mk in pool if mk.mr <= m] or sorted(pool, key=lambda mk: mk.mr)[:1]
+        # A register tile taller than m wastes whole rows; an AMX tile is 16 rows whatever m
+        # is (the prior's useful-row share weighs that), so tiles compete from m = 1.
+        fitting = ([mk for mk in pool if mk.mr <= m or ISAS[mk.isa].tile_rows]
+                   or sorted(pool, key=lambda mk: mk.mr)[:1])
         fitting.sort(key=lambda mk: -model_score(mk, m))
-        return fitting[: self.prune if self.dense(m) else self.prune_large]
+        keep = fitting[: self.prune if self.dense(m) else self.prune_large]
+        if self.dense(m):  # small m is bandwidth-bound: the prior cannot rank tile against vector
+            missing = {_is_tile(mk) for mk in fitting} - {_is_tile(mk) for mk in keep}
+            for family in missing:
+                keep[-1] = next(mk for mk in fitting if _is_tile(mk) == family)
+        return keep
 
     def tune(self, search_one: SearchOne, progress: Callable[[Tuned], None] | None = None,
              refine_one: RefineOne | None = None) -> list[Tuned]:
@@ -279,6 +287,10 @@ class SequenceTuner:
             if progress:
                 progress(t)
         return out
+
+
+def _is_tile(mk: MicroKernel) -> bool:
+    return ISAS[mk.isa].tile_rows > 0
 
 
 def _stable(recent: list[float], g: float, tolerance: float) -> bool:

@@ -145,6 +145,16 @@ def test_past_the_dense_ladder_fewer_micro_kernels_are_searched():
     assert all(len(c) == 3 for m, c in calls if m > 16)
 
 
+def test_small_m_measures_both_amx_tiles_and_register_tiles():
+    """Up to m = 16 both kinds are measured (bandwidth decides there, not the prior); AMX
+    tiles compete from m = 1 although they are 16 rows tall; large m searches tiles only."""
+    tuner = SequenceTuner(2048, 2048, 2, microkernels("amx", "bfloat16"), max_m=64)
+    for m in (1, 4, 8, 16):
+        kinds = {mk.isa for mk in tuner.candidates(m)}
+        assert kinds == {"amx", "avx512bf16"}, m
+    assert {mk.isa for mk in tuner.candidates(64)} == {"amx"}
+
+
 def test_refine_grows_a_reused_slice_or_takes_the_alternative():
     p = Problem(m=512, n=2048, k=8192, threads=2)
     reused = GemmSchedule(MicroKernel("avx2", 2, 32), Slice(2, 32, 64), Polymerization(1, 2, 1))
