@@ -14,6 +14,7 @@ from sandwich_tvm.kernels.search import (
     model_score,
     refine,
     run_search,
+    seed,
     slice_search,
 )
 
@@ -153,6 +154,11 @@ def test_small_m_measures_both_amx_tiles_and_register_tiles():
         kinds = {mk.isa for mk in tuner.candidates(m)}
         assert kinds == {"amx", "avx512bf16"}, m
     assert {mk.isa for mk in tuner.candidates(64)} == {"amx"}
+    # an AMX tile's search starts from the thread's whole k (no KC blocks to store between)
+    p = Problem(512, 2048, 2048, 2)
+    tile, vec = MicroKernel("amx", 32, 32, "bfloat16"), MicroKernel("avx512bf16", 4, 64, "bfloat16")
+    assert seed(p, tile, Polymerization(1, 2, 1)).slice.kc == caps(p, tile, Polymerization(1, 2, 1)).kc
+    assert seed(p, vec, Polymerization(1, 2, 1)).slice.kc < caps(p, vec, Polymerization(1, 2, 1)).kc
 
 
 def test_refine_grows_a_reused_slice_or_takes_the_alternative():
