@@ -11,7 +11,7 @@ import pytest
 
 from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.host import cpu_flags, host_isa
-from sandwich_tvm.kernels.microkernel import kernel_isa
+from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.engine import Engine
@@ -24,9 +24,10 @@ pytestmark = pytest.mark.compile
 CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")
 STEPS = 32
-PAIRS = kernel_isa(host_isa(), "bfloat16", cpu_flags()) == "avx512bf16"
+PAIRS = ISAS[kernel_isa(host_isa(), "bfloat16", cpu_flags())].k_pack == 2
 # Against HF on the bf16-rounded weights in fp32: the widening kernels differ only in summation
-# order; vdpbf16ps also rounds each Linear's input to bf16, as torch's bf16 Linear does.
+# order; vdpbf16ps, bfdot and AMX's tdpbf16ps also round each Linear's input to bf16, as
+# torch's bf16 Linear does.
 EXACT_TOL = 3e-2 if PAIRS else 1e-3
 
 
