@@ -4,7 +4,8 @@ Both kernels get the same inputs in one process. Prefill: one sequence of ``--pr
 tokens, causal. Decode: one query token against ``--context`` keys in 16-token pages, with a
 separate cache per layer (``--layers``) so K/V come from memory as in a decode step. The
 outputs are compared (the run fails on a mismatch) and the times, GFLOPS / GB/s and their
-ratio reported.
+ratio reported. Where the CPU has AMX, the prefill kernel a bf16 model runs there (bf16 operands
+on AMX tiles) is timed on the same inputs too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def add_attention_parser(sub) -> None:
 def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
     from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged_cpu
 
+    from ..host import can_run
     from ..model.attention import prefill_ragged_primfunc
+    from ..model.attention_amx import prefill_ragged_amx_primfunc, supports
     from ..tvm_compat import host_target, tvm
 
     rng = np.random.default_rng(0)
@@ -59,6 +62,16 @@ def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
         row[f"{name}_gflops"] = 2 * n * (n + 1) * h_q * d / secs / 1e9  # QK and PV, causal half
     row["max_abs_diff"] = float(np.abs(outs["sandwich"] - outs["tvm"]).max())
     row["ratio"] = row["sandwich_ms"] / row["tvm_ms"]
+    if can_run("amx") and supports(d):  # what a bf16 model on AMX runs: bf16 operands, fp32 sums
+        log(f"prefill attention, {n} tokens: sandwich on AMX tiles (bf16)")
+        run = tvm.compile(prefill_ragged_amx_primfunc(h_kv, h_q, d), target=host_target())
+        run = run["batch_prefill_ragged_kv"]
+        out = tvm.runtime.empty((n, h_q, d), "float32", tvm.cpu())
+        lse = tvm.runtime.empty((n, h_q), "float32", tvm.cpu())
+        secs = median_seconds(lambda: run(*args, out, lse, *scalars))
+        row["amx_ms"], row["amx_gflops"] = secs * 1e3, 2 * n * (n + 1) * h_q * d / secs / 1e9
+        row["amx_max_abs_diff"] = float(np.abs(out.numpy() - outs["tvm"]).max())
+        row["amx_ratio"] = row["amx_ms"] / row["tvm_ms"]
     return row
 
 
@@ -113,6 +126,7 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
     rows = [bench_prefill(h_kv, h_q, d, args.prompt, console.print),
             bench_decode(h_kv, h_q, d, args.context, layers, console.print)]
     bad = [r["kernel"] for r in rows if r["max_abs_diff"] > 1e-3]
+    bad += ["AMX prefill"] * any(r.get("amx_max_abs_diff", 0) > 0.1 for r in rows)  # bf16 operands
     result = {"model": cfg.name, "heads": h_q, "kv_heads": h_kv, "head_dim": d, "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -126,6 +140,10 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
             rate = f"{r['sandwich_gflops']:.1f} GFLOPS" if prefill else f"{r['sandwich_gbs']:.1f} GB/s"
             table.add_row(r["kernel"], size, f"{r['sandwich_ms']:.2f}", f"{r['tvm_ms']:.2f}",
                           f"{r['ratio']:.3f}", rate, f"{r['max_abs_diff']:.1e}")
+            if "amx_ms" in r:
+                table.add_row("prefill, AMX bf16", size, f"{r['amx_ms']:.2f}", f"{r['tvm_ms']:.2f}",
+                              f"{r['amx_ratio']:.3f}", f"{r['amx_gflops']:.1f} GFLOPS",
+                              f"{r['amx_max_abs_diff']:.1e}")
         console.print(table)
     if bad:
         print_error(console, f"Sandwich's {', '.join(bad)} attention differs from TVM's")

@@ -38,7 +38,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of a preset's random weights")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
                         help=f"what the KV cache stores (default {DEFAULT_KV_DTYPE}, as llama.cpp's; "
-                             "attention computes in fp32)")
+                             "attention sums in fp32; a bf16 model on AMX feeds its prompt "
+                             "attention bf16 operands, as it does its Linears)")
     parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
                         help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
                              "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "

@@ -204,7 +204,7 @@ def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_
         else:
             mod = select_phase_kernels(kernels)(mod)
             mod = replace_cache_kernels(mod, cfg, plan.decode_threads, kernels.isa, kv_dtype=kv_dtype,
-                                        tp=plan.tp)
+                                        tp=plan.tp, amx=kernels.kernel_isa == "amx")
             with target:
                 scheduled = tvm.transform.Sequential(schedule_passes(target))(mod)
                 naive = unscheduled(scheduled)

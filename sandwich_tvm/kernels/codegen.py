@@ -43,7 +43,7 @@ from .amx import amx, tile_config, tile_kloop
 from .microkernel import ISAS, STACK_BYTES
 from .packing import KernelError, WeightLayout
 from .schedule import GemmSchedule, GemmShape, cdiv
-from .vecmath import silu_mul
+from .vecmath import bf16_bits, silu_mul
 
 
 def packed_panels(n: int, isa: str, dtype: str = "float32") -> int:
@@ -215,12 +215,6 @@ def _layout_isa(isas: set[str]) -> str:
         if isas <= {isa, *ISAS[isa].extends}:
             return isa
     raise KernelError(f"buckets mix ISAs {sorted(isas)} that read different weight layouts")
-
-
-def _bf16_bits(x: str) -> str:
-    """TIR text of the bf16 bits of fp32 ``x`` (round to nearest even) in a uint32."""
-    bits = f'T.reinterpret("uint32", {x})'
-    return f"(({bits} + T.uint32(32767) + (({bits} >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))"
 
 
 def _indent(lines: list[str], level: int) -> list[str]:
@@ -464,7 +458,7 @@ def _pack_a(mr: int, k: int, pairs: bool, kk: str = "kk", padded: bool = False) 
 
     if not pairs:
         return a(kk, False)
-    lo, hi = _bf16_bits(a(f"2 * ({kk})", padded)), _bf16_bits(a(f"2 * ({kk}) + 1", padded or k % 2 == 1))
+    lo, hi = bf16_bits(a(f"2 * ({kk})", padded)), bf16_bits(a(f"2 * ({kk}) + 1", padded or k % 2 == 1))
     return f"{lo} | ({hi} << T.uint32(16))"
 
 

@@ -20,6 +20,7 @@ Search = Generator[list[GemmSchedule], list[float], tuple[GemmSchedule, float]]
 
 GAIN = 1.01  # a step must beat the best by 1% to count as a gain (timing noise)
 KC_START = 64
+FAIR_ROWS = 8  # the window keeps a micro-kernel of r rows at least until m = 8r
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,8 @@ class SequenceTuner:
         return m < self.min_reuse_m
 
     def candidates(self, m: int) -> list[MicroKernel]:
-        """The window: every micro-kernel for the first σ shapes, then the σ last chosen ones."""
+        """The window: every micro-kernel for the first σ shapes, then the σ last chosen ones
+        and those too tall to have had a fair trial yet."""
         pool = list(self.mks)
         if len(self.chosen) >= self.window:
             recent: list[MicroKernel] = []
@@ -245,7 +247,10 @@ class SequenceTuner:
                     recent.append(mk)
                 if len(recent) == self.window:
                     break
-            pool = recent
+            # A tile taller than m / FAIR_ROWS has not had a fair trial yet (its empty rows, not
+            # its speed, lost it the earlier shapes: AMX's 32x32 never wins at m <= 16 and is the
+            # fastest from m ~ 256): it stays in the pool until m reaches FAIR_ROWS x its rows.
+            pool = recent + [mk for mk in self.mks if m < FAIR_ROWS * mk.mr and mk not in recent]
         # A register tile taller than m wastes whole rows; an AMX tile is 16 rows whatever m
         # is (the prior's useful-row share weighs that), so tiles compete from m = 1.
         fitting = ([mk for mk in pool if mk.mr <= m or ISAS[mk.isa].tile_rows]

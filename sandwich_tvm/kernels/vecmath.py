@@ -41,3 +41,15 @@ def load_f32(expr: str, dtype: str) -> str:
 def store_as(expr: str, dtype: str) -> str:
     """An fp32 value written as ``dtype``."""
     return expr if dtype == "float32" else f'T.Cast("{dtype}", {expr})'
+
+
+def bf16_bits(x: str) -> str:
+    """The bf16 bits of fp32 ``x`` (round to nearest even) in the low half of a uint32."""
+    bits = f'T.reinterpret("uint32", {x})'
+    return f"(({bits} + T.uint32(32767) + (({bits} >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))"
+
+
+def bf16_pair(lo: str, hi: str) -> str:
+    """One uint32 word holding the bf16 pair (``lo``, ``hi``): the operand layout of
+    ``vdpbf16ps`` and AMX's ``tdpbf16ps``."""
+    return f"({bf16_bits(lo)} | ({bf16_bits(hi)} << T.uint32(16)))"

@@ -390,12 +390,17 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
 
 def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
                           isa: str | None = None, page_size: int = 16,
-                          kv_dtype: str = "float32", tp: int = 1) -> tvm.IRModule:
+                          kv_dtype: str = "float32", tp: int = 1, amx: bool = False) -> tvm.IRModule:
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
     so the cache's runtime calls them unchanged), for one of ``tp`` ranks' heads. Decode splits
-    each sequence's pages into two chunks per decode thread."""
+    each sequence's pages into two chunks per decode thread. ``amx`` (a bf16 model whose GEMMs
+    run on AMX): prompt attention on AMX tiles too, in bf16 like the Linears' inputs."""
+    from .attention_amx import prefill_ragged_amx_primfunc, supports
+
     h_kv, h_q, d = cfg.num_key_value_heads // tp, cfg.num_attention_heads // tp, cfg.head_dim
-    ours = {"batch_prefill_ragged_kv": prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa),
+    ragged = (prefill_ragged_amx_primfunc(h_kv, h_q, d, kv_dtype) if amx and supports(d)
+              else prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa))
+    ours = {"batch_prefill_ragged_kv": ragged,
             "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype),
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
                                                                isa=isa, dtype=kv_dtype),

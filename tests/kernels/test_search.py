@@ -7,6 +7,7 @@ from dataclasses import replace
 from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels, microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice, polymerizations
 from sandwich_tvm.kernels.search import (
+    FAIR_ROWS,
     Problem,
     SequenceTuner,
     caps,
@@ -103,15 +104,17 @@ def _fake_search(winner_for):
 
 def test_window_slides_to_recent_winners():
     mks = REGISTRY["avx2"]
-    tuner = SequenceTuner(256, 256, 2, mks, max_m=64, window=2, prune=50, patience=100)
+    tuner = SequenceTuner(256, 256, 2, mks, max_m=128, window=2, prune=50, patience=100)
     rotating = [MicroKernel("avx2", 1, 8), MicroKernel("avx2", 1, 16), MicroKernel("avx2", 1, 32)]
     search_one, calls = _fake_search(lambda m, c: rotating[m % 3] if rotating[m % 3] in c else c[0])
     tuner.tune(search_one)
     # first σ=2 shapes see every fitting micro-kernel, later ones only the last 2 winners
     assert {mk.mr for mk in calls[0][1]} == {1} and len(calls[0][1]) == 4  # m=1: every 1xNR tile
     assert len(calls[1][1]) > 4  # m=2: still the whole pool (first σ shapes)
+    # ... and the tiles still too tall for a fair trial (m < FAIR_ROWS x rows)
     later = [c for m, c in calls if m > 4]
-    assert later and all(len(c) <= 2 for c in later)
+    assert later and all(len(c) <= 2 + sum(m < FAIR_ROWS * mk.mr for mk in mks) for m, c in calls if m > 4)
+    assert all(len(c) <= 2 for m, c in calls if m >= FAIR_ROWS * max(mk.mr for mk in mks))
     assert calls[-1][1][0] in tuner.chosen[-2:]
 
 
@@ -159,6 +162,19 @@ def test_small_m_measures_both_amx_tiles_and_register_tiles():
     tile, vec = MicroKernel("amx", 32, 32, "bfloat16"), MicroKernel("avx512bf16", 4, 64, "bfloat16")
     assert seed(p, tile, Polymerization(1, 2, 1)).slice.kc == caps(p, tile, Polymerization(1, 2, 1)).kc
     assert seed(p, vec, Polymerization(1, 2, 1)).slice.kc < caps(p, vec, Polymerization(1, 2, 1)).kc
+
+
+def test_the_window_keeps_a_tall_tile_until_it_had_a_fair_trial():
+    """32x32 AMX tiles lose every m <= 16 to 16-row tiles (half their rows are empty) but are
+    the fastest at large m: the window keeps them in the pool until m = FAIR_ROWS x 32."""
+    mks = microkernels("amx", "bfloat16")
+    tall = MicroKernel("amx", 32, 32, "bfloat16")
+    tuner = SequenceTuner(2048, 2048, 2, mks, max_m=512, patience=100)
+    search_one, calls = _fake_search(lambda m, c: next(mk for mk in c if mk.mr <= 16))
+    tuner.tune(search_one)
+    assert tall not in tuner.chosen
+    assert all(tall in c for m, c in calls if m in (19, 23, 27, 32, 64, 128))  # the prior ranks it first
+    assert all(tall not in c for m, c in calls if m >= FAIR_ROWS * 32)  # never chosen: out of the window
 
 
 def test_refine_grows_a_reused_slice_or_takes_the_alternative():
