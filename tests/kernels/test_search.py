@@ -7,6 +7,7 @@ from dataclasses import replace
 from sandwich_tvm.kernels.microkernel import REGISTRY, MicroKernel, enumerate_microkernels, microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice, polymerizations
 from sandwich_tvm.kernels.search import (
+    AMX_KC,
     FAIR_ROWS,
     Problem,
     SequenceTuner,
@@ -157,10 +158,12 @@ def test_small_m_measures_both_amx_tiles_and_register_tiles():
         kinds = {mk.isa for mk in tuner.candidates(m)}
         assert kinds == {"amx", "avx512bf16"}, m
     assert {mk.isa for mk in tuner.candidates(64)} == {"amx"}
-    # an AMX tile's search starts from the thread's whole k (no KC blocks to store between)
+    # an AMX tile's search starts from the thread's whole k (no KC blocks to store between)...
     p = Problem(512, 2048, 2048, 2)
     tile, vec = MicroKernel("amx", 32, 32, "bfloat16"), MicroKernel("avx512bf16", 4, 64, "bfloat16")
-    assert seed(p, tile, Polymerization(1, 2, 1)).slice.kc == caps(p, tile, Polymerization(1, 2, 1)).kc
+    assert seed(p, tile, Polymerization(1, 2, 1)).slice.kc >= 1024  # 1024 k-pairs: the whole k
+    long_k = Problem(512, 2048, 8192, 2)  # ... up to AMX_KC pairs, a block that fits L2
+    assert seed(long_k, tile, Polymerization(1, 2, 1)).slice.kc == AMX_KC
     assert seed(p, vec, Polymerization(1, 2, 1)).slice.kc < caps(p, vec, Polymerization(1, 2, 1)).kc
 
 
