@@ -156,17 +156,10 @@ for r in range({ROWS}):
 '''
 
 
-@cache
-def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32",
-                            isa: str | None = None) -> tvm.tirx.PrimFunc:
-    """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
-    check_kv_dtype(dtype)
-    if d % DCOLS:
-        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
-    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
-    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, dtype=dtype), " " * 20)
-    src = f'''
+def ragged_prefill_source(h_kv: int, h_q: int, d: int, dtype: str, root: str) -> str:
+    """TVMScript of ``batch_prefill_ragged_kv`` (the signature the KV cache calls) whose root
+    block holds the statements ``root``."""
+    return f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
                             var_kv_indptr: T.handle, var_q_rope_position: T.handle,
@@ -192,11 +185,26 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "{dtype}")
     lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
     with T.sblock("root"):
-        for b in range(batch_size):
-            for task in T.parallel(({ntiles}) * {h_kv}):
-                with T.sblock("tile"):
-{body}
+{textwrap.indent(root.strip(chr(10)), " " * 8)}
 '''
+
+
+@cache
+def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32",
+                            isa: str | None = None) -> tvm.tirx.PrimFunc:
+    """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
+    check_kv_dtype(dtype)
+    if d % DCOLS:
+        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
+    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
+    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, dtype=dtype), " " * 12)
+    root = f'''
+for b in range(batch_size):
+    for task in T.parallel(({ntiles}) * {h_kv}):
+        with T.sblock("tile"):
+{body}'''
+    src = ragged_prefill_source(h_kv, h_q, d, dtype, root)
     return parse_tvmscript(src)
 
 

@@ -23,12 +23,13 @@ phase, 0..3 = Oᵀ, 4 = Pᵀ, 5 and 6 = V alternating.
 from __future__ import annotations
 
 import functools
+import textwrap
 from functools import cache
 
 from ..kernels.amx import PAIRS, TILE_BYTES, TILE_ROWS, amx, tile_config
 from ..kernels.vecmath import LOG2E, bf16_pair, exp2
 from ..tvm_compat import parse_tvmscript, tvm
-from .attention import check_kv_dtype
+from .attention import check_kv_dtype, ragged_prefill_source
 
 CHUNK = 256  # keys per online-softmax step (a multiple of 32: whole key-pair tiles)
 O_TILES = 4  # accumulator tiles of Oᵀ per pass over the chunk's P (16 head-dim rows each)
@@ -188,40 +189,14 @@ def prefill_ragged_amx_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float
         raise ValueError(f"the AMX attention kernel needs head_dim a multiple of 32, at most 128 (got {d})")
     group = h_q // h_kv
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {TILE_ROWS - 1}) // {TILE_ROWS}"
-    pack = "\n".join(" " * 12 + ln for ln in _pack(h_kv, d).strip("\n").split("\n"))
-    body = "\n".join(" " * 20 + ln for ln in _body(h_kv, group, d, dtype).strip("\n").split("\n"))
-    src = f'''
-@D.prim_func(s_tir=True)
-def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
-                            var_kv_indptr: T.handle, var_q_rope_position: T.handle,
-                            var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
-                            causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
-                            rope_theta: T.float32, sm_scale: T.float32):
-    T.func_attr({{"global_symbol": "batch_prefill_ragged_kv", "tir.noalias": True,
-                 "tirx.is_scheduled": True}})
-    batch_size = T.int32()
-    qo_len = T.int32()
-    kv_len = T.int32()
-    q_off = T.int32()
-    kv_off = T.int32()
-    qr_off = T.int32()
-    kr_off = T.int32()
-    q = T.match_buffer(var_q, (qo_len, {h_q}, {d}), "{dtype}")
-    q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_off)
-    k = T.match_buffer(var_k, (kv_len, {h_kv}, {d}), "{dtype}")
-    v = T.match_buffer(var_v, (kv_len, {h_kv}, {d}), "{dtype}")
-    kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_off)
-    q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=qr_off)
-    k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=kr_off)
-    output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "{dtype}")
-    lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
-    with T.sblock("root"):
-        Ka = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32 * 2, {d // 32}, 16, 16), "uint32")
-        Va = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32, {d // 16}, 16, 16), "uint32")
-        for b in range(batch_size):
-{pack}
-            for task in T.parallel(({ntiles}) * {h_kv}):
-                with T.sblock("tile"):
-{body}
-'''
+    body = textwrap.indent(_body(h_kv, group, d, dtype).strip("\n"), " " * 12)
+    root = f'''
+Ka = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32 * 2, {d // 32}, 16, 16), "uint32")
+Va = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32, {d // 16}, 16, 16), "uint32")
+for b in range(batch_size):
+{textwrap.indent(_pack(h_kv, d).strip(chr(10)), " " * 4)}
+    for task in T.parallel(({ntiles}) * {h_kv}):
+        with T.sblock("tile"):
+{body}'''
+    src = ragged_prefill_source(h_kv, h_q, d, dtype, root)
     return parse_tvmscript(src)

@@ -36,6 +36,24 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> tup
     return np.einsum("hqk,khd->qhd", p / total, v), ((np.log(total) + m)[..., 0] / np.log(2)).T
 
 
+def run_ragged(run, rng, seqs, h_kv, h_q, causal, dtype, scale=1.0):
+    """Random Q, K, V for ``seqs`` (new tokens, keys before them) through a compiled
+    ``batch_prefill_ragged_kv``; returns the inputs, q_indptr and the output and lse tensors."""
+    qs = [(rng.standard_normal((n, h_q, D), dtype=np.float32) * scale).astype(dtype) for n, _ in seqs]
+    ks = [(rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) * scale).astype(dtype)
+          for n, pre in seqs]
+    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32).astype(dtype) for n, pre in seqs]
+    q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
+    kv_indptr = np.cumsum([0] + [n + pre for n, pre in seqs]).astype(np.int32)
+    q = np.concatenate(qs)
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    args = [q, q_indptr, np.concatenate(ks), np.concatenate(vs), kv_indptr,
+            np.zeros(len(q), np.int32), np.zeros(len(seqs), np.int32)]
+    run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    return qs, ks, vs, q_indptr, out, lse
+
+
 # 16-bit K/V: inputs are rounded to float16, the output too (10 mantissa bits)
 OUT_TOL = {"float32": (1e-4, 2e-5), "float16": (2e-3, 2e-3)}
 
@@ -49,17 +67,7 @@ def test_prefill_matches_numpy(h_kv, h_q, causal, dtype):
     rng = np.random.default_rng(h_q + causal)
     # (new tokens, keys already in the cache): one row, tile tails, a prefix, a long sequence
     seqs = [(1, 0), (17, 0), (5, 40), (70, 3), (300, 0)]
-    qs = [(rng.standard_normal((n, h_q, D), dtype=np.float32) * 2).astype(dtype) for n, _ in seqs]
-    ks = [(rng.standard_normal((n + pre, h_kv, D), dtype=np.float32) * 2).astype(dtype) for n, pre in seqs]
-    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32).astype(dtype) for n, pre in seqs]
-    q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
-    kv_indptr = np.cumsum([0] + [n + pre for n, pre in seqs]).astype(np.int32)
-    q = np.concatenate(qs)
-    out = tvm.runtime.tensor(np.zeros_like(q))
-    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
-    args = [q, q_indptr, np.concatenate(ks), np.concatenate(vs), kv_indptr,
-            np.zeros(len(q), np.int32), np.zeros(len(seqs), np.int32)]
-    run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, 1 / np.sqrt(D))
+    qs, ks, vs, q_indptr, out, lse = run_ragged(run, rng, seqs, h_kv, h_q, causal, dtype, scale=2)
     rtol, atol = OUT_TOL[dtype]
     for i in range(len(seqs)):
         want, want_lse = _reference(qs[i], ks[i], vs[i], bool(causal))

@@ -11,7 +11,7 @@ from sandwich_tvm.model.attention_amx import CHUNK, prefill_ragged_amx_primfunc,
 from sandwich_tvm.tvm_compat import isa_target, tvm
 
 from ..isas import assembly, require_runnable
-from .test_attention import _reference
+from .test_attention import _reference, run_ragged
 
 pytestmark = pytest.mark.compile
 D = 64
@@ -33,18 +33,8 @@ def test_amx_prefill_matches_numpy(h_kv, h_q, causal, dtype):
     rng = np.random.default_rng(h_q + causal)
     # (new tokens, keys before them): one row, tile tails, a prefix, several key chunks
     seqs = [(1, 0), (17, 0), (5, 40), (70, 3), (2 * CHUNK + 44, 0), (30, CHUNK + 1)]
-    qs = [rng.standard_normal((n, h_q, D), dtype=np.float32).astype(dtype) for n, _ in seqs]
-    ks = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32).astype(dtype) for n, pre in seqs]
-    vs = [rng.standard_normal((n + pre, h_kv, D), dtype=np.float32).astype(dtype) for n, pre in seqs]
-    q_indptr = np.cumsum([0] + [n for n, _ in seqs]).astype(np.int32)
-    kv_indptr = np.cumsum([0] + [n + pre for n, pre in seqs]).astype(np.int32)
-    q = np.concatenate(qs)
-    out = tvm.runtime.tensor(np.zeros_like(q))
-    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
-    args = [q, q_indptr, np.concatenate(ks), np.concatenate(vs), kv_indptr,
-            np.zeros(len(q), np.int32), np.zeros(len(seqs), np.int32)]
+    qs, ks, vs, q_indptr, out, lse = run_ragged(run, rng, seqs, h_kv, h_q, causal, dtype)
     sm_scale = 1 / np.sqrt(D)
-    run(*[tvm.runtime.tensor(a) for a in args], out, lse, causal, 0, 1.0, 1e4, sm_scale)
     c = np.float32(sm_scale * LOG2E)
     for i in range(len(seqs)):
         rows = slice(q_indptr[i], q_indptr[i + 1])
