@@ -208,20 +208,10 @@ for b in range(batch_size):
     return parse_tvmscript(src)
 
 
-@cache
-def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, isa: str | None = None,
-                           dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    """``batch_prefill_paged_kv_cpu`` (no sliding window): every sequence's new tokens against
-    the keys already in its pages (a chunked prompt's earlier chunks), with the log-sum-exp the
-    cache merges with the ragged part. TVM's CPU version walks every page of the whole cache,
-    serially, for each query row and head."""
-    check_kv_dtype(dtype)
-    if d % DCOLS:
-        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
-    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
-    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page, dtype), " " * 20)
-    src = f'''
+def paged_prefill_source(h_kv: int, h_q: int, d: int, page: int, dtype: str, root: str) -> str:
+    """TVMScript of ``batch_prefill_paged_kv_cpu`` (the signature the KV cache calls) whose root
+    block holds the statements ``root``."""
+    return f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
                                var_page_indptr: T.handle, var_page_values: T.handle,
@@ -252,11 +242,29 @@ def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_page
     output = T.match_buffer(var_output, (total_len, {h_q}, {d}), "{dtype}")
     lse = T.match_buffer(var_lse, (total_len, {h_q}), "float32")
     with T.sblock("root"):
-        for b in range(batch_size):
-            for task in T.parallel(({ntiles}) * {h_kv}):
-                with T.sblock("tile"):
-{body}
+{textwrap.indent(root.strip(chr(10)), " " * 8)}
 '''
+
+
+@cache
+def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, isa: str | None = None,
+                           dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """``batch_prefill_paged_kv_cpu`` (no sliding window): every sequence's new tokens against
+    the keys already in its pages (a chunked prompt's earlier chunks), with the log-sum-exp the
+    cache merges with the ragged part. TVM's CPU version walks every page of the whole cache,
+    serially, for each query row and head."""
+    check_kv_dtype(dtype)
+    if d % DCOLS:
+        raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
+    group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
+    ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page, dtype), " " * 12)
+    root = f'''
+for b in range(batch_size):
+    for task in T.parallel(({ntiles}) * {h_kv}):
+        with T.sblock("tile"):
+{body}'''
+    src = paged_prefill_source(h_kv, h_q, d, page, dtype, root)
     return parse_tvmscript(src)
 
 
@@ -402,14 +410,18 @@ def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: i
     """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
     so the cache's runtime calls them unchanged), for one of ``tp`` ranks' heads. Decode splits
     each sequence's pages into two chunks per decode thread. ``amx`` (a bf16 model whose GEMMs
-    run on AMX): prompt attention on AMX tiles too, in bf16 like the Linears' inputs."""
-    from .attention_amx import prefill_ragged_amx_primfunc, supports
+    run on AMX): prompt attention (new keys and paged prefix) on AMX tiles too, in bf16 like the
+    Linears' inputs."""
+    from .attention_amx import prefill_paged_amx_primfunc, prefill_ragged_amx_primfunc, supports
 
     h_kv, h_q, d = cfg.num_key_value_heads // tp, cfg.num_attention_heads // tp, cfg.head_dim
-    ragged = (prefill_ragged_amx_primfunc(h_kv, h_q, d, kv_dtype) if amx and supports(d)
-              else prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa))
-    ours = {"batch_prefill_ragged_kv": ragged,
-            "batch_prefill_paged_kv_cpu": prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype),
+    if amx and supports(d):
+        ragged = prefill_ragged_amx_primfunc(h_kv, h_q, d, kv_dtype)
+        paged = prefill_paged_amx_primfunc(h_kv, h_q, d, page_size, kv_dtype)
+    else:
+        ragged = prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa)
+        paged = prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype)
+    ours = {"batch_prefill_ragged_kv": ragged, "batch_prefill_paged_kv_cpu": paged,
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
                                                                isa=isa, dtype=kv_dtype),
             "fused_rope": rope_primfunc(cfg, kv_dtype, tp)}

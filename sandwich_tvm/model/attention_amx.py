@@ -1,11 +1,13 @@
 """Prefill attention on AMX tiles, for bf16 models on CPUs with ``amx_bf16``.
 
-Same signature and semantics as ``attention.prefill_ragged_primfunc`` (scores in the log2
-domain, the log2-sum-exp for merging with the paged prefix); Q, K, P and V are rounded to
+Same signatures and semantics as ``attention.prefill_ragged_primfunc`` and
+``prefill_paged_primfunc`` (scores in the log2 domain, the log2-sum-exp for merging the new
+keys' part with the paged prefix's); Q, K, P and V are rounded to
 bf16 for ``tdpbf16ps`` (what torch's bf16 SDPA feeds oneDNN), sums and softmax stay fp32.
 
 Everything is computed transposed, so a vector lane is a query row as in the fp32 kernel and
-the softmax needs no horizontal reductions. Per sequence, K and V are packed once into tiles:
+the softmax needs no horizontal reductions. Per sequence, K and V (ragged, or gathered from its
+pages) are packed once into tiles:
 ``Ka[head, 16 keys, 16 d-pairs]`` (A operand) and ``Va[head, 16 d, 16 key-pairs]`` (A operand).
 A task is a tile of 16 query rows (token, head of the group) of one KV head:
 
@@ -29,7 +31,7 @@ from functools import cache
 from ..kernels.amx import PAIRS, TILE_BYTES, TILE_ROWS, amx, tile_config
 from ..kernels.vecmath import LOG2E, bf16_pair, exp2
 from ..tvm_compat import parse_tvmscript, tvm
-from .attention import check_kv_dtype, ragged_prefill_source
+from .attention import check_kv_dtype, paged_prefill_source, ragged_prefill_source
 
 CHUNK = 256  # keys per online-softmax step (a multiple of 32: whole key-pair tiles)
 O_TILES = 4  # accumulator tiles of Oᵀ per pass over the chunk's P (16 head-dim rows each)
@@ -41,11 +43,11 @@ def supports(d: int) -> bool:
     return d % (2 * PAIRS) == 0 and d // (2 * PAIRS) <= 4
 
 
-def _body(h_kv: int, group: int, d: int, dtype: str) -> str:
+def _body(h_kv: int, group: int, d: int, dtype: str, klen: str) -> str:
     """One task: 16 query rows of one KV head against every visible key of sequence ``b``."""
     R = TILE_ROWS  # noqa: N806 - query rows per task, the tile height
     nq, kc16, kc32 = d // (2 * PAIRS), CHUNK // 16, CHUNK // 32
-    qlen, klen = "(q_indptr[b + 1] - q_indptr[b])", "(kv_indptr[b + 1] - kv_indptr[b])"
+    qlen = "(q_indptr[b + 1] - q_indptr[b])"
     n32 = f"((T.min({CHUNK}, vis[{TILE_ROWS - 1}] - ch * {CHUNK}) + 31) // 32)"  # key-pair tiles
     rows = f"({qlen} * {group})"
     ntiles = f"(({rows} + {R - 1}) // {R})"
@@ -157,15 +159,22 @@ for r in range({R}):
 '''
 
 
-def _pack(h_kv: int, d: int) -> str:
-    """Sequence ``b``'s K and V as bf16 A tiles, zero past its last key."""
-    klen = "(kv_indptr[b + 1] - kv_indptr[b])"
+# Sequence b's keys and one element of its K (0) or V (1), ragged or in pages.
+RAGGED = ("(kv_indptr[b + 1] - kv_indptr[b])", "{buf}[kv_indptr[b] + {key}, {h}, {col}]")
+PAGED = ("T.if_then_else({n} > 0, ({n} - 1) * {page} + length_info[b], 0)".format(
+    n="(page_indptr[b + 1] - page_indptr[b])", page="{page}"),
+    "pages[page_values[page_indptr[b] + ({key}) // {page}], {kv}, {h}, ({key}) % {page}, {col}]")
 
+
+def _pack(h_kv: int, d: int, keys: tuple[str, str], page: int = 0) -> str:
+    """Sequence ``b``'s K and V as bf16 A tiles, zero past its last key."""
+    klen = keys[0].format(page=page)
     h, kp = f"(hk % {h_kv})", f"(hk // {h_kv})"
 
     def val(buf: str, key: str, col: str) -> str:
-        return (f'T.if_then_else({key} < {klen}, T.Cast("float32", {buf}[kv_indptr[b] + '
-                f'T.min({key}, {klen} - 1), {h}, {col}]), T.float32(0))')
+        elem = keys[1].format(buf=buf, kv=int(buf == "v"), key=f"T.min({key}, {klen} - 1)", h=h, col=col,
+                              page=page)
+        return f'T.if_then_else({key} < {klen}, T.Cast("float32", {elem}), T.float32(0))'
 
     key = f"{kp} * 32 + kk"
     ka = bf16_pair(val("k", key, "dp * 32 + 2 * p"), val("k", key, "dp * 32 + 2 * p + 1"))
@@ -181,22 +190,37 @@ for hk in T.parallel({h_kv} * (({klen} + 31) // 32)):
 '''
 
 
-@cache
-def prefill_ragged_amx_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    """``batch_prefill_ragged_kv`` on AMX tiles (see the module docstring)."""
+def _root(h_kv: int, h_q: int, d: int, dtype: str, keys: tuple[str, str], max_keys: str,
+          page: int = 0) -> str:
+    """The kernel's root block: K/V tiles for up to ``max_keys`` keys, per sequence the packing
+    and a parallel loop over (16-row tile, KV head) tasks."""
     check_kv_dtype(dtype)
     if not supports(d):
         raise ValueError(f"the AMX attention kernel needs head_dim a multiple of 32, at most 128 (got {d})")
     group = h_q // h_kv
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {TILE_ROWS - 1}) // {TILE_ROWS}"
-    body = textwrap.indent(_body(h_kv, group, d, dtype).strip("\n"), " " * 12)
-    root = f'''
-Ka = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32 * 2, {d // 32}, 16, 16), "uint32")
-Va = T.sblock_alloc_buffer(({h_kv}, (kv_len + 31) // 32, {d // 16}, 16, 16), "uint32")
+    body = textwrap.indent(_body(h_kv, group, d, dtype, keys[0].format(page=page)).strip("\n"), " " * 12)
+    return f'''
+Ka = T.sblock_alloc_buffer(({h_kv}, ({max_keys} + 31) // 32 * 2, {d // 32}, 16, 16), "uint32")
+Va = T.sblock_alloc_buffer(({h_kv}, ({max_keys} + 31) // 32, {d // 16}, 16, 16), "uint32")
 for b in range(batch_size):
-{textwrap.indent(_pack(h_kv, d).strip(chr(10)), " " * 4)}
+{textwrap.indent(_pack(h_kv, d, keys, page).strip(chr(10)), " " * 4)}
     for task in T.parallel(({ntiles}) * {h_kv}):
         with T.sblock("tile"):
 {body}'''
-    src = ragged_prefill_source(h_kv, h_q, d, dtype, root)
-    return parse_tvmscript(src)
+
+
+@cache
+def prefill_ragged_amx_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """``batch_prefill_ragged_kv`` on AMX tiles (see the module docstring)."""
+    root = _root(h_kv, h_q, d, dtype, RAGGED, "kv_len")
+    return parse_tvmscript(ragged_prefill_source(h_kv, h_q, d, dtype, root))
+
+
+@cache
+def prefill_paged_amx_primfunc(h_kv: int, h_q: int, d: int, page: int = 16,
+                               dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """``batch_prefill_paged_kv_cpu`` on AMX tiles: a chunk of new tokens against the keys in
+    its sequence's pages (at most the batch's pages' worth, ``nnz_pages x page``)."""
+    root = _root(h_kv, h_q, d, dtype, PAGED, f"nnz_pages * {page}", page)
+    return parse_tvmscript(paged_prefill_source(h_kv, h_q, d, page, dtype, root))
