@@ -1,7 +1,10 @@
-"""Time one decode step of a compiled model, op by op (the Relax VM's instrument hook).
+"""Time one decode step (or one prompt's prefill) of a compiled model, op by op (the Relax
+VM's instrument hook).
 
     python scripts/decode_profile.py --model llama-160m --plan examples/plans/two-cpus-tp1.json
     python scripts/decode_profile.py --model llama-160m --plan examples/plans/two-cpus-tp2.json --rank 0
+    python scripts/decode_profile.py --model llama-3.2-1b --plan examples/plans/two-cpus-tp1.json \
+        --phase prefill --prompt 512 --steps 3
 
 With a tensor-parallel plan, ``--rank`` runs that rank's shard alone in this process, on the
 rank's CPUs, with local stand-ins for the collectives (the all-reduce returns this rank's
@@ -57,7 +60,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0, help="the rank of a tensor-parallel plan to run")
     ap.add_argument("--dtype", default="bfloat16", help="weight dtype (default bfloat16)")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding")
-    ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps (prefill: prompts)")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                    help="profile decode steps or whole prompts' prefill (default decode)")
     ap.add_argument("--top", type=int, default=15, help="ops to list")
     args = ap.parse_args()
 
@@ -87,18 +92,27 @@ def main() -> None:
             calls[name] += 1
         return 0
 
-    engine.start()
-    engine.use("prefill")
-    engine.prefill(prompt)
-    engine.use("decode")
-    engine.vm.set_instrument(hook)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.decode(5)
+    if args.phase == "prefill":  # a fresh sequence per prompt, the hook around its prefill
+        engine.vm.set_instrument(hook)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.start()
+            engine.use("prefill")
+            engine.prefill(prompt)
+            engine.stop()
+    else:
+        engine.start()
+        engine.use("prefill")
+        engine.prefill(prompt)
+        engine.use("decode")
+        engine.vm.set_instrument(hook)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.decode(5)
+        engine.stop()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    engine.stop()
     ops_ms = sum(spent.values()) / args.steps * 1e3
-    print(f"decode step with the hook: {step_ms:.2f} ms; ops: {ops_ms:.2f} ms")
+    print(f"{args.phase} step with the hook: {step_ms:.2f} ms; ops: {ops_ms:.2f} ms")
     for name, secs in sorted(spent.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {secs / args.steps * 1e3:7.3f} ms  x{calls[name] // args.steps:<4d} {name}")
 
