@@ -259,8 +259,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         conds.append(f"{pc} < {kb}")
 
     out = [f'with T.sblock("v{v}"):']
-    if tiles:  # A in 16 x 16-pair tiles, 1 KB each: Ap[row tile, k tile, row, pair]
-        out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 16), "uint32")')
+    if tiles:  # A in 16 x 32-bf16 tiles, 1 KB each: Ap[row tile, k tile, row, k]
+        out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 32), "uint16")')
         out.append(f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")')
     else:
         a_dtype = "uint32" if pairs_k else "float32"
@@ -272,8 +272,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     if tiles:
         out += [
             f"    for it in T.parallel({mt} * {tm}):",
-            f"        for kb, ii, kk in T.grid({k // 16}, 16, 16):",
-            f"            {ap}[it, kb, ii, kk] = {_pack_a(16, k_full, True, 'kb * 16 + kk', 2 * k > k_full)}",
+            *_indent(_pack_a_tiles(ap, k_full, k // 16), 2),
             f"    for t in T.parallel({threads}):",
             *_indent(tile_config(16, 64), 2),
         ]
@@ -445,21 +444,38 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     return out
 
 
-def _pack_a(mr: int, k: int, pairs: bool, kk: str = "kk", padded: bool = False) -> str:
-    """The packed A panel's element ``[it, kk, ii]``: A's value, zero past m; with ``pairs``
-    the bf16 pair (A[., 2kk], A[., 2kk + 1]) in one word, zero past k too (``padded``: kk
-    runs past k / 2, AMX's whole tiles)."""
+def _a_value(mr: int, k: int, col: str, guard: bool) -> str:
+    """``A[it * mr + ii, col]`` as fp32 text: zero past m, and past k with ``guard``."""
     row = f"it * {mr} + ii"
+    cond = f"{row} < m" + (f" and {col} < {k}" if guard else "")
+    col_in = f"T.min({col}, {k - 1})" if guard else col
+    return f"T.if_then_else({cond}, A[T.min({row}, m - T.int64(1)), {col_in}], T.float32(0))"
 
-    def a(col: str, guard: bool) -> str:
-        cond = f"{row} < m" + (f" and {col} < {k}" if guard else "")
-        col_in = f"T.min({col}, {k - 1})" if guard else col
-        return f"T.if_then_else({cond}, A[T.min({row}, m - T.int64(1)), {col_in}], T.float32(0))"
 
+def _pack_a(mr: int, k: int, pairs: bool) -> str:
+    """The packed A panel's element ``[it, kk, ii]``: A's value; with ``pairs`` the bf16 pair
+    (A[., 2kk], A[., 2kk + 1]) in one word (the second zero past an odd k)."""
     if not pairs:
-        return a(kk, False)
-    lo, hi = bf16_bits(a(f"2 * ({kk})", padded)), bf16_bits(a(f"2 * ({kk}) + 1", padded or k % 2 == 1))
+        return _a_value(mr, k, "kk", False)
+    lo, hi = (bf16_bits(_a_value(mr, k, f"2 * kk + {i}", i == 1 and k % 2 == 1)) for i in (0, 1))
     return f"{lo} | ({hi} << T.uint32(16))"
+
+
+def _pack_a_tiles(ap: str, k: int, blocks: int) -> list[str]:
+    """Row tile ``it`` of A as bf16 AMX tiles: 32 consecutive k per tile row, so a row is one
+    contiguous fp32 load rounded to 16-bit words (vectorized); the k tiles past k's last whole
+    32 are zero-padded value by value."""
+    def value(col: str, guard: bool) -> str:
+        return f'T.Cast("uint16", {bf16_bits(_a_value(16, k, col, guard))})'
+
+    out = []
+    if k // 32:
+        out += [f"for kb, ii in T.grid({k // 32}, 16):", "    for c in T.vectorized(32):",
+                f"        {ap}[it, kb, ii, c] = {value('kb * 32 + c', False)}"]
+    if blocks > k // 32:
+        out += [f"for kb, ii, c in T.grid({blocks - k // 32}, 16, 32):",
+                f"    {ap}[it, {k // 32} + kb, ii, c] = {value(f'({k // 32} + kb) * 32 + c', True)}"]
+    return out
 
 
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
