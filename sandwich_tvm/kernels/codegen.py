@@ -320,9 +320,11 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
     def kloop(length: int) -> list[str]:
         if tiles:  # A tile (it, kb) and the B tile of 16 pairs of panel jt * tn + j, from kq
+            def b_tile(j: int, q: str = "kq", r: int = 0) -> str:
+                return f"Wp[{jt} * {nv} + {j}, {pc} * {kc} + {q} * 16 + {r}, 0]"
+
             return tile_kloop(tm, tn, length,
-                              lambda i: f"{ap}[{it} * {tm} + {i}, {pc} * {kc // 16} + kq, 0, 0]",
-                              lambda j: f"Wp[{jt} * {nv} + {j}, {pc} * {kc} + kq * 16, 0]")
+                              lambda i: f"{ap}[{it} * {tm} + {i}, {pc} * {kc // 16} + kq, 0, 0]", b_tile)
         lines = []
         if length // ku:
             lines += [f"for kq in range({length // ku}):", f"    for u in T.unroll({ku}):"]

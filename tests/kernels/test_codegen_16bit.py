@@ -198,7 +198,8 @@ def test_amx_kernel_configures_its_tiles_in_every_thread():
     assert src.rindex("llvm.x86.tdpbf16ps") < src.index("llvm.x86.tilerelease")
     exe = tvm.compile(tvm.IRModule({"linear": linear_primfunc(shape, buckets)}), target=isa_target("amx", 2))
     asm = assembly(exe)
-    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease"):
+    for instruction in ("ldtilecfg", "tileloadd", "tdpbf16ps", "tilestored", "tilerelease",
+                        "prefetcht0"):  # the weight's next B tiles, PREFETCH k steps ahead
         assert instruction in asm, instruction
     with pytest.raises(KernelError, match="whole number of 16-pair AMX tiles"):
         linear_primfunc(shape, [Bucket(1 << 62, sch("amx", "bfloat16", 16, 1, 16, 1, 24))])
