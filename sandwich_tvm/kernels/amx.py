@@ -17,10 +17,13 @@ from collections.abc import Callable
 TILE_ROWS = 16  # rows of every tile
 TILE_BYTES = 64  # bytes per tile row: 16 fp32, or 16 bf16 pairs
 PAIRS = 16  # k-pairs one tdpbf16ps reduces (32 bf16)
-# k steps ahead the B tiles are prefetched into L1: down_proj at m = 512 on a Xeon, 2 threads,
-# hot weights 2.40 / 2.49 / 2.52 / 2.34 / 2.23 TFLOPS at 0 / 2 / 4 / 8 / 16 steps; with weights
-# streaming from memory (bench gemm) 1.87 -> 2.09 TFLOPS, with the vectorized A pack.
+# k steps ahead the B tiles are prefetched into L1, by grids of at least PREFETCH_ROWS row
+# tiles (2 x tn tile products a step hide the 16 x tn prefetches; one row of tiles runs
+# smaller m, where the prefetches cost more than they save). bench gemm, weights from memory,
+# Xeon, 2 threads, 0 -> 4 steps: down_proj 1976 -> 2238 GFLOPS at m = 512 (32x32 tiles) but
+# 1194 -> 996 at m = 64 (16x48); steps 2 / 8 / 16 ran slower than 4 with hot weights.
 PREFETCH = 4
+PREFETCH_ROWS = 2
 
 
 def amx(intrinsic: str, *args: object) -> str:
@@ -61,6 +64,6 @@ def tile_kloop(tm: int, tn: int, pairs: int, a_tile: Callable[[int], str],
     body += [amx("tileloadd64", b_reg + j, f"T.address_of({b_tile(j)})", f"T.int64({TILE_BYTES})")
              for j in range(tn)]
     body += [amx("tdpbf16ps", i * tn + j, a_reg + i, b_reg + j) for i in range(tm) for j in range(tn)]
-    # the B tiles PREFETCH steps ahead, one cache line per tile row: weights stream from memory
-    body += [prefetch(b_tile(j, f"(kq + {PREFETCH})", r)) for j in range(tn) for r in range(TILE_ROWS)]
+    if tm >= PREFETCH_ROWS:  # the B tiles PREFETCH steps ahead, a cache line per tile row
+        body += [prefetch(b_tile(j, f"(kq + {PREFETCH})", r)) for j in range(tn) for r in range(TILE_ROWS)]
     return [f"for kq in range({pairs // PAIRS}):", *["    " + line for line in body]]
