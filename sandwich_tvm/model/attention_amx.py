@@ -11,7 +11,8 @@ pages) are packed once into tiles:
 ``Ka[head, 16 keys, 16 d-pairs]`` (A operand) and ``Va[head, 16 d, 16 key-pairs]`` (A operand).
 A task is a tile of 16 query rows (token, head of the group) of one KV head:
 
-- ``qb[16 d-pairs, 16 rows]`` is Q transposed, pre-scaled by ``sm_scale·log2 e`` (B operand);
+- ``qb[16 d-pairs, 16 rows]`` is Q transposed, pre-scaled by ``sm_scale·log2 e`` (B operand;
+  each row is rounded to bf16 words in one vector pass, ``qw``, then the pairs transposed);
 - keys come in chunks of ``CHUNK``: ``Sᵀ[key, row] = Ka · qb``, 16 keys per accumulator tile,
   stored to ``st``; the online softmax runs on ``st`` with rows as lanes, and writes ``Pᵀ`` as
   bf16 key pairs ``pb[key pair, row]`` (a B operand again);
@@ -29,7 +30,7 @@ import textwrap
 from functools import cache
 
 from ..kernels.amx import PAIRS, TILE_BYTES, TILE_ROWS, amx, tile_config
-from ..kernels.vecmath import LOG2E, bf16_pair, exp2
+from ..kernels.vecmath import LOG2E, bf16_bits, bf16_pair, exp2
 from ..tvm_compat import parse_tvmscript, tvm
 from .attention import check_kv_dtype, paged_prefill_source, ragged_prefill_source
 
@@ -92,6 +93,7 @@ def _body(h_kv: int, group: int, d: int, dtype: str, klen: str) -> str:
         return "\n".join("    " * n + ln for ln in lines)
 
     return f'''
+qw = T.sblock_alloc_buffer(({R}, {d}), "uint16")
 qb = T.sblock_alloc_buffer(({d // 2}, {R}), "uint32")
 st = T.sblock_alloc_buffer(({CHUNK}, {R}), "float32")
 pb = T.sblock_alloc_buffer(({CHUNK // 2}, {R}), "uint32")
@@ -112,8 +114,11 @@ for r in range({R}):
     vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen})
     mx[r] = T.float32(-5e4)
     sm[r] = T.float32(1)
+for r in range({R}):
+    for c in T.vectorized({d}):
+        qw[r, c] = T.Cast("uint16", {bf16_bits(qv("c"))})
 for p, r in T.grid({d // 2}, {R}):
-    qb[p, r] = {bf16_pair(qv("2 * p"), qv("2 * p + 1"))}
+    qb[p, r] = T.Cast("uint32", qw[r, 2 * p]) | (T.Cast("uint32", qw[r, 2 * p + 1]) << T.uint32(16))
 for dd in range({d}):
     for r in T.vectorized({R}):
         acc[dd, r] = T.float32(0)
