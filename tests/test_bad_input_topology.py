@@ -65,11 +65,17 @@ def test_oversized_tree_is_refused_with_the_cpus_hint():
 
 
 @needs_hwloc
+def _ctrl_c_reaches_it() -> None:
+    """A terminal's Ctrl-C: SIGINT handled by default, even when the tests run in the
+    background (an asynchronous shell job ignores SIGINT, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_a_long_search_promptly():
     proc = subprocess.Popen(
         [sys.executable, "-m", "sandwich_tvm.topo", "--synthetic", "package:1 core:1024 pu:1",
          "--max-trees", "100000000", "--lengths", "128:32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_reaches_it)
     try:
         assert "warning" in proc.stderr.readline()  # imports done: the search is next
         time.sleep(1.0)
