@@ -1,8 +1,9 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce`: Sandwich's dynamic-shape GEMM against
-numpy and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement`: Sandwich's dynamic-shape
+GEMM against numpy and torch (``e2e``: the whole model, see ``cli/e2e.py``; ``attention``: the KV cache's
 attention kernels against TVM's, ``cli/attention.py``; ``serve``: the serving benchmark over
 the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``; ``allreduce``: the
-shared-memory all-reduce against gloo, ``cli/allreduce.py``).
+shared-memory all-reduce against gloo, ``cli/allreduce.py``; ``agreement``: a 16-bit model's greedy
+tokens against its fp32 model's, ``cli/agreement.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -23,6 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from .agreement import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
 from .args import positive_int, positive_ints, threads_beyond_cpus
 from .attention import add_attention_parser, main_attention
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attention_parser(sub)
     add_serve_parser(sub)
     add_allreduce_parser(sub)
+    add_agreement_parser(sub)
     return parser
 
 
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_serve(args, console)
     if args.what == "allreduce":
         return main_allreduce(args, console)
+    if args.what == "agreement":
+        return main_agreement(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

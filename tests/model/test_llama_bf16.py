@@ -14,6 +14,7 @@ from sandwich_tvm.host import cpu_flags, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.runtime.agreement import greedy_agreement
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
@@ -42,15 +43,6 @@ def open_bf16(model, cfg, kv_dtype="float32") -> Engine:
     packed = [p for p in params if p.ndim == 3]
     assert packed and all(p.dtype.itemsize == 2 or p.dtype == np.uint32 for p in packed)
     return Engine(compiled, params, PLAN)
-
-
-def forced_logits(engine: Engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """Logits after the prompt and after each of ``tokens`` but the last (teacher forcing)."""
-    engine.start()
-    out = [engine.prefill(prompt).reshape(-1)]
-    out += [engine.decode(t).reshape(-1) for t in tokens[:-1]]
-    engine.stop()
-    return np.stack(out)
 
 
 def bf16_rounded(hf, tied: bool):
@@ -85,25 +77,23 @@ def test_bf16_model_matches_hf(hf_case):
 
 def test_bf16_greedy_agrees_with_fp32_on_the_preset():
     """64 greedy steps of the fp32 model; the bf16 model, fed the same tokens, picks the same
-    next token at >= 90% of them (the issue's bar is 95%: 95.3% on the Zen 4 that wrote this,
-    kernels and their summation order differ per CPU), and wherever it picks another, the
-    fp32 logits of the two tokens lie closer than bf16's error at that step (a near-tie of
-    random weights, not a wrong model)."""
+    next token at >= 90% of them (the issue's bar is 95%, which `bench agreement` shows per
+    preset; kernels and their summation order differ per CPU), and wherever it picks another,
+    the fp32 margin between the two tokens is among the smallest quarter of the run's top-1
+    margins (a near-tie of random weights, not a wrong model)."""
     cfg = load_config("llama-160m")
-    compiled = compile_model(cfg, PLAN, kv_dtype="float32")
-    isa, _ = compiled.weight_layout
-    fp32_engine = Engine(compiled, load_params("llama-160m", cfg, compiled.params, isa), PLAN)
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 32)]
-    tokens = fp32_engine.generate(prompt, 64).tokens
-    fp32 = forced_logits(fp32_engine, prompt, tokens)
-    del fp32_engine
-    bf16 = forced_logits(open_bf16("llama-160m", cfg), prompt, tokens)
-    picks = bf16.argmax(-1)
-    assert [int(t) for t in fp32.argmax(-1)] == tokens
-    agree = float(np.mean(picks == np.asarray(tokens)))
-    print(f"bf16 picks the fp32 model's token at {agree:.1%} of {len(tokens)} steps")
-    for i in np.flatnonzero(picks != np.asarray(tokens)):
-        gap = fp32[i, tokens[i]] - fp32[i, picks[i]]
-        assert gap < np.abs(bf16[i] - fp32[i]).max(), f"step {i}: a {gap:.4f} margin lost to bf16"
-    assert agree >= 0.9
+
+    def fp32() -> Engine:
+        compiled = compile_model(cfg, PLAN, kv_dtype="float32")
+        isa, _ = compiled.weight_layout
+        return Engine(compiled, load_params("llama-160m", cfg, compiled.params, isa), PLAN)
+
+    [result] = greedy_agreement(fp32, lambda: open_bf16("llama-160m", cfg), [prompt], 64)
+    print(f"bf16 picks the fp32 model's token at {result.agree:.1%} of {result.steps} steps")
+    assert result.steps == 64
+    for d in result.disagreements:
+        assert d.margin_rank <= 0.25, f"step {d.step}: a {d.reference_margin:.4f} margin lost to bf16"
+    assert result.agree >= 0.9
+    assert result.logit_rms_error < 0.05 * result.logit_scale
     os.sched_setaffinity(0, CPUS)
