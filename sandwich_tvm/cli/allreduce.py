@@ -2,8 +2,16 @@
 torch.distributed's gloo backend, 2..P processes pinned one per CPU, in one run.
 
 Each (system, processes, size) is the median over rounds of back-to-back all-reduces timed on
-rank 0. Bandwidth is the "bus bandwidth" (2 (P - 1) / P x bytes / time, NCCL's convention),
-shown next to the machine's streaming-read bandwidth on all CPUs, measured in the same run.
+rank 0. Two bandwidths, both next to the machine's streaming-read bandwidth on all CPUs,
+measured in the same run:
+
+- the "bus bandwidth" (2 (P - 1) / P x bytes / time, NCCL's convention: what each rank's link
+  carries), and
+- the memory throughput: the traffic any all-reduce from private inputs to private outputs
+  must cause, every rank reading its input and writing its output (2 P x bytes), per second.
+  Once messages outgrow the caches the op is bound by memory, and this says how close to the
+  machine's bandwidth it runs; the bus bandwidth of such an op cannot exceed (P - 1) / P^2 of
+  the memory bandwidth (a quarter for two ranks), whatever the algorithm.
 """
 
 from __future__ import annotations
@@ -55,15 +63,17 @@ def _time(fn, nbytes: int, rounds: int) -> float:
     return float(np.median(out))
 
 
-def _pin(rank: int) -> None:
-    cpus = sorted(os.sched_getaffinity(0))
+def _pin(rank: int, cpus: list[int]) -> None:
+    """Rank r on the r-th of ``cpus`` (the benchmark's CPUs, passed down: a child's own affinity
+    is whatever its parent's was when it started, possibly one CPU, which would stack ranks)."""
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
 
 
-def _shm_rank(name: str, rank: int, world: int, slot: int, sizes: list[int], rounds: int, q) -> None:
+def _shm_rank(name: str, rank: int, world: int, slot: int, sizes: list[int], rounds: int, cpus: list[int],
+              q) -> None:
     from ..collective.shm import ShmGroup
 
-    _pin(rank)
+    _pin(rank, cpus)
     with ShmGroup.attach(name, rank, world, slot) as group:
         for n in sizes:
             x, out = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -71,19 +81,20 @@ def _shm_rank(name: str, rank: int, world: int, slot: int, sizes: list[int], rou
     q.put(rank)
 
 
-def run_shm(world: int, sizes: list[int], rounds: int) -> dict[int, float]:
+def run_shm(world: int, sizes: list[int], rounds: int, cpus: list[int]) -> dict[int, float]:
     from ..collective.shm import ShmGroup
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     out = {}
     with ShmGroup.create(world, 4 * max(sizes)) as group:
-        procs = [ctx.Process(target=_shm_rank, args=(group.name, r, world, group.slot, sizes, rounds, q))
+        procs = [ctx.Process(target=_shm_rank,
+                             args=(group.name, r, world, group.slot, sizes, rounds, cpus, q))
                  for r in range(1, world)]
         for p in procs:
             p.start()
         before = os.sched_getaffinity(0)
-        _pin(0)
+        _pin(0, cpus)
         try:
             for n in sizes:
                 x, y = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -97,11 +108,11 @@ def run_shm(world: int, sizes: list[int], rounds: int) -> dict[int, float]:
     return out
 
 
-def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, q) -> None:
+def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, cpus, q) -> None:
     import torch
     import torch.distributed as dist
 
-    _pin(rank)
+    _pin(rank, cpus)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     times = {}
@@ -112,12 +123,12 @@ def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, 
     q.put((rank, times))
 
 
-def run_gloo(world: int, sizes: list[int], rounds: int) -> dict[int, float]:
+def run_gloo(world: int, sizes: list[int], rounds: int, cpus: list[int]) -> dict[int, float]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "rendezvous")
-        procs = [ctx.Process(target=_gloo_rank, args=(path, r, world, sizes, rounds, q))
+        procs = [ctx.Process(target=_gloo_rank, args=(path, r, world, sizes, rounds, cpus, q))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -138,12 +149,14 @@ def bench_allreduce(procs: int, sizes: list[int], rounds: int, systems: list[str
         results = {}
         for system in systems:
             log(f"{system}: {world} processes over {len(sizes)} sizes ...")
-            results[system] = (run_shm if system == "shm" else run_gloo)(world, sizes, rounds)
+            results[system] = (run_shm if system == "shm" else run_gloo)(world, sizes, rounds, cpus)
         for n in sizes:
             row = {"procs": world, "floats": n, "bytes": 4 * n}
             for system, times in results.items():
                 row[f"{system}_us"] = times[n] * 1e6
                 row[f"{system}_bus_gbs"] = 2 * (world - 1) / world * 4 * n / times[n] / 1e9
+                row[f"{system}_mem_gbs"] = 2 * world * 4 * n / times[n] / 1e9
+                row[f"{system}_mem_of_read"] = row[f"{system}_mem_gbs"] / read_gbs
             if "shm_us" in row and "gloo_us" in row:
                 row["latency_ratio"] = row["shm_us"] / row["gloo_us"]
             rows.append(row)
@@ -198,13 +211,15 @@ def main_allreduce(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = Table(title=f"all-reduce, float32, CPUs {result['cpus']} (streaming read "
                         f"{result['read_gbs']:.1f} GB/s)")
-    for col in ("procs", "bytes", "shm µs", "gloo µs", "shm / gloo", "shm bus GB/s", "gloo bus GB/s"):
+    for col in ("procs", "bytes", "shm µs", "gloo µs", "shm / gloo", "shm bus GB/s", "gloo bus GB/s",
+                "shm memory GB/s", "of read BW"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         def f(key: str, fmt: str, r=r) -> str:
             return fmt.format(r[key]) if key in r else "-"
         table.add_row(str(r["procs"]), str(r["bytes"]), f("shm_us", "{:.1f}"), f("gloo_us", "{:.1f}"),
-                      f("latency_ratio", "{:.2f}"), f("shm_bus_gbs", "{:.2f}"), f("gloo_bus_gbs", "{:.2f}"))
+                      f("latency_ratio", "{:.2f}"), f("shm_bus_gbs", "{:.2f}"), f("gloo_bus_gbs", "{:.2f}"),
+                      f("shm_mem_gbs", "{:.1f}"), f("shm_mem_of_read", "{:.2f}"))
     console.print(table)
     console.print(f"plot: {args.plot}")
     return 0

@@ -127,3 +127,19 @@ def test_the_owner_removes_the_segment_even_while_a_view_of_it_lives():
     group.close()
     assert not path.exists()
     assert view.shape == (64,)  # still mapped, goes with the view
+
+
+def test_bench_allreduce_times_two_real_processes_and_reports_both_bandwidths():
+    from sandwich_tvm.cli.allreduce import bench_allreduce
+
+    sizes = [768, 70_000]
+    result = bench_allreduce(2, sizes, rounds=1, systems=["shm"], log=lambda _m: None)
+    assert result["read_gbs"] > 0
+    assert [(r["procs"], r["floats"]) for r in result["rows"]] == [(2, n) for n in sizes]
+    for r in result["rows"]:
+        seconds = r["shm_us"] / 1e6
+        assert 0 < seconds < 1
+        # bus bandwidth: what one rank's link carries; memory: every rank reads and writes the message
+        assert np.isclose(r["shm_bus_gbs"], r["bytes"] / seconds / 1e9)
+        assert np.isclose(r["shm_mem_gbs"], 4 * r["bytes"] / seconds / 1e9)
+        assert np.isclose(r["shm_mem_of_read"], r["shm_mem_gbs"] / result["read_gbs"])
