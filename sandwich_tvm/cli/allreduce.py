@@ -81,9 +81,12 @@ def _shm_rank(name: str, rank: int, world: int, slot: int, sizes: list[int], rou
     q.put(rank)
 
 
-def run_shm(world: int, sizes: list[int], rounds: int, cpus: list[int]) -> dict[int, float]:
+def run_shm(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = None) -> dict[int, float]:
+    """Rank 0's median seconds per size, rank r pinned to the r-th of ``cpus`` (default: the
+    CPUs this process may use)."""
     from ..collective.shm import ShmGroup
 
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     out = {}
@@ -123,7 +126,10 @@ def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, 
     q.put((rank, times))
 
 
-def run_gloo(world: int, sizes: list[int], rounds: int, cpus: list[int]) -> dict[int, float]:
+def run_gloo(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = None) -> dict[int, float]:
+    """Rank 0's median seconds per size, rank r pinned to the r-th of ``cpus`` (default: the
+    CPUs this process may use)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

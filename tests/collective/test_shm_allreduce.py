@@ -143,3 +143,10 @@ def test_bench_allreduce_times_two_real_processes_and_reports_both_bandwidths():
         assert np.isclose(r["shm_bus_gbs"], r["bytes"] / seconds / 1e9)
         assert np.isclose(r["shm_mem_gbs"], 4 * r["bytes"] / seconds / 1e9)
         assert np.isclose(r["shm_mem_of_read"], r["shm_mem_gbs"] / result["read_gbs"])
+
+
+def test_bench_e2e_times_the_allreduce_for_the_simulator():
+    from sandwich_tvm.cli.e2e import allreduce_profile
+
+    terms = allreduce_profile(2, 768, log=lambda _m: None)
+    assert 0 < terms["allreduce_latency_us"] < 1e5 and terms["allreduce_gbs"] > 0
