@@ -59,10 +59,34 @@ def cpuinfo() -> dict[str, str]:
     return out
 
 
+# SANDWICH_MAX_ISA caps the features every layer sees, as oneDNN's ONEDNN_MAX_CPU_ISA does: the
+# flags above the cap are dropped where they are read, so the ISA, the LLVM target, the kernels,
+# the CPU signature (and with it the tuning records) are those of a CPU without them.
+MAX_ISA_DROPS: dict[str, tuple[str, ...]] = {
+    "avx2": ("avx512", "amx_"),
+    "avx512": ("avx512_bf16", "avx512_fp16", "amx_"),
+    "avx512bf16": ("amx_",),
+    "amx": (),
+}
+
+
+def max_isa() -> str | None:
+    """The ``SANDWICH_MAX_ISA`` cap, or None when unset."""
+    cap = os.environ.get("SANDWICH_MAX_ISA", "").strip().lower()
+    if cap and cap not in MAX_ISA_DROPS:
+        raise HostError(f"SANDWICH_MAX_ISA={cap!r} is not a known cap; use one of "
+                        f"{', '.join(MAX_ISA_DROPS)} or unset it")
+    return cap or None
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags (x86 ``flags``, Arm ``Features``)."""
+    """The CPU feature flags (x86 ``flags``, Arm ``Features``), less those above SANDWICH_MAX_ISA."""
     info = cpuinfo()
-    return frozenset((info.get("flags") or info.get("Features") or "").split())
+    flags = frozenset((info.get("flags") or info.get("Features") or "").split())
+    cap = max_isa()
+    if cap:
+        flags = frozenset(f for f in flags if not f.startswith(MAX_ISA_DROPS[cap]))
+    return flags
 
 
 def isa_of(flags: frozenset[str] | set[str]) -> str:

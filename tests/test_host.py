@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from sandwich_tvm import host
 from sandwich_tvm.host import HostError, ensure_writable, file_lock, half_precision_units, tvm_num_threads
 
 
@@ -97,3 +98,41 @@ def test_file_lock_makes_processes_take_turns(tmp_path):
         fh.write("second\n")
     holder.join(60)
     assert (tmp_path / "log").read_text().splitlines() == ["first", "second"]
+
+
+ZEN5_FLAGS = "fpu sse4_2 avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
+XEON_FLAGS = ZEN5_FLAGS + " avx_vnni avx512_fp16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize("cap,isa,kept,dropped", [
+    ("avx2", "avx2", {"avx2", "fma", "avx_vnni"}, {"avx512f", "avx512_bf16", "amx_tile"}),
+    ("avx512", "avx512", {"avx512f", "avx512bw"}, {"avx512_bf16", "avx512_fp16", "amx_bf16"}),
+    ("avx512bf16", "avx512", {"avx512_bf16", "avx512_fp16"}, {"amx_tile", "amx_bf16"}),
+    ("amx", "avx512", {"amx_tile", "avx512_bf16"}, set()),
+])
+def test_max_isa_caps_what_every_layer_sees(monkeypatch, cap, isa, kept, dropped):
+    monkeypatch.setattr(host, "cpuinfo", lambda: {"vendor_id": "GenuineIntel", "flags": XEON_FLAGS})
+    monkeypatch.setenv("SANDWICH_MAX_ISA", cap.upper())
+    flags = host.cpu_flags()
+    assert kept <= flags and not dropped & flags
+    assert host.isa_of(flags) == isa
+    mattr = host.llvm_mattr()
+    assert all(f"+{host.LLVM_FEATURES[f]}" in mattr for f in kept)
+    assert all(f"+{host.LLVM_FEATURES[f]}" not in mattr for f in dropped)
+    if cap == "avx2":
+        assert "-avx512f" in mattr and host.half_precision_units() == []
+
+
+def test_max_isa_gives_a_distinct_signature_and_rejects_unknown_caps(monkeypatch):
+    code = "from sandwich_tvm.host import host_signature as s; print(s().isa, s().slug)"
+    out = {}
+    for cap in ("", "avx2"):
+        env = {**os.environ, "SANDWICH_MAX_ISA": cap}
+        out[cap] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                  text=True, timeout=60, check=True).stdout.split()
+    assert out["avx2"][0] == "avx2" or out[""][0] not in ("avx512", "avx2")
+    if out[""][0] == "avx512":
+        assert out["avx2"][1] != out[""][1]  # records tuned under the cap live apart
+    monkeypatch.setenv("SANDWICH_MAX_ISA", "avx1024")
+    with pytest.raises(HostError, match="not a known cap.*avx2"):
+        host.cpu_flags()
