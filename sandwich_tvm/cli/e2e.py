@@ -55,6 +55,10 @@ def add_e2e_parser(sub) -> None:
                    help="also run Sandwich on this plans.json (e.g. two processes against one), its "
                         "requests interleaved with the main plan's; rows 'sandwich tpP', with ratios to "
                         "'sandwich' and the simulator's predictions for that plan")
+    e.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
+                        "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
+                        "ratios to 'sandwich'")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
@@ -63,13 +67,14 @@ Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
 
 
 def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None,
-               name: str = "sandwich") -> Runner:
+               name: str = "sandwich", dtype: str | None = None) -> Runner:
+    """Requests on a Sandwich (or stock) engine; ``dtype`` overrides ``--dtype``."""
     from ..runtime.loader import open_engine
 
+    dtype = "float32" if stock else dtype or weight_dtype(args, log)
     engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
                                context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
-                               seed=args.seed, kv_dtype=args.kv_dtype,
-                               dtype="float32" if stock else weight_dtype(args, log), log=log)
+                               seed=args.seed, kv_dtype=args.kv_dtype, dtype=dtype, log=log)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
 
     def run(p: int) -> dict | None:
@@ -82,7 +87,8 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
         if probe is not None:  # the bandwidth of the minutes this request decoded in
             probe.sample()
         decode_total = sum(gen.decode_ms)
-        row = {"system": "tvm-stock" if stock else name, "prompt": p, "ttft_ms": gen.ttft_ms,
+        row = {"system": "tvm-stock" if stock else name, "prompt": p, "weights": dtype,
+               "ttft_ms": gen.ttft_ms,
                "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
                "switch_ms": gen.switch_ms,
                "tokens": gen.tokens[:16], "weights_huge_page_share": engine.huge_page_share,
@@ -236,8 +242,9 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     tree, found = load_tree()
     measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
     measured = dataclasses.replace(measured, gemm_efficiency=measured.gemm_efficiency * gemm_speedup)
-    if plan.tp > 1:  # the all-reduce the ranks run, measured between as many processes
-        measured = dataclasses.replace(measured, **allreduce_profile(plan.tp, cfg.hidden_size, log))
+    allreduce = allreduce_profile(plan.tp, cfg.hidden_size, log) if plan.tp > 1 else {}
+    if allreduce:  # the all-reduce the ranks run, measured between as many processes
+        measured = dataclasses.replace(measured, **allreduce)
     where = dict(zip(tree.pus, tree.domains, strict=True))
 
     def config(cpus: list[tuple[int, ...]]) -> ServiceConfig:
@@ -251,7 +258,8 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
         p = np.array([n], dtype=float)
         sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
-                    "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs})
+                    "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
+                    **allreduce})
     return out
 
 
@@ -309,6 +317,10 @@ def bench_e2e(args, console: Console) -> dict:
     if also is not None:
         log(f"also: {also.describe()}")
         runners.append(tvm_runner(args, cfg, also, prompts, False, log, name=also_name))
+    dtype_name = f"sandwich {args.also_dtype}" if args.also_dtype else None
+    if dtype_name:
+        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, name=dtype_name,
+                                  dtype=args.also_dtype))
     if "llamacpp" in systems:
         runners.append(llamacpp_runner(args, cfg, prompts, threads, notes, log))
     runners = [r for r in runners if r is not None]
@@ -330,6 +342,11 @@ def bench_e2e(args, console: Console) -> dict:
                      decode_gbs=gbs, gemm_speedup=float(pairs))
     also_pred = (predicted(sim_cfg, also, prompts, args.new_tokens, log, refresh=False, decode_gbs=gbs,
                            gemm_speedup=float(pairs)) if also is not None else [])
+    if dtype_name:
+        dtype_pairs = ISAS[kernel_isa(host_isa(), args.also_dtype, cpu_flags())].k_pack
+        dtype_pred = predicted(dataclasses.replace(cfg, dtype=args.also_dtype), plan, prompts,
+                               args.new_tokens, log, refresh=False, decode_gbs=gbs,
+                               gemm_speedup=float(dtype_pairs))
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:
@@ -347,18 +364,23 @@ def bench_e2e(args, console: Console) -> dict:
                     r[f"tpot_ratio_vs_{tag}"] = paired_ratio(r, base, "tpot")
                     if "tokens" in base:
                         r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
-        if r["system"] in ("sandwich", also_name):
-            source = pred if r["system"] == "sandwich" else also_pred
+        source = {"sandwich": pred, also_name: also_pred}.get(r["system"])
+        if dtype_name and r["system"] == dtype_name:
+            source = dtype_pred
+        if source:
             pr = next(x for x in source if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
             r["decode_bandwidth_gbs"] = pr["decode_gbs"]
-        if r["system"] == also_name:
+            if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
+                r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
+                r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
+        if r["system"] in (also_name, dtype_name):
             base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
             r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
             r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
-            "also_plan": also.describe() if also is not None else None,
+            "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
             "dtype": sim_cfg.dtype, "kv_dtype": args.kv_dtype,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
             "bandwidth_samples_gbs": probe.samples if probe else []}
@@ -381,9 +403,10 @@ def print_e2e(result: dict, console: Console) -> None:
     console.print(table)
     for r in result["rows"]:
         if r.get("tpot_ratio_vs_sandwich") is not None:
-            console.print(f"{r['system']} ({result['also_plan']}) at {r['prompt']} tokens: TTFT "
+            what = result["also_plan"] if " tp" in r["system"] else r.get("weights")
+            console.print(f"{r['system']} ({what}) at {r['prompt']} tokens: TTFT "
                           f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
-                          f"the main plan's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
+                          f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
     for n in result["notes"]:
         console.print(n)
 

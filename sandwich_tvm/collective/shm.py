@@ -34,6 +34,12 @@ class CollectiveError(RuntimeError):
     """The process group cannot run the collective; the message says why."""
 
 
+def slot_bytes(max_bytes: int) -> int:
+    """A slot for messages up to ``max_bytes``: whole pages, and one to spare (two blocks of a
+    blocked message are staged side by side and may round up past the message)."""
+    return -(-max(int(max_bytes), 4) // 4096) * 4096 + 4096
+
+
 def segment_bytes(world: int, slot: int) -> int:
     """Counters, then two buffer sets of ``world`` input slots and one result slot."""
     return LINE * world + 2 * (world + 1) * slot
@@ -54,14 +60,14 @@ def _kernel():
     try:
         with file_lock(build / ".lock"):
             mod = tvm_ffi.cpp.load_inline("sandwich_shm_allreduce", cpp_sources=src,
-                                          functions=["shm_allreduce_f32"],
+                                          functions=["shm_allreduce_f32", "shm_allgather_f32"],
                                           extra_cflags=["-O3", "-march=native"], build_directory=str(build))
     except Exception as err:  # a compiler or ninja problem: say what to install
         raise CollectiveError(f"building the shared-memory all-reduce failed ({err}); it needs a C++ "
                               "compiler (g++) and ninja (pip install ninja)") from err
-    fn = mod.shm_allreduce_f32
-    tvm_ffi.register_global_func("sandwich.shm_allreduce_f32", fn, override=True)
-    return fn
+    tvm_ffi.register_global_func("sandwich.shm_allreduce_f32", mod.shm_allreduce_f32, override=True)
+    tvm_ffi.register_global_func("sandwich.shm_allgather_f32", mod.shm_allgather_f32, override=True)
+    return mod
 
 
 @dataclass
@@ -89,7 +95,7 @@ class ShmGroup:
             raise CollectiveError(f"a group has 1..64 ranks, not {world}")
         if not SHM_DIR.is_dir():
             raise CollectiveError(f"{SHM_DIR} does not exist: this system has no POSIX shared memory")
-        slot = -(-max(int(max_bytes), 4) // 4096) * 4096
+        slot = slot_bytes(max_bytes)
         name = f"sandwich-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -161,9 +167,26 @@ class ShmGroup:
         if nbytes > self.slot:
             raise CollectiveError(f"a message of {nbytes} bytes exceeds the group's {self.slot}-byte slots")
         self.seq += 1
-        _kernel()(self._seg, self.rank, self.world, self.slot, self.seq, x,
+        _kernel().shm_allreduce_f32(self._seg, self.rank, self.world, self.slot, self.seq, x,
                   x if residual is None else residual, residual is not None, out, ONE_SHOT_BYTES,
                   self.block_bytes, self.timeout_s)
+        return out
+
+    def allgather(self, x, out=None, full: int | None = None):
+        """Every rank's ``x`` (``[..., w]`` float32) side by side along the last axis, cut to
+        ``full`` columns (default ``world * w``): rank r's part lands in columns ``r*w ..``."""
+        if self._seg is None:
+            raise CollectiveError("the group is closed")
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if out is None:
+                out = np.empty((*x.shape[:-1], full or self.world * x.shape[-1]), np.float32)
+        if 4 * math.prod(x.shape) > self.slot:
+            raise CollectiveError(f"a part of {4 * math.prod(x.shape)} bytes exceeds the group's "
+                                  f"{self.slot}-byte slots")
+        self.seq += 1
+        _kernel().shm_allgather_f32(self._seg, self.rank, self.world, self.slot, self.seq, x, out,
+                                    self.timeout_s)
         return out
 
     def close(self) -> None:

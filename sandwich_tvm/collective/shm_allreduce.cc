@@ -164,8 +164,13 @@ void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, 
 
   uint64_t step = static_cast<uint64_t>(seq) << 24;
   bool one_shot = n * 4 <= one_shot_bytes;
-  int64_t block = one_shot ? n : block_bytes / 4 / kFloatsPerLine * kFloatsPerLine;
-  TVM_FFI_ICHECK(block > 0 && (n + block - 1) / block < (1 << 22)) << "block_bytes too small";
+  // Blocks of at most block_bytes, all of one size (whole cache lines): a 300 KB message goes as
+  // two 150 KB blocks, not 256 + 44. Two blocks' staging fits the slot, which has a page to spare.
+  int64_t max_block = block_bytes / 4 / kFloatsPerLine * kFloatsPerLine;
+  TVM_FFI_ICHECK(max_block > 0 && (n + max_block - 1) / max_block < (1 << 22)) << "block_bytes too small";
+  int64_t blocks = (n + max_block - 1) / max_block;
+  int64_t block = one_shot ? n : ((n + blocks - 1) / blocks + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
+  TVM_FFI_ICHECK(one_shot || blocks == 1 || 2 * block * 4 <= slot) << "slot too small for two blocks";
   for (int64_t lo = 0; lo < n; lo += block) {
     int64_t hi = lo + block < n ? lo + block : n;
     // Block b is staged at offset (b & 1) * block of every slot and of the result, not at its
@@ -200,5 +205,34 @@ void shm_allreduce_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, 
       span((rank + i) % world, &b, &e);
       if (e > b) copy(dst + b, result + shift + b, e - b);
     }
+  }
+}
+
+// Every rank's x (rows x w floats) side by side in out (rows x full, full <= world * w; rank r's
+// columns are [r * w, min((r + 1) * w, full))): each rank writes its part to its slot once, all
+// meet at a barrier, and each copies the other parts out, rank-shifted. The vocabulary-split
+// lm_head's logits move once per rank, not as an all-reduce of a mostly-zero full row.
+void shm_allgather_f32(tvm::ffi::TensorView seg_t, int64_t rank, int64_t world, int64_t slot, int64_t seq,
+                       tvm::ffi::TensorView x, tvm::ffi::TensorView out, double timeout_s) {
+  DLDataType f32{kDLFloat, 32, 1};
+  TVM_FFI_ICHECK(x.dtype() == f32 && out.dtype() == f32) << "shm all-gather takes float32 tensors";
+  TVM_FFI_ICHECK(x.ndim() >= 1 && out.ndim() == x.ndim()) << "input and output differ in rank";
+  int64_t w = x.shape()[x.ndim() - 1], full = out.shape()[out.ndim() - 1];
+  int64_t rows = w > 0 ? x.numel() / w : 0;
+  TVM_FFI_ICHECK(out.numel() == rows * full && full <= world * w)
+      << "the output must hold the ranks' parts side by side (" << world << " x " << w << " >= " << full << ")";
+  TVM_FFI_ICHECK(x.numel() * 4 <= slot) << "part of " << x.numel() * 4 << " bytes exceeds the slot of " << slot;
+  TVM_FFI_ICHECK(0 <= rank && rank < world && world <= 64 && seq >= 1) << "bad rank, world or sequence number";
+  uint8_t* seg = static_cast<uint8_t*>(seg_t.data_ptr());
+  uint8_t* set = seg + kLine * world + (seq & 1) * (world + 1) * slot;
+  const float* in = static_cast<const float*>(x.data_ptr());
+  float* dst = static_cast<float*>(out.data_ptr());
+  copy(reinterpret_cast<float*>(set + rank * slot), in, x.numel());
+  barrier(seg, rank, world, (static_cast<uint64_t>(seq) << 24) + 1, timeout_s);
+  for (int64_t i = 0; i < world; ++i) {
+    int64_t j = (rank + i) % world;
+    int64_t lo = j * w < full ? j * w : full, hi = lo + w < full ? lo + w : full;
+    const float* part = reinterpret_cast<const float*>(set + j * slot);
+    for (int64_t r = 0; r < rows && hi > lo; ++r) copy(dst + r * full + lo, part + r * w, hi - lo);
   }
 }

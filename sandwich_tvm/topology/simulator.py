@@ -19,6 +19,8 @@ from .configs import ServiceConfig
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
+ACT_BYTES = 4  # the all-reduces carry activations and logits, which stay fp32 whatever the weights' dtype
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -122,10 +124,10 @@ class LatencySimulator:
         weights = m.layer_params() * b / tp
         layer = np.maximum(2 * s * m.layer_params() / tp / gemm, weights / bw)
         layer += 2 * s * s * m.num_attention_heads * m.head_dim / tp / attn
-        layer += 2 * self._allreduce_ms(config, s * m.hidden_size * b)
+        layer += 2 * self._allreduce_ms(config, s * m.hidden_size * ACT_BYTES)
         layer += self.profile.layer_overhead_us / 1e3
         head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
-        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * b / tp)
+        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp)
 
     def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
         """Time of one decode step at the given context lengths (batch 1)."""
@@ -136,10 +138,10 @@ class LatencySimulator:
         kv = 2 * ctx * m.num_key_value_heads * m.head_dim * b / tp
         flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
-        layer += 2 * self._allreduce_ms(config, m.hidden_size * b)
+        layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)
         layer += self.profile.layer_overhead_us / 1e3
         head = m.hidden_size * m.vocab_size * b / tp / bw
-        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * b / tp)
+        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp)
 
     # ---- over the trace -------------------------------------------------------------
     def prefill_cost(self, config: ServiceConfig) -> float:

@@ -3,6 +3,7 @@ order for decode- and prefill-sized messages, a dead rank is an error, the segme
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import time
@@ -77,6 +78,41 @@ def test_every_rank_gets_the_rank_order_sum(world, residual):
             np.testing.assert_array_equal(per_rank[r][i], want, err_msg=f"rank {r}, n={n}")
 
 
+# (rows, w, full): one token's logits of a vocabulary split in two or three (full < world * w
+# where the vocabulary does not divide), and a few rows
+GATHERS = [(1, 5, 9), (1, 16_000, 32_000), (3, 7, 7), (2, 1001, 2002)]
+
+
+def _gatherer(name: str, rank: int, world: int, slot: int, results) -> None:
+    with ShmGroup.attach(name, rank, world, slot, timeout_s=30) as group:
+        outs = [group.allgather(message(rank, rows * w).reshape(rows, w), full=min(full, world * w))
+                for rows, w, full in GATHERS]
+    results.put((rank, [o.tobytes() for o in outs]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_allgather_puts_every_ranks_part_side_by_side(world):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with ShmGroup.create(world, 4 * max(r * w for r, w, _ in GATHERS), timeout_s=30) as group:
+        procs = [ctx.Process(target=_gatherer, args=(group.name, r, world, group.slot, results))
+                 for r in range(1, world)]
+        for p in procs:
+            p.start()
+        mine = [group.allgather(message(0, rows * w).reshape(rows, w), full=min(full, world * w))
+                for rows, w, full in GATHERS]
+        got = dict(results.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+    for i, (rows, w, full) in enumerate(GATHERS):
+        full = min(full, world * w)
+        parts = [message(r, rows * w).reshape(rows, w) for r in range(world)]
+        want = np.concatenate(parts, axis=-1)[:, :full]
+        np.testing.assert_array_equal(mine[i], want)
+        for r in range(1, world):
+            np.testing.assert_array_equal(np.frombuffer(got[r][i], np.float32).reshape(rows, full), want)
+
+
 def _quitter(name: str, slot: int) -> None:
     ShmGroup.attach(name, 1, 2, slot).close()  # joins, then leaves without a collective
 
@@ -113,8 +149,10 @@ def test_bad_groups_are_refused():
     with pytest.raises(CollectiveError, match="does not exist"):
         ShmGroup.attach("sandwich-no-such-segment", 1, 2, 4096)
     with ShmGroup.create(2, 4096) as group:
-        with pytest.raises(CollectiveError, match="exceeds the group's 4096-byte slots"):
-            group.allreduce(np.ones(2000, np.float32))
+        with pytest.raises(CollectiveError, match=f"exceeds the group's {group.slot}-byte slots"):
+            group.allreduce(np.ones(group.slot // 4 + 1, np.float32))
+        with pytest.raises(CollectiveError, match="exceeds the group's"):
+            group.allgather(np.ones((2, group.slot // 8 + 1), np.float32))
         with pytest.raises(CollectiveError, match="outside a group of 2"):
             ShmGroup.attach(group.name, 2, 2, group.slot)
 
@@ -150,3 +188,29 @@ def test_bench_e2e_times_the_allreduce_for_the_simulator():
 
     terms = allreduce_profile(2, 768, log=lambda _m: None)
     assert 0 < terms["allreduce_latency_us"] < 1e5 and terms["allreduce_gbs"] > 0
+
+
+def test_the_simulator_sizes_allreduces_as_fp32_activations():
+    """The residual stream stays fp32 whatever the weights' dtype: slowing the all-reduce adds the
+    same time to a bf16 model's TP-2 prefill and decode as to an fp32 model's."""
+    from sandwich_tvm.model.config import PRESETS
+    from sandwich_tvm.topology import load_tree
+    from sandwich_tvm.topology.configs import ServiceConfig
+    from sandwich_tvm.topology.microbench import measure_profile
+    from sandwich_tvm.topology.simulator import LatencySimulator, Trace
+
+    tree, found = load_tree()
+    profile = measure_profile(tree, found.cpu_model, refresh=False, log=lambda _m: None)
+    config = ServiceConfig(((tree.pus[0],), (tree.pus[-1],)), ((tree.domains[0],), (tree.domains[-1],)))
+    trace = Trace(prompt=np.array([64.0]), output=np.array([8.0]))
+    added = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(PRESETS["llama-160m"], dtype=dtype)
+        times = []
+        for gbs in (10.0, 0.1):
+            sim = LatencySimulator(tree, dataclasses.replace(profile, allreduce_gbs=gbs), cfg, trace)
+            p = trace.prompt
+            times.append(np.array([sim.ttft_ms(config, p)[0], sim.tpot_ms(config, p)[0]]))
+        added[dtype] = times[1] - times[0]
+    assert (added["float32"] > 0).all()
+    np.testing.assert_allclose(added["bfloat16"], added["float32"], rtol=1e-9)

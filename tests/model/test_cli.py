@@ -84,16 +84,21 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
     plot = tmp_path / "e2e.png"
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                            "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
-                           "--repeat", "2", "--cached-profile",
-                           "--plot", str(plot)])
+                           "--repeat", "2", "--cached-profile", "--dtype", "float32",
+                           "--also-dtype", "bfloat16", "--plot", str(plot)])
     assert code == 0 and plot.stat().st_size > 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
     assert len(out["bandwidth_samples_gbs"]) == 8  # before and after each of 2 x 2 requests
     assert all(r["decode_bandwidth_gbs"] > 0 for r in rows)  # sampled per prompt length
-    assert [r["prompt"] for r in rows] == [8, 24]
+    assert [(r["prompt"], r["system"], r["weights"]) for r in rows] == [
+        (8, "sandwich", "float32"), (8, "sandwich bfloat16", "bfloat16"),
+        (24, "sandwich", "float32"), (24, "sandwich bfloat16", "bfloat16")]
+    for r in rows[1::2]:  # the --also-dtype rows, interleaved and paired with the main run's
+        assert r["tpot_ratio_vs_sandwich"] > 0 and r["predicted_tpot_ms"] > 0
+        assert len(r["tpot_runs_ms"]) == 2
     for r in rows:
-        assert r["system"] == "sandwich" and r["output_tokens"] == 4
+        assert r["output_tokens"] == 4
         assert r["ttft_ms"] > 0 and r["predicted_ttft_ms"] > 0 and r["predicted_tpot_ms"] > 0
         runs = r["tpot_runs_ms"]
         assert len(runs) == 2 and min(runs) <= r["tpot_ms"] <= max(runs)

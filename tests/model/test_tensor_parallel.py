@@ -1,16 +1,21 @@
 """Tensor parallelism: the Megatron split of each weight, and a two-process plan (one core per
-rank, TVM Disco, the shared-memory all-reduce) against HF transformers on the same weights."""
+rank, TVM Disco, the shared-memory all-reduce) against HF transformers and one process on the
+same weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from sandwich_tvm.cli.generate import synthetic_prompt
 from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
@@ -72,6 +77,17 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
         assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
         assert engine.phase == "decode" and len(engine.switches) == 2  # both ranks switched
 
+        # TP-1 on the same weights and CPUs: the same greedy tokens, logits within 1e-4
+        one = ExecPlan.processes([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
+        single, _, _ = open_engine(model_dir, one, context=256, max_batch=1, kv_dtype="float32",
+                                   dtype="float32")
+        tp1_logits: list[np.ndarray] = []
+        tp1 = single.generate(prompt, DECODE_STEPS + 1, logits_out=tp1_logits)
+        del single
+        assert tp1.tokens == gen.tokens
+        np.testing.assert_allclose(ours, np.stack(tp1_logits), rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(ref).max()))
+
         # Kill rank 1 mid-request: the request fails naming it, the group is shut down.
         segment = Path("/dev/shm", engine.group.name)
         worker = engine.group.pids[1]
@@ -95,3 +111,21 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_generate_runs_a_two_process_plan_file(hf_case, tmp_path):
+    model_dir, hf = hf_case
+    plan = tmp_path / "plans.json"
+    plan.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[CPUS[0]], [CPUS[1]]],
+                                           "decode_cpus": [[CPUS[0]], [CPUS[1]]]}]}))
+    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(model_dir), "--plan",
+                          str(plan), "--prompt-len", "20", "--max-new-tokens", "6", "--dtype", "float32",
+                          "--kv-dtype", "float32", "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    prompt = synthetic_prompt(20, load_config(model_dir).vocab_size)
+    ref = _reference(hf, prompt + out["tokens"][:-1])[len(prompt) - 1:]
+    assert out["processes"] == 2 and out["tokens"] == [int(t) for t in ref.argmax(-1)]
