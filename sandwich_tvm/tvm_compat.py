@@ -183,3 +183,15 @@ def _warm_pool_kernel():
             a[i] = T.float32(0)
 
     return tvm.compile(tvm.IRModule({"warm": warm}), target=host_target())["warm"]
+
+
+def tensor_from_numpy(a):
+    """A TVM tensor sharing ``a``'s memory (zero-copy). DLPack has no code for ml_dtypes'
+    bfloat16, so such arrays go over as their 16-bit words and come back as a bfloat16 view of
+    the same buffer (the widening kernels' bf16 weights, on CPUs without a bf16 unit)."""
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return tvm.runtime.from_dlpack(a.view(np.uint16))._create_view(a.shape, "bfloat16")
+    return tvm.runtime.from_dlpack(a)

@@ -17,8 +17,10 @@ def table(result: dict) -> str:
         return next((r for r in rows if r["system"] == system and r["prompt"] == prompt), None)
 
     dt = result.get("dtype", "float32")
-    out = [f"| prompt | Sandwich ({dt}) TTFT / TPOT ms | llama.cpp ({dt} GGUF) TTFT / TPOT ms | TTFT ratio "
-           "| TPOT ratio | torch TTFT / TPOT ms | TTFT / TPOT vs torch | simulator TTFT / TPOT ms |",
+    cpp_dt = next((r.get("weights", dt) for r in rows if r["system"] == "llama.cpp"), dt)
+    out = [f"| prompt | Sandwich ({dt}) TTFT / TPOT ms | llama.cpp ({cpp_dt} GGUF) TTFT / TPOT ms "
+           "| TTFT ratio | TPOT ratio | torch TTFT / TPOT ms | TTFT / TPOT vs torch "
+           "| simulator TTFT / TPOT ms |",
            "|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["system"] == "sandwich"):
         p = r["prompt"]
@@ -39,7 +41,25 @@ def table(result: dict) -> str:
     return "\n".join(out)
 
 
+def dtype_table(result: dict) -> str:
+    """The main run against its ``--also-dtype`` rows: TPOT of one over the other, paired."""
+    also, main = result["also_dtype"], result.get("dtype", "float32")
+    rows = result["rows"]
+    out = [f"| prompt | Sandwich {main} TTFT / TPOT ms | Sandwich {also} TTFT / TPOT ms | "
+           f"{main} / {also} TTFT, TPOT |", "|---|---|---|---|"]
+    for r in (r for r in rows if r["system"] == f"sandwich {also}"):
+        base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
+        out.append(f"| {r['prompt']} | {base['ttft_ms']:.0f} / {base['tpot_ms']:.2f} | {r['ttft_ms']:.0f} / "
+                   f"{r['tpot_ms']:.2f} | {1 / r['ttft_ratio_vs_sandwich']:.2f}x, "
+                   f"**{1 / r['tpot_ratio_vs_sandwich']:.2f}x** |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as fh:
-            print(table(json.load(fh)))
+            result = json.load(fh)
+        print(table(result))
+        if result.get("also_dtype"):
+            print()
+            print(dtype_table(result))

@@ -59,6 +59,9 @@ def add_e2e_parser(sub) -> None:
                    help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
                         "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
                         "ratios to 'sandwich'")
+    e.add_argument("--llamacpp-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the GGUF llama.cpp runs (default: the precision Sandwich runs, --dtype), e.g. "
+                        "float16 against a bfloat16 Sandwich where F16 is llama.cpp's faster 16-bit type")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
@@ -191,14 +194,16 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
         return None
     os.sched_setaffinity(0, PROCESS_CPUS)
     # the weights in the precision Sandwich runs them (F32, or an F16/BF16 GGUF)
-    path = gguf_for(args.model, cfg, args.seed, log=log, dtype=weight_dtype(args, lambda _m: None))
+    dtype = args.llamacpp_dtype or weight_dtype(args, lambda _m: None)
+    path = gguf_for(args.model, cfg, args.seed, log=log, dtype=dtype)
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
 
     def run(p: int) -> dict:
         os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
         ttft, steps, tokens = engine.generate(synthetic_prompt(p, cfg.vocab_size), args.new_tokens)
-        row = {"system": "llama.cpp", "prompt": p, "ttft_ms": ttft, "tpot_ms": float(np.median(steps)),
+        row = {"system": "llama.cpp", "prompt": p, "weights": dtype, "ttft_ms": ttft,
+               "tpot_ms": float(np.median(steps)),
                "output_tokens": len(tokens), "tokens": tokens[:16]}
         log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
         return row

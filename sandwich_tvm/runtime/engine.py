@@ -18,7 +18,7 @@ import numpy as np
 from ..compiler.artifact import CompiledModel
 from ..memory import huge_page_share
 from ..model.config import LlamaConfig
-from ..tvm_compat import pin_thread_pool, tvm
+from ..tvm_compat import pin_thread_pool, tensor_from_numpy, tvm
 from .plan import ExecPlan
 
 ShapeTuple = tvm.runtime.ShapeTuple
@@ -130,7 +130,7 @@ class Engine:
         if len(params) != len(compiled.params):
             raise EngineError(f"{len(params)} weights given, the compiled model takes {len(compiled.params)}")
         self.vm = compiled.load_vm()
-        self.params = [tvm.runtime.from_dlpack(np.ascontiguousarray(a)) for a in params]
+        self.params = [tensor_from_numpy(a) for a in params]
         g = tvm.get_global_func
         self._add_seq = g("vm.builtin.kv_state_add_sequence")
         self._remove_seq = g("vm.builtin.kv_state_remove_sequence")

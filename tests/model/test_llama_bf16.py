@@ -4,13 +4,17 @@ the fp32 model's greedy tokens on a preset."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from sandwich_tvm.cli.generate import synthetic_prompt
 from sandwich_tvm.compiler.artifact import compile_model
-from sandwich_tvm.host import cpu_flags, host_isa
+from sandwich_tvm.host import can_run, cpu_flags, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
@@ -97,3 +101,26 @@ def test_bf16_greedy_agrees_with_fp32_on_the_preset():
     assert result.agree >= 0.9
     assert result.logit_rms_error < 0.05 * result.logit_scale
     os.sched_setaffinity(0, CPUS)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_bf16_on_the_widening_kernels_gives_hfs_tokens(hf_case, cap):
+    """bf16 weights on a CPU without a bf16 unit (here: this CPU capped by SANDWICH_MAX_ISA) are
+    stored as bf16 and widened by the kernels: the run gives the greedy tokens of HF on the
+    bf16-rounded weights. (Such weights cross into TVM as 16-bit words: DLPack has no bf16.)"""
+    if not can_run(cap):
+        pytest.skip(f"this CPU ({host_isa()}) cannot execute {cap} code")
+    model_dir, hf = hf_case
+    env = {**os.environ, "SANDWICH_MAX_ISA": cap}
+    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(model_dir),
+                          "--dtype", "bfloat16", "--kv-dtype", "float32", "--prompt-len", "20",
+                          "--max-new-tokens", "8", "--json"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    tokens = json.loads(run.stdout)["tokens"]
+    cfg = load_config(model_dir)
+    prompt = synthetic_prompt(20, cfg.vocab_size)
+    with torch.no_grad():
+        ref = bf16_rounded(hf, cfg.tie_word_embeddings)(torch.tensor([prompt + tokens[:-1]])).logits[0]
+    assert tokens == [int(t) for t in ref[len(prompt) - 1:].argmax(-1)]
