@@ -56,9 +56,11 @@ def dtype_table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    for path in sys.argv[1:]:
+    for i, path in enumerate(sys.argv[1:]):
         with open(path) as fh:
             result = json.load(fh)
+        if i:
+            print()
         print(table(result))
         if result.get("also_dtype"):
             print()
