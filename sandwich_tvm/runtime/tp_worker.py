@@ -5,7 +5,8 @@ Disco starts ``python -m sandwich_tvm.runtime.tp_worker`` for ranks 1..P-1; rank
 of the controller (``runtime.tp``), which imports this module too, so every rank registers:
 
 - ``sandwich.tp_init(json)``: attach the process group's shared memory, load this rank's shard
-  (first touched by the rank's own cores) and open its engine;
+  (first touched by the rank's own cores) and open its engine (``sandwich.tp_attach(json)``:
+  only the shared memory, for sessions that use just the collectives);
 - ``sandwich.tp_call(method, json)``: run one ``Engine`` method (prefill, decode, use, ...);
   rank 0's result is read by the controller in-process (``result()``);
 - the collectives the sharded model calls (``model.parallel``): ``sandwich.tp_allreduce``,
@@ -98,6 +99,20 @@ def _init(spec_json: str) -> None:
     ready = group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises
     if int(ready[0]) != plan.tp:
         raise RuntimeError(f"only {int(ready[0])} of {plan.tp} ranks started")
+
+
+@tvm_ffi.register_global_func("sandwich.tp_attach", override=True)
+@_guarded
+def _attach(spec_json: str) -> None:
+    """Join a process group's segment without a model (``{"shm", "slot", "world", "timeout_s"}``):
+    for Disco sessions that only use the collectives (``Session.allreduce`` on CPU workers)."""
+    from ..collective.shm import ShmGroup
+
+    spec = json.loads(spec_json)
+    rank = worker_id()
+    _STATE["rank"] = rank
+    _STATE["group"] = ShmGroup.attach(spec["shm"], rank, spec["world"], spec["slot"],
+                                      spec.get("timeout_s", 60.0))
 
 
 @tvm_ffi.register_global_func("sandwich.tp_call", override=True)

@@ -214,3 +214,34 @@ def test_the_simulator_sizes_allreduces_as_fp32_activations():
         added[dtype] = times[1] - times[0]
     assert (added["float32"] > 0).all()
     np.testing.assert_allclose(added["bfloat16"], added["float32"], rtol=1e-9)
+
+
+def test_disco_sessions_reduce_through_the_shared_memory():
+    """The same all-reduce is Disco's collective for CPU workers: ``Session.allreduce`` (sum and
+    average) on a two-worker ``ProcessSession`` whose workers run sandwich's entrypoint."""
+    import json
+
+    import tvm.runtime.disco as di
+    import tvm_ffi
+
+    from sandwich_tvm.runtime import tp_worker
+
+    tvm_ffi.init_ffi_api("runtime.disco", "tvm.runtime.disco._ffi_api")
+    with ShmGroup.create(2, 4096, timeout_s=30) as group:
+        sess = di.ProcessSession(num_workers=2, entrypoint="sandwich_tvm.runtime.tp_worker")
+        try:
+            sess.get_global_func("sandwich.tp_attach")(json.dumps(
+                {"shm": group.name, "slot": group.slot, "world": 2, "timeout_s": 30}))
+            sess._sync_worker(0)
+            assert tp_worker.error() is None
+            parts = [message(r, 1000) for r in range(2)]
+            for op, want in (("sum", parts[0] + parts[1]), ("avg", (parts[0] + parts[1]) / 2)):
+                src, dst = sess.empty((1000,), "float32"), sess.empty((1000,), "float32")
+                for r in range(2):
+                    src.debug_copy_from(r, parts[r])
+                sess.allreduce(src, dst, op=op)
+                for r in range(2):
+                    np.testing.assert_allclose(dst.debug_get_from_remote(r).numpy(), want, rtol=1e-6)
+        finally:
+            tp_worker._STATE.pop("group").close()
+            sess.shutdown()
