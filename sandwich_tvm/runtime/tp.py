@@ -143,6 +143,7 @@ class TPEngine(Engine):
 
     # ------------------------------------------------------------------ Engine's interface
     def use(self, phase: str) -> float:
+        """Every rank moves to ``phase``'s cores; returns the slowest rank's switch time (ms)."""
         if phase == self.phase:
             return 0.0
         ms = float(self._on_ranks("use", phase))

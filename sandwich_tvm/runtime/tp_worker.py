@@ -121,7 +121,10 @@ def _call(method: str, args_json: str):
     engine = _STATE.get("engine")
     if engine is None:
         raise RuntimeError("this rank has no engine (sandwich.tp_init failed or was not called)")
-    return getattr(engine, method)(*json.loads(args_json))
+    result = getattr(engine, method)(*json.loads(args_json))
+    if method == "use":  # every rank switched its plan: the switch took as long as the slowest one
+        result = float(_STATE["group"].allgather(np.array([result], np.float32)).max())
+    return result
 
 
 @tvm_ffi.register_global_func(ALLREDUCE, override=True)
