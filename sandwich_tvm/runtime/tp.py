@@ -124,12 +124,14 @@ class TPEngine(Engine):
         at a pipe of ours, so Disco's shutdown command does not fail on a closed pipe."""
         pids = [p for p in self.group.pids if p and p != os.getpid()]
         session, self.session = self.session, None
-        self._call = None  # a remote function holds the session
         if session is not None:
             if not all(_alive(p) for p in pids) or tp_worker.error() is not None:
                 for pid in pids:
                     _kill(pid)
                 _plug(self._pipes)
+            # Only now drop the remote function: freeing it sends every worker a command, which
+            # on a dead worker's unplugged pipe fails inside a destructor and aborts the process.
+            self._call = None
             del session  # the destructor: Disco's own shutdown
             for pid in pids:  # reaped by Disco; anything left is killed
                 _kill(pid)
