@@ -342,16 +342,17 @@ def bench_e2e(args, console: Console) -> dict:
             gbs[p] = float(np.median(probe.samples[first:]))
     # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
     sim_cfg = dataclasses.replace(cfg, dtype=weight_dtype(args, lambda _m: None))
-    pairs = ISAS[kernel_isa(host_isa(), sim_cfg.dtype, cpu_flags())].k_pack
-    pred = predicted(sim_cfg, plan, prompts, args.new_tokens, log, refresh=not args.cached_profile,
-                     decode_gbs=gbs, gemm_speedup=float(pairs))
-    also_pred = (predicted(sim_cfg, also, prompts, args.new_tokens, log, refresh=False, decode_gbs=gbs,
-                           gemm_speedup=float(pairs)) if also is not None else [])
+
+    def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
+        pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
+        return predicted(dataclasses.replace(cfg, dtype=dtype), on, prompts, args.new_tokens, log,
+                         refresh=refresh, decode_gbs=gbs, gemm_speedup=float(pairs))
+
+    preds = {"sandwich": predict(sim_cfg.dtype, plan, refresh=not args.cached_profile)}
+    if also is not None:
+        preds[also_name] = predict(sim_cfg.dtype, also)
     if dtype_name:
-        dtype_pairs = ISAS[kernel_isa(host_isa(), args.also_dtype, cpu_flags())].k_pack
-        dtype_pred = predicted(dataclasses.replace(cfg, dtype=args.also_dtype), plan, prompts,
-                               args.new_tokens, log, refresh=False, decode_gbs=gbs,
-                               gemm_speedup=float(dtype_pairs))
+        preds[dtype_name] = predict(args.also_dtype, plan)
     del runners
     gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
     if "torch" in systems:
@@ -369,9 +370,7 @@ def bench_e2e(args, console: Console) -> dict:
                     r[f"tpot_ratio_vs_{tag}"] = paired_ratio(r, base, "tpot")
                     if "tokens" in base:
                         r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
-        source = {"sandwich": pred, also_name: also_pred}.get(r["system"])
-        if dtype_name and r["system"] == dtype_name:
-            source = dtype_pred
+        source = preds.get(r["system"])
         if source:
             pr = next(x for x in source if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]

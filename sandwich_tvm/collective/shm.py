@@ -151,22 +151,26 @@ class ShmGroup:
         if self._seg is not None:
             self._words()[self.rank, 2] = 1
 
+    def _next_op(self, x, what: str) -> None:
+        """Check that the group is open and ``x`` (float32) fits a slot; count the op."""
+        if self._seg is None:
+            raise CollectiveError("the group is closed")
+        nbytes = 4 * math.prod(x.shape)
+        if nbytes > self.slot:
+            raise CollectiveError(f"{what} of {nbytes} bytes exceeds the group's {self.slot}-byte slots")
+        self.seq += 1
+
     def allreduce(self, x, out=None, residual=None):
         """The elementwise sum of ``x`` over the ranks (float32), bit-identical on every rank, plus
         ``residual`` when given (the same on every rank; added in the same pass). ``x``,
         ``residual`` and ``out`` are numpy arrays or any DLPack tensors (TVM's, inside a model);
         ``out`` may be ``x`` or ``residual``."""
-        if self._seg is None:
-            raise CollectiveError("the group is closed")
         if isinstance(x, np.ndarray):
             x = np.ascontiguousarray(x, dtype=np.float32)
             out = np.empty_like(x) if out is None else out
         if isinstance(residual, np.ndarray):
             residual = np.ascontiguousarray(residual, dtype=np.float32)
-        nbytes = 4 * math.prod(x.shape)
-        if nbytes > self.slot:
-            raise CollectiveError(f"a message of {nbytes} bytes exceeds the group's {self.slot}-byte slots")
-        self.seq += 1
+        self._next_op(x, "a message")
         _kernel().shm_allreduce_f32(self._seg, self.rank, self.world, self.slot, self.seq, x,
                   x if residual is None else residual, residual is not None, out, ONE_SHOT_BYTES,
                   self.block_bytes, self.timeout_s)
@@ -175,16 +179,11 @@ class ShmGroup:
     def allgather(self, x, out=None, full: int | None = None):
         """Every rank's ``x`` (``[..., w]`` float32) side by side along the last axis, cut to
         ``full`` columns (default ``world * w``): rank r's part lands in columns ``r*w ..``."""
-        if self._seg is None:
-            raise CollectiveError("the group is closed")
         if isinstance(x, np.ndarray):
             x = np.ascontiguousarray(x, dtype=np.float32)
             if out is None:
                 out = np.empty((*x.shape[:-1], full or self.world * x.shape[-1]), np.float32)
-        if 4 * math.prod(x.shape) > self.slot:
-            raise CollectiveError(f"a part of {4 * math.prod(x.shape)} bytes exceeds the group's "
-                                  f"{self.slot}-byte slots")
-        self.seq += 1
+        self._next_op(x, "a part")
         _kernel().shm_allgather_f32(self._seg, self.rank, self.world, self.slot, self.seq, x, out,
                                     self.timeout_s)
         return out
