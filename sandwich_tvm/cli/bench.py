@@ -31,7 +31,7 @@ from .attention import add_attention_parser, main_attention
 from .common import print_error
 from .e2e import add_e2e_parser, main_e2e
 from .serve_bench import add_serve_parser, main_serve
-from .timing import median_seconds, rotating
+from .timing import median_seconds, paired_median_ratio, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
 
@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also tune MetaSchedule's default search with this many trials (0: skip)")
     g.add_argument("--metaschedule-m", type=positive_int, default=128,
                    help="m of the MetaSchedule run (default 128)")
-    g.add_argument("--rounds", type=positive_int, default=3,
-                   help="sweeps per library; each (library, m) is the median over them (default 3)")
+    g.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds in which the libraries take turns at each m; GFLOPS are medians over "
+                        "rounds, ratios the medians of each round's paired ratios (default 5)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
                         "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
@@ -69,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LIBRARIES = ("sandwich", "numpy", "torch")  # bench gemm's libraries, in the order they take turns
+SPIN_PAUSE_S = 0.3  # after each library's turn: OpenBLAS and OpenMP workers stop spinning
+
+
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
-               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 3,
+               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 5,
                dtype: str = "float32") -> dict:
     import torch
     from threadpoolctl import threadpool_limits
@@ -116,8 +121,6 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
 
         ms_fn, ms_secs = tune_default(ms_m, n, k, threads, ms_trials, log)
         ms_row = {"m": ms_m, "trials": ms_trials, "tuning_seconds": ms_secs}
-    # One library at a time over every m: OpenBLAS and OpenMP workers spin for a while after
-    # a call, and interleaving libraries would time TVM's threads against them.
     xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
     with threadpool_limits(threads):
         peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
@@ -141,30 +144,31 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
         xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in ms}
-        # Rounds of one sweep per library: memory-bound m drift with the host's bandwidth
-        # within seconds, so each (library, m) is the median over rounds taken minutes apart.
-        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in ("sw", "np", "th")}
+        # The libraries take turns at each m, so every round's three timings are seconds apart
+        # and their ratios are paired: this host's speed drifts by tens of percent over minutes
+        # (memory bandwidth and compute alike, on a shared machine). OpenBLAS and OpenMP workers
+        # spin for a while after a call, so each library gets the cores to itself after a pause.
+        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in LIBRARIES}
         for r in range(rounds):
-            log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch over m = {ms[0]}..{ms[-1]}")
+            log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch at each m = {ms[0]}..{ms[-1]}")
             for m in ms:
                 ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
-                sweeps["sw"][m].append(median_seconds(rotating(fn, [(ta, wp, y) for wp in wps])))
-            time.sleep(0.5)
-            for m in ms:
-                sweeps["np"][m].append(median_seconds(rotating(np.matmul, [(xs[m], wi.T) for wi in ws])))
-            time.sleep(0.5)
-            for m in ms:
-                sweeps["th"][m].append(median_seconds(rotating(torch.nn.functional.linear,
-                                                               [(xt[m], wt) for wt in wts])))
-        secs_sw, secs_np, secs_th = ({m: float(np.median(v)) for m, v in sweeps[lib].items()}
-                                     for lib in ("sw", "np", "th"))
+                calls = {"sandwich": rotating(fn, [(ta, wp, y) for wp in wps]),
+                         "numpy": rotating(np.matmul, [(xs[m], wi.T) for wi in ws]),
+                         "torch": rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts])}
+                for lib in LIBRARIES:
+                    sweeps[lib][m].append(median_seconds(calls[lib]))
+                    time.sleep(SPIN_PAUSE_S)
     rows = []
     for m in ms:
         flops = 2.0 * m * n * k
-        row = {"m": m, "sandwich_gflops": flops / secs_sw[m] / 1e9, "numpy_gflops": flops / secs_np[m] / 1e9,
-               "torch_gflops": flops / secs_th[m] / 1e9, "max_rel_err": errs[m]}
-        row["ratio_vs_best"] = row["sandwich_gflops"] / max(row["numpy_gflops"], row["torch_gflops"])
-        row["ratio_vs_torch"] = row["sandwich_gflops"] / row["torch_gflops"]
+        sw, nm, th = (sweeps[lib][m] for lib in LIBRARIES)
+        row = {"m": m, "sandwich_gflops": flops / float(np.median(sw)) / 1e9,
+               "numpy_gflops": flops / float(np.median(nm)) / 1e9,
+               "torch_gflops": flops / float(np.median(th)) / 1e9, "max_rel_err": errs[m],
+               "seconds": {lib: sweeps[lib][m] for lib in LIBRARIES}}
+        row["ratio_vs_torch"] = paired_median_ratio(sw, th)
+        row["ratio_vs_best"] = paired_median_ratio(sw, [min(a, b) for a, b in zip(nm, th, strict=True)])
         row["peak_fraction"] = row["sandwich_gflops"] / peak
         row["fma_peak_fraction"] = row["sandwich_gflops"] / fma_peak
         row["schedule"] = rec.schedule_for(m).key

@@ -28,3 +28,14 @@ def rotating(fn: Callable, args_per_copy: list[tuple]) -> Callable[[], object]:
     """A no-argument call that runs ``fn`` on the next copy's arguments each time."""
     it = itertools.cycle(args_per_copy)
     return lambda: fn(*next(it))
+
+
+def paired_median_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median over rounds of ``theirs[r] / ours[r]`` (a speed-up: above 1 when ours is faster).
+
+    Each round's two timings are taken seconds apart, so the host's drift over minutes cancels
+    out of each ratio; a ratio of medians would mix rounds taken at different speeds.
+    """
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired timings need equal, non-empty rounds ({len(ours)} vs {len(theirs)})")
+    return float(np.median([t / o for o, t in zip(ours, theirs, strict=True)]))
