@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from sandwich_tvm.cli import topo as topo_cli
-from sandwich_tvm.runtime.plan import DEFAULT_PLAN, ExecPlan, PlanError, resolve_plan
 from sandwich_tvm.topology import hwloc
 from sandwich_tvm.topology.hwobj import MAX_PUS, Discovery, HwObject, TopologyError
+from sandwich_tvm.topology.plan import DEFAULT_PLAN, ExecPlan, PlanError, resolve_plan
 from sandwich_tvm.topology.sysfs import parse_cpulist
 from sandwich_tvm.topology.tree import from_discovery
 from tests.conftest import topology

@@ -87,7 +87,7 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     from ..runtime.agreement import greedy_agreement, pooled
     from ..runtime.engine import EngineError, run_context
     from ..runtime.loader import open_engine
-    from ..runtime.plan import ExecPlan
+    from ..topology.plan import ExecPlan
     from .common import print_error
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))

@@ -12,7 +12,7 @@ from ..host import save_atomic
 from ..model.config import load_config
 from ..model.linear import resolve_dtype
 from ..runtime.loader import open_engine
-from ..runtime.plan import ExecPlan
+from ..topology.plan import ExecPlan
 from .generate import synthetic_prompt
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from ..compiler.artifact import compile_model
 from ..model.config import load_config
-from ..runtime.plan import resolve_plan
+from ..topology.plan import resolve_plan
 from .common import print_error
 from .generate import LOAD_ERRORS, add_model_args, weight_dtype
 

@@ -294,7 +294,7 @@ def with_bandwidth(profile, cores: int, gbs: float):
 
 
 def bench_e2e(args, console: Console) -> dict:
-    from ..runtime.plan import resolve_plan
+    from ..topology.plan import resolve_plan
 
     cfg = load_config(args.model)
     plan = resolve_plan(args.plan)

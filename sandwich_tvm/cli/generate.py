@@ -19,9 +19,9 @@ from ..model.parallel import ShardError
 from ..model.weights import ModelLoadError, load_tokenizer
 from ..runtime.engine import EngineError, check_context, check_length, run_context
 from ..runtime.loader import open_engine
-from ..runtime.plan import PlanError, resolve_plan
 from ..runtime.sampling import Sampler, SamplingError, SamplingParams
 from ..runtime.text import Detokenizer
+from ..topology.plan import PlanError, resolve_plan
 from .args import non_negative_int, positive_int
 
 

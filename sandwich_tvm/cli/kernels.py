@@ -11,11 +11,11 @@ from rich.table import Table
 
 from ..kernels.database import record_path
 from ..kernels.search import SequenceTuner
-from ..kernels.shapes import linear_shapes
 from ..kernels.tuner import tune_gemm
 from ..model.config import load_config
 from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from ..model.parallel import check_tp
+from ..model.shapes import linear_shapes
 from .args import positive_int
 
 

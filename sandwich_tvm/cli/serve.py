@@ -15,8 +15,8 @@ from rich.console import Console
 from ..model.config import load_config
 from ..model.tokenizer import load_model_tokenizer
 from ..runtime.engine import DEFAULT_CONTEXT, EngineError, check_context, check_kv_memory
-from ..runtime.plan import resolve_plan
 from ..runtime.scheduler import SchedulerPolicy
+from ..topology.plan import resolve_plan
 from .args import positive_int
 from .common import print_error
 from .generate import LOAD_ERRORS, add_model_args, weight_dtype

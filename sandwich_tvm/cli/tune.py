@@ -129,7 +129,7 @@ if __name__ == "__main__":
 def run_chain(args: argparse.Namespace, console: Console) -> int:
     """kernels (prefill and decode thread counts) -> compile -> generation vs the stock build."""
     from ..kernels.database import ScheduleDbError
-    from ..runtime.plan import ExecPlan
+    from ..topology.plan import ExecPlan
     from .chain import compare_with_stock
     from .generate import LOAD_ERRORS
 

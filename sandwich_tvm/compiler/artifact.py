@@ -24,13 +24,13 @@ from ..host import HostError, cache_dir, ensure_writable, host_signature, save_a
 from ..kernels.codegen import KernelError
 from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.packing import WeightLayout
-from ..kernels.shapes import linear_shapes
 from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_kernels
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet, check_weight_dtype
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
-from ..runtime.plan import ExecPlan
+from ..model.shapes import linear_shapes
+from ..topology.plan import ExecPlan
 from ..tvm_compat import host_isa, host_target, tvm
 from .phases import select_phase_kernels
 from .pipeline import lowering_passes, schedule_passes, unscheduled

@@ -18,8 +18,8 @@ import numpy as np
 from ..compiler.artifact import CompiledModel
 from ..memory import huge_page_share
 from ..model.config import LlamaConfig
+from ..topology.plan import ExecPlan
 from ..tvm_compat import pin_thread_pool, tensor_from_numpy, tvm
-from .plan import ExecPlan
 
 ShapeTuple = tvm.runtime.ShapeTuple
 DEFAULT_CONTEXT = 4096  # KV cache tokens when the caller does not say (capped at the model's)

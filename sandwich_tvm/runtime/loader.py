@@ -9,8 +9,8 @@ from ..compiler.artifact import CompiledModel, compile_model
 from ..model.attention import DEFAULT_KV_DTYPE
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
+from ..topology.plan import ExecPlan
 from .engine import DEFAULT_CONTEXT, Engine, check_context
-from .plan import ExecPlan
 
 
 def open_engine(model: str | Path, plan: ExecPlan, *, stock: bool = False, schedules: Path | None = None,

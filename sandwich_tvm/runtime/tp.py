@@ -24,9 +24,9 @@ import numpy as np
 
 from ..collective.shm import DEFAULT_TIMEOUT_S, ShmGroup
 from ..compiler.artifact import CompiledModel
+from ..topology.plan import ExecPlan
 from . import tp_worker
 from .engine import Engine, EngineError
-from .plan import ExecPlan
 
 WORKER = "sandwich_tvm.runtime.tp_worker"
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # engines to shut down at exit (Ctrl-C of a server)

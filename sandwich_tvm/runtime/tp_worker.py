@@ -77,8 +77,8 @@ def _init(spec_json: str) -> None:
     from ..compiler.artifact import CompiledModel
     from ..model.weights import load_params
     from ..topology.hwloc import bind_memory, numa_node_count
+    from ..topology.plan import ExecPlan
     from .engine import Engine
-    from .plan import ExecPlan
 
     spec = json.loads(spec_json)
     rank = worker_id()

@@ -110,7 +110,7 @@ def resolve_cpus(systems: tuple[str, ...], plan: Path | None,
 
     usable = tuple(sorted(PROCESS_CPUS))
     if "sandwich" in systems:
-        from ..runtime.plan import PlanError, resolve_plan
+        from ..topology.plan import PlanError, resolve_plan
 
         try:
             found = resolve_plan(plan)

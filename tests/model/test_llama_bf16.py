@@ -20,7 +20,7 @@ from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.agreement import greedy_agreement
 from sandwich_tvm.runtime.engine import Engine
-from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 torch = pytest.importorskip("torch")

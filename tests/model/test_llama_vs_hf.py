@@ -11,7 +11,7 @@ from sandwich_tvm.compiler.artifact import CompiledModel, compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.engine import Engine, EngineError
-from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 torch = pytest.importorskip("torch")

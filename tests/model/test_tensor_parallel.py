@@ -21,7 +21,7 @@ from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
 from sandwich_tvm.runtime.engine import EngineError
 from sandwich_tvm.runtime.loader import open_engine
-from sandwich_tvm.runtime.plan import ExecPlan
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 torch = pytest.importorskip("torch")

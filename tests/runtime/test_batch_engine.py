@@ -11,9 +11,9 @@ from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine, EngineError
-from sandwich_tvm.runtime.plan import ExecPlan
 from sandwich_tvm.runtime.sampling import SamplingParams
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
 from ..model.hf_models import write_hf_model

@@ -19,8 +19,8 @@ from sandwich_tvm.runtime.async_engine import AsyncEngine
 from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.metrics import ServingMetrics
-from sandwich_tvm.runtime.plan import ExecPlan
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
 from ..model.hf_models import write_hf_model

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..model.config import LlamaConfig
-from .schedule import GemmShape
+from ..kernels.schedule import GemmShape
+from .config import LlamaConfig
 
 
 def linear_shapes(cfg: LlamaConfig, dtype: str = "float32", tp: int = 1) -> dict[str, GemmShape]:

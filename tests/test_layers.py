@@ -1,0 +1,62 @@
+"""The package's layers import downward only: host facts, then kernels and topology, then the
+model, the compiler, the runtime and the front-ends. An import back up a layer is a seam the
+next feature would have to cut, so this test names it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sandwich_tvm"
+
+# layer -> the sandwich_tvm packages it must never import
+FORBIDDEN = {
+    "host": {"kernels", "topology", "model", "compiler", "runtime", "server", "cli"},
+    "kernels": {"model", "compiler", "runtime", "server", "cli"},
+    "collective": {"model", "compiler", "runtime", "server", "cli"},
+    "model": {"compiler", "runtime", "server", "cli"},
+    "compiler": {"runtime", "server", "cli"},
+    "topology": {"compiler", "runtime", "server", "cli"},
+    "runtime": {"server", "cli"},
+}
+
+
+def _imported_packages(source: str, rel: Path) -> set[str]:
+    """The top-level sandwich_tvm packages the module at ``rel`` (inside the package) imports,
+    relatively or absolutely."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # resolve ``from ..x import`` against the module's package
+                base = list(rel.parent.parts)[: len(rel.parent.parts) - (node.level - 1)]
+                parts = [*base, *(node.module or "").split(".")] if node.module else base
+                if not parts and node.level:  # ``from .. import x``: the names are the packages
+                    out |= {a.name for a in node.names}
+                    continue
+            elif node.module and node.module.startswith("sandwich_tvm."):
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            if parts:
+                out.add(parts[0])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("sandwich_tvm.")}
+    return out
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_import_runs_back_up_the_layers(layer):
+    files = [PACKAGE / "host.py"] if layer == "host" else sorted((PACKAGE / layer).rglob("*.py"))
+    upward = {f"{path.relative_to(PACKAGE)} imports {pkg}"
+              for path in files
+              for pkg in _imported_packages(path.read_text(), path.relative_to(PACKAGE)) & FORBIDDEN[layer]}
+    assert not upward, sorted(upward)
+
+
+def test_the_checker_sees_relative_and_absolute_imports():
+    source = ("from ..model.config import LlamaConfig\nimport sandwich_tvm.runtime.engine\n"
+              "from .. import compiler\nfrom .schedule import GemmShape\n")
+    assert _imported_packages(source, Path("kernels/probe.py")) == {"model", "runtime", "compiler",
+                                                                    "kernels"}
