@@ -59,7 +59,7 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int,
             ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=args.schedules, dtype=dtype,
+                            root=args.schedules, dtype=dtype, epilogue=shape.epilogue,
                             progress=lambda _t, task=task: bar.advance(task),
                             log=lambda msg: console.print(msg, markup=False, highlight=False))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))

@@ -42,15 +42,12 @@ from ..tvm_compat import parse_tvmscript, tvm
 from .amx import amx, tile_config, tile_kloop
 from .microkernel import ISAS, STACK_BYTES
 from .packing import KernelError, WeightLayout
-from .schedule import GemmSchedule, GemmShape, cdiv
+from .schedule import EPILOGUES, GemmSchedule, GemmShape, cdiv
 from .vecmath import bf16_bits, silu_mul
 
 
 def packed_panels(n: int, isa: str, dtype: str = "float32") -> int:
     return WeightLayout(isa, dtype).panels(n)
-
-
-EPILOGUES = ("none", "residual", "bias", "silu_mul")
 
 
 class _Acc:
@@ -133,14 +130,16 @@ def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
 
 
 def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
-                  epilogue: str = "none") -> str:
-    """TVMScript text of one dynamic-m kernel that dispatches on m over ``buckets``.
+                  epilogue: str | None = None) -> str:
+    """TVMScript text of one dynamic-m kernel that dispatches on m over ``buckets``, fusing
+    ``epilogue`` (default: the shape's).
 
     Parameters: ``A[m, k]``, the packed weight, ``R[m, n]`` (``residual``) or ``B[n]``
     (``bias``), then the output ``Y[m, n]`` (``Y[m, n / 2]`` for ``silu_mul``).
     """
     if not buckets:
         raise KernelError("a kernel needs at least one bucket")
+    epilogue = shape.epilogue if epilogue is None else epilogue
     if epilogue not in EPILOGUES:
         raise KernelError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
     isa = ISAS[_layout_isa({b.schedule.mk.isa for b in buckets})]
@@ -481,7 +480,7 @@ def _pack_a_tiles(ap: str, k: int, blocks: int) -> list[str]:
 
 
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
-                    epilogue: str = "none", check_well_formed: bool = True) -> tvm.tirx.PrimFunc:
+                    epilogue: str | None = None, check_well_formed: bool = True) -> tvm.tirx.PrimFunc:
     """Parse the generated kernel into a PrimFunc."""
     src = linear_source(shape, buckets, name, epilogue)
     try:

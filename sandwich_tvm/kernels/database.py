@@ -81,6 +81,7 @@ class KernelRecord:
             "n": self.shape.n,
             "k": self.shape.k,
             "dtype": self.shape.dtype,
+            "epilogue": self.shape.epilogue,
             "seconds": round(self.seconds, 2),
             "tuned": [
                 {"m": t.m, "schedule": t.schedule.to_json(), "searched": t.searched,
@@ -99,7 +100,7 @@ class KernelRecord:
                   float("nan") if t["gflops"] is None else float(t["gflops"]), bool(t["searched"]))
             for t in d["tuned"]
         ]
-        shape = GemmShape(int(d["n"]), int(d["k"]), d.get("dtype", "float32"))
+        shape = GemmShape(int(d["n"]), int(d["k"]), d.get("dtype", "float32"), d.get("epilogue", "none"))
         rec = cls(shape, int(d["threads"]), CpuSignature.from_json(d["cpu"]), tuned,
                   float(d.get("seconds", 0.0)))
         rec.validate()
@@ -174,8 +175,16 @@ def load_record(path: Path, *, check_host: bool = True) -> KernelRecord:
 def find_record(shape: GemmShape, threads: int, root: Path | None = None,
                 cpu: CpuSignature | None = None) -> KernelRecord | None:
     """The record of ``cpu`` (default this host): its own signature's file, else one whose
-    (partial) signature agrees with it on every field both know."""
+    (partial) signature agrees with it on every field both know. A shape with an epilogue
+    falls back to the record of the plain GEMM when none was tuned with the epilogue."""
     here = cpu or host_signature()
+    rec = _find(shape, threads, root, here)
+    if rec is None and shape.epilogue != "none":
+        return _find(shape.plain, threads, root, here)
+    return rec
+
+
+def _find(shape: GemmShape, threads: int, root: Path | None, here: CpuSignature) -> KernelRecord | None:
     path = record_path(shape, threads, root, here)
     if path.exists():
         rec = read_record(path)

@@ -35,12 +35,15 @@ ANNOTATION = "sandwich.gemm"
 BLOCK = "linear"
 
 
-def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32") -> tvm.IRModule:
-    """The Linear pattern with static m on a packed weight: what the rule schedules.
+def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32",
+                    epilogue: str = "none") -> tvm.IRModule:
+    """The Linear pattern with static m on a packed weight, then its ``epilogue``: what the rule
+    schedules (the ``linear`` block) and what the runner feeds (the epilogue's operands).
 
     Built with ``te`` (not a ``@T.prim_func`` closure, whose decorator walks the Python stack
     on every call): one workload per tuned m. A bf16 weight packed in k-pairs (``uint32``
-    words) is read as the high half of an fp32 (its exact value).
+    words) is read as the high half of an fp32 (its exact value). ``silu_mul`` reads a gate_up
+    weight interleaved every ``lanes`` columns, as the model packs it.
     """
     layout = WeightLayout(isa, dtype)
     panels, k_red, lanes = layout.shape(n, k)
@@ -48,18 +51,35 @@ def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32") ->
     wp = te.placeholder((panels, k_red, lanes), layout.storage, name="Wp")
     r = te.reduce_axis((0, k), name="r")
     y = te.compute((m, n), lambda i, j: te.sum(a[i, r] * layout.element(wp, j, r), axis=r), name=BLOCK)
-    func = te.create_prim_func([a, wp, y]).with_attr({"global_symbol": "main", "tir.noalias": True})
+    params = [a, wp]
+    if epilogue == "residual":
+        res = te.placeholder((m, n), "float32", name="R")
+        params.append(res)
+        y = te.compute((m, n), lambda i, j: y[i, j] + res[i, j], name="epilogue")
+    elif epilogue == "bias":
+        bias = te.placeholder((n,), "float32", name="B")
+        params.append(bias)
+        y = te.compute((m, n), lambda i, j: y[i, j] + bias[j], name="epilogue")
+    elif epilogue == "silu_mul":
+        def gate_times_up(i, j):
+            gate = y[i, j // lanes * 2 * lanes + j % lanes]
+            return gate / (1 + te.exp(-gate)) * y[i, j // lanes * 2 * lanes + lanes + j % lanes]
+
+        y = te.compute((m, n // 2), gate_times_up, name="epilogue")
+    func = te.create_prim_func([*params, y]).with_attr(
+        {"global_symbol": "main", "tir.noalias": True, "sandwich.epilogue": epilogue})
     return tvm.IRModule({"main": func})
 
 
 def workload_shape(mod: tvm.IRModule) -> tuple[int, GemmShape]:
-    """(m, shape) of a Linear workload, read from its buffers."""
+    """(m, shape) of a Linear workload, read from its buffers and epilogue attribute."""
     func = mod["main"]
-    a, wp, y = func.params  # buffers in this TVM
+    a, wp, *_, y = func.params  # buffers in this TVM
+    epilogue = str(func.attrs["sandwich.epilogue"]) if "sandwich.epilogue" in func.attrs else "none"
     m, k = (int(d) for d in a.shape)
-    n = int(y.shape[1])
+    n = int(y.shape[1]) * (2 if epilogue == "silu_mul" else 1)
     dtype = "bfloat16" if str(wp.dtype) == "uint32" else str(wp.dtype)
-    return m, GemmShape(n, k, dtype)
+    return m, GemmShape(n, k, dtype, epilogue)
 
 
 def _linear_block(sch: tvm.s_tir.Schedule) -> tvm.s_tir.schedule.SBlockRV | None:
@@ -268,8 +288,7 @@ class InProcessRunner(ms.runner.PyRunner):
         return self._args[key]
 
     def _time(self, fn, args: list) -> list[float]:
-        a, y = args[0], args[-1]
-        calls = [(a, w, y) for w in self._weights] if len(args) == 3 else [tuple(args)]
+        calls = [(args[0], w, *args[2:]) for w in self._weights] if self._weights else [tuple(args)]
         fn(*calls[-1])  # warm-up: first call of a new module, wakes the pool
         t0 = time.perf_counter()
         for c in calls:  # one pass sizes the rounds (the weights are cold again by its end)

@@ -83,17 +83,35 @@ class GemmSchedule:
         return cls.from_json(json.loads(text))
 
 
+# What a kernel fuses into the store of its register tile (``codegen``): nothing, the
+# decoder's skip connection, a bias, or the MLP's silu(gate) * up.
+EPILOGUES = ("none", "residual", "bias", "silu_mul")
+
+
 @dataclass(frozen=True)
 class GemmShape:
-    """``Y[m, n] = X[m, k] @ W[n, k].T`` with m known only at run time."""
+    """``Y[m, n] = X[m, k] @ W[n, k].T`` with m known only at run time, and the epilogue the
+    kernel fuses. A fused epilogue changes which schedule is fastest (its loads and stores share
+    the tile's memory traffic), so records are tuned and kept per epilogue."""
 
     n: int
     k: int
     dtype: str = "float32"
+    epilogue: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {self.epilogue!r}; one of {EPILOGUES}")
 
     @property
     def name(self) -> str:
-        return f"n{self.n}_k{self.k}_{self.dtype}"
+        fused = "" if self.epilogue == "none" else f"_{self.epilogue}"
+        return f"n{self.n}_k{self.k}_{self.dtype}{fused}"
+
+    @property
+    def plain(self) -> GemmShape:
+        """The same GEMM without an epilogue."""
+        return GemmShape(self.n, self.k, self.dtype)
 
     def flops(self, m: int) -> int:
         return 2 * m * self.n * self.k

@@ -35,10 +35,10 @@ class MetaScheduleSearch:
     """``search_one`` for ``SequenceTuner``: one MetaSchedule task per tuned m."""
 
     def __init__(self, target: tvm.target.Target, isa: str, database: ms.database.Database | None = None,
-                 max_trials: int = 400, dtype: str = "float32") -> None:
+                 max_trials: int = 400, dtype: str = "float32", epilogue: str = "none") -> None:
         preload_tensor_intrinsics()  # what TuneContext imports, minus ~25 s of inspect.stack
         self.target, self.isa, self.database, self.max_trials = target, isa, database, max_trials
-        self.dtype = dtype
+        self.dtype, self.epilogue = dtype, epilogue
         self.cache = KernelCache(target)
         self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)
         self.trials = 0
@@ -56,7 +56,7 @@ class MetaScheduleSearch:
 
     def _run(self, p: Problem, mks: list[MicroKernel], strategy: SandwichSearchStrategy
              ) -> tuple[GemmSchedule, float]:
-        mod = linear_workload(p.m, p.n, p.k, self.isa, self.dtype)
+        mod = linear_workload(p.m, p.n, p.k, self.isa, self.dtype, self.epilogue)
         ctx = ms.TuneContext(
             mod, target=self.target, task_name=f"linear_m{p.m}_n{p.n}_k{p.k}", num_threads=1,
             space_generator=ms.space_generator.PostOrderApply(
@@ -100,16 +100,17 @@ def tune_gemm(
     search_one: Callable | None = None,
     refine_one: Callable | None = None,
     dtype: str = "float32",
+    epilogue: str = "none",
 ) -> KernelRecord:
-    """Tune ``Y = X @ W.T`` (W: n x k, stored in ``dtype``) for every m in [1, max_m]; resume
-    from a saved record.
+    """Tune ``Y = X @ W.T`` (W: n x k, stored in ``dtype``) with ``epilogue`` fused, as the model
+    runs it, for every m in [1, max_m]; resume from a saved record.
 
     The result is saved (atomically, after every m) under ``schedules/`` or ``root``.
     """
     if n < 1 or k < 1 or threads < 1 or max_m < 1 or window < 1:
         raise ValueError(f"n={n}, k={k}, threads={threads}, max_m={max_m} and window={window} "
                          "must all be positive")
-    shape, isa = GemmShape(n, k, dtype), kernel_isa(host_isa(), dtype, cpu_flags())
+    shape, isa = GemmShape(n, k, dtype, epilogue), kernel_isa(host_isa(), dtype, cpu_flags())
     if not microkernels(isa, dtype):
         raise ValueError(f"no {dtype} micro-kernels for this CPU's ISA ({isa})")
     path = record_path(shape, threads, root)
@@ -123,7 +124,7 @@ def tune_gemm(
         if work_dir:
             Path(work_dir).mkdir(parents=True, exist_ok=True)
             db = ms.database.JSONDatabase(work_dir=str(work_dir))
-        search_one = MetaScheduleSearch(host_target(threads), isa, db, dtype=dtype)
+        search_one = MetaScheduleSearch(host_target(threads), isa, db, dtype=dtype, epilogue=epilogue)
     if refine_one is None and isinstance(search_one, MetaScheduleSearch):
         refine_one = search_one.refine
 

@@ -90,11 +90,14 @@ class KernelSet:
     def threads(self, phase_name: str) -> int:
         return self.prefill_threads if phase_name == "prefill" else self.decode_threads
 
-    def buckets(self, shape: GemmShape, phase_name: str) -> list[Bucket]:
+    def buckets(self, shape: GemmShape, phase_name: str, epilogue: str = "none") -> list[Bucket]:
+        """The schedules of ``shape`` in ``phase_name``: its record tuned with ``epilogue`` (or
+        without one), else the default schedules."""
         threads = self.threads(phase_name)
         max_m = self.max_batch if phase_name == "decode" else None
         cpu = self.cpu or host_signature()
-        record = find_record(shape, threads, self.root, cpu) if cpu.isa == self.isa else None
+        tuned = GemmShape(shape.n, shape.k, shape.dtype, epilogue)
+        record = find_record(tuned, threads, self.root, cpu) if cpu.isa == self.isa else None
         if record is None:
             self.sources[(phase_name, shape.name)] = "default"
             return default_buckets(shape, threads, max_m, self.kernel_isa)
@@ -121,7 +124,7 @@ class KernelSet:
         name = f"sandwich_linear_{shape.name}_{phase_name}{suffix}"
         key = (phase_name, shape, epilogue, m)
         if key not in self._funcs:
-            buckets = self.buckets(shape, phase_name)
+            buckets = self.buckets(shape, phase_name, epilogue)
             if m is not None:
                 buckets = [Bucket(1 << 62, next(b.schedule for b in buckets if b.m_max >= m))]
             self._funcs[key] = linear_primfunc(shape, buckets, name, epilogue)
