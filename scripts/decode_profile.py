@@ -31,7 +31,7 @@ from sandwich_tvm.model.config import load_config  # noqa: E402
 from sandwich_tvm.model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER  # noqa: E402
 from sandwich_tvm.model.weights import load_params  # noqa: E402
 from sandwich_tvm.runtime.engine import Engine  # noqa: E402
-from sandwich_tvm.runtime.plan import ExecPlan  # noqa: E402
+from sandwich_tvm.topology.plan import ExecPlan  # noqa: E402
 
 
 def _local_collectives() -> None:
