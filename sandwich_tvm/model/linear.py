@@ -91,25 +91,32 @@ class KernelSet:
         return self.prefill_threads if phase_name == "prefill" else self.decode_threads
 
     def buckets(self, shape: GemmShape, phase_name: str, epilogue: str = "none") -> list[Bucket]:
-        """The schedules of ``shape`` in ``phase_name``: its record tuned with ``epilogue`` (or
-        without one), else the default schedules."""
+        """The schedules of ``shape`` in ``phase_name``, m range by m range: its record tuned
+        with ``epilogue``, then the plain GEMM's record where that was tuned to larger m, then
+        the default schedules beyond every record."""
         threads = self.threads(phase_name)
         max_m = self.max_batch if phase_name == "decode" else None
         cpu = self.cpu or host_signature()
-        tuned = GemmShape(shape.n, shape.k, shape.dtype, epilogue)
-        record = find_record(tuned, threads, self.root, cpu) if cpu.isa == self.isa else None
-        if record is None:
-            self.sources[(phase_name, shape.name)] = "default"
-            return default_buckets(shape, threads, max_m, self.kernel_isa)
-        self.sources[(phase_name, shape.name)] = "tuned"
-        tuned_to = max(t.m for t in record.tuned)
-        out = []
-        for b in record.buckets():
-            out.append(Bucket(min(b.m_max, tuned_to), b.schedule))
-            if b.m_max >= tuned_to or (max_m is not None and b.m_max >= max_m):
-                break
-        if max_m is None or max_m > tuned_to:  # beyond the tuned range: the default schedules
-            out += [b for b in default_buckets(shape, threads, max_m, self.kernel_isa) if b.m_max > tuned_to]
+        records = []
+        if cpu.isa == self.isa:
+            for candidate in dict.fromkeys((GemmShape(shape.n, shape.k, shape.dtype, epilogue), shape.plain)):
+                rec = find_record(candidate, threads, self.root, cpu)
+                if rec is not None and rec.shape == candidate:
+                    records.append(rec)
+        self.sources[(phase_name, shape.name)] = "tuned" if records else "default"
+        out: list[Bucket] = []
+        covered = 0  # every m <= covered has a bucket
+        for rec in records:
+            tuned_to = max(t.m for t in rec.tuned)
+            for b in rec.buckets():
+                if max_m is not None and covered >= max_m:
+                    break
+                m_max = min(b.m_max, tuned_to)
+                if m_max > covered:
+                    out.append(Bucket(m_max, b.schedule))
+                    covered = m_max
+        if max_m is None or max_m > covered:  # beyond the tuned range: the default schedules
+            out += [b for b in default_buckets(shape, threads, max_m, self.kernel_isa) if b.m_max > covered]
         out[-1] = Bucket(1 << 62, out[-1].schedule)
         return out
 

@@ -69,26 +69,48 @@ def test_tune_with_the_residual_keeps_its_own_record(tmp_path):
     assert find_record(GemmShape(96, 64, "float32", "residual"), 2, tmp_path).shape.epilogue == "residual"
 
 
-def _record(shape: GemmShape, mr: int, root) -> KernelRecord:
-    """A record whose one schedule has an ``mr``-row tile (to tell records apart)."""
-    sch = default_schedule(shape, 1, 2, kernel_isa(host_isa(), shape.dtype))
-    sch = replace(sch, mk=replace(sch.mk, mr=mr), slice=replace(sch.slice, mc=mr))
-    rec = KernelRecord(shape, 2, host_signature(), [Tuned(1, sch, 1.0, True)])
+def _record(shape: GemmShape, mr: int, root, ms=(1,)) -> KernelRecord:
+    """A record whose schedules have ``mr``-row, one-vector tiles (the defaults never do),
+    tuned at ``ms``."""
+    isa = kernel_isa(host_isa(), shape.dtype)
+    sch = default_schedule(shape, 1, 2, isa)
+    lanes = sch.mk.lanes
+    sch = replace(sch, mk=replace(sch.mk, mr=mr, nr=lanes), slice=replace(sch.slice, mc=mr, nc=lanes))
+    rec = KernelRecord(shape, 2, host_signature(), [Tuned(m, sch, 1.0, True) for m in ms])
     save_record(rec, root)
     return rec
 
 
+def _tiles(buckets: list[Bucket]) -> list[tuple[int, int]]:
+    return [(b.m_max, b.schedule.mk.mr if b.schedule.mk.nr == b.schedule.mk.lanes else 0) for b in buckets]
+
+
 def test_the_model_takes_the_fused_record_and_falls_back_to_the_plain_one(tmp_path):
     plain, fused = GemmShape(128, 64), GemmShape(128, 64, "float32", "residual")
-    _record(plain, 1, tmp_path)
+    _record(plain, 3, tmp_path)
     kernels = KernelSet(prefill_threads=2, decode_threads=2, root=tmp_path)
     # no residual record yet: the plain GEMM's schedule serves the fused kernel
     assert find_record(fused, 2, tmp_path).shape == plain
-    assert kernels.buckets(plain, "prefill", "residual")[0].schedule.mk.mr == 1
+    assert kernels.buckets(plain, "prefill", "residual")[0].schedule.mk.mr == 3
+    assert kernels.sources[("prefill", plain.name)] == "tuned"
     _record(fused, 2, tmp_path)
     assert find_record(fused, 2, tmp_path).shape == fused
     assert kernels.buckets(plain, "prefill", "residual")[0].schedule.mk.mr == 2
-    assert kernels.buckets(plain, "prefill", "none")[0].schedule.mk.mr == 1
+    assert kernels.buckets(plain, "prefill", "none")[0].schedule.mk.mr == 3
+
+
+def test_a_fused_record_tuned_to_smaller_m_hands_over_to_the_plain_one(tmp_path):
+    """Decode-only epilogue records (m <= 2) must not put prefill back on default schedules
+    where the plain record was tuned further (m <= 8); beyond both, the defaults."""
+    plain = GemmShape(128, 64)
+    _record(plain, 3, tmp_path, ms=(1, 8))
+    _record(GemmShape(128, 64, "float32", "residual"), 2, tmp_path, ms=(1, 2))
+    prefill = KernelSet(prefill_threads=2, decode_threads=2, root=tmp_path)
+    buckets = prefill.buckets(plain, "prefill", "residual")
+    assert _tiles(buckets)[:2] == [(2, 2), (8, 3)]
+    assert buckets[-1].m_max == 1 << 62 and _tiles(buckets)[-1][1] == 0  # a default tile
+    decode = KernelSet(prefill_threads=2, decode_threads=2, max_batch=2, root=tmp_path)
+    assert _tiles(decode.buckets(plain, "decode", "residual")) == [(1 << 62, 2)]
 
 
 def test_model_shapes_carry_the_epilogues_the_model_fuses():
