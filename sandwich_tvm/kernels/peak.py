@@ -47,13 +47,14 @@ def fma_loop(x: T.Buffer(({lanes},), "float32"), out: T.Buffer(({threads}, {lane
     return tvm.compile(mod, target=host_target(threads)).mod["fma_loop"]
 
 
-def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5) -> float:
+def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5,
+                    cpus: list[int] | None = None) -> float:
     """Median GFLOPS of ``threads`` threads running only FMAs, one per CPU of this process.
 
     The pool is pinned first: a caller left on one core (numpy benchmarks pin it) would put
     both workers there, and a bench gemm run once read half the peak that way.
     """
-    cpus = sorted(PROCESS_CPUS)[:threads]
+    cpus = sorted(PROCESS_CPUS)[:threads] if cpus is None else list(cpus)[:threads]
     threads = len(cpus)
     os.sched_setaffinity(0, PROCESS_CPUS)
     pin_thread_pool(cpus)

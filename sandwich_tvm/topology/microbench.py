@@ -1,10 +1,13 @@
 """Short microbenchmarks that turn this machine into a MachineProfile (cached per CPU).
 
-* compute: single-threaded OpenBLAS SGEMM (numpy, pinned to one core) -- the achievable
-  fp32 GEMM roof per core;
+* compute: the fp32 FMA peak of one core (a register-only loop of the ISA's widest vectors,
+  ``kernels.peak``), the roof the modelled profiles state as cores x FMA pipes x lanes x 2 x
+  GHz; the simulator takes ``gemm_efficiency`` of it. (OpenBLAS's SGEMM was the roof before: on
+  a Zen 5 it reached half the AVX-512 FMA peak, and the bf16 kernels, at 0.84 of twice the
+  peak, beat the simulator's prefill by 1.9x.)
 * memory: a TVM-compiled streaming read of a 1 GiB buffer with 1..n threads pinned to the
   cores of one NUMA node, giving that node's bandwidth curve;
-* attention: Sandwich's prefill attention kernel on one core, as a fraction of the SGEMM roof.
+* attention: Sandwich's prefill attention kernel on one core, as a fraction of that roof.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..host import cache_dir, cold_weight_bytes, save_atomic
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
-PROFILE_VERSION = 3  # bump when a measurement changes, so cached profiles are re-measured
+PROFILE_VERSION = 4  # bump when a measurement changes, so cached profiles are re-measured
 
 
 def sgemm_gflops(cpu: int, n: int = 1536, repeats: int = 5) -> float:
@@ -109,6 +112,19 @@ class BandwidthProbe:
         return gbs
 
 
+def fma_gflops(cpu: int) -> float:
+    """The fp32 FMA peak of one core (``cpu``), the process's pool and affinity restored after."""
+    from ..kernels.peak import fma_peak_gflops
+    from ..tvm_compat import pin_thread_pool
+
+    before = os.sched_getaffinity(0)
+    try:
+        return fma_peak_gflops(1, cpus=[cpu])
+    finally:
+        pin_thread_pool(sorted(before)[:int(os.environ.get("TVM_NUM_THREADS", len(before)))])
+        os.sched_setaffinity(0, before)
+
+
 def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int = 64) -> float:
     """GFLOPS of the model's causal prefill attention kernel on one core (``cpu``)."""
     from ..model.attention import prefill_ragged_primfunc
@@ -154,8 +170,8 @@ def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
         return MachineProfile.from_dict(json.loads(path.read_text()), where=str(path))
     first_domain = tree.domains[0]
     cpus = [pu for pu, dom in zip(tree.pus, tree.domains, strict=True) if dom == first_domain]
-    log("microbenchmark: single-core SGEMM ...")
-    gflops = sgemm_gflops(cpus[0])
+    log("microbenchmark: one core's fp32 FMA peak ...")
+    gflops = fma_gflops(cpus[0])
     log(f"microbenchmark: streaming read with 1..{len(cpus)} cores ...")
     curve = read_bandwidth(cpus)
     log("microbenchmark: prefill attention on one core ...")
