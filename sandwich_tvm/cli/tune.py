@@ -115,7 +115,7 @@ def plan_stage(args: argparse.Namespace, console: Console) -> int:
         "model": model.to_dict(), "plans": [p.to_dict() for p in result.plans]}, indent=2))
     best = result.plans[0] if result.plans else None
     if best:
-        console.print(f"best plan: prefill {best.plan.prefill} -> decode {best.plan.decode}; "
+        console.print(f"best plan: {best.exec_plan(str(out)).describe()}; "
                       f"predicted TTFT {best.prediction.ttft_ms:.1f} ms, "
                       f"TPOT {best.prediction.tpot_ms:.2f} ms")
     console.print(f"wrote {out}")

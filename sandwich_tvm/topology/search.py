@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..model.config import LlamaConfig
 from .configs import SandwichPlan, ServiceConfig, cross_section, cross_sections
@@ -28,6 +29,9 @@ from .profile import MachineProfile
 from .simulator import LatencySimulator, Prediction, Trace
 from .transforms import TreeBudget, explore_groups, remove, remove_candidates
 from .tree import TopoTree
+
+if TYPE_CHECKING:
+    from .plan import ExecPlan
 
 Progress = Callable[[str, int, int], None]
 MAX_TREES = 20_000  # typical servers need under 8,000 (Milan 2x64c: ~7,000)
@@ -45,6 +49,16 @@ class RankedPlan:
             "predicted_tpot_ms": round(self.prediction.tpot_ms, 3),
             "predicted_latency_ms": round(self.prediction.latency_ms, 3),
         }
+
+    def exec_plan(self, source: str = "TopoTree search") -> ExecPlan:
+        """The plan the runtime follows: each process's prefill and decode CPUs and NUMA nodes,
+        with the predictions (what ``ExecPlan.from_dict`` reads back from ``to_dict()``)."""
+        from .plan import ExecPlan  # imports TVM (the CPUs this process may use); the search does not
+
+        p = self.plan
+        return ExecPlan.processes(list(zip(p.prefill.processes, p.decode.processes, strict=True)), source,
+                                  round(self.prediction.ttft_ms, 3), round(self.prediction.tpot_ms, 3),
+                                  list(p.prefill.domains))
 
 
 @dataclass

@@ -176,3 +176,23 @@ def test_topo_cli_clear_errors(capsys):
     assert "neither a preset" in capsys.readouterr().err
     assert topo_cli.main(["--xml", MILAN, "--lengths", "12"]) == 2
     assert "PROMPT:OUTPUT" in capsys.readouterr().err
+
+
+def test_a_searched_plan_is_the_plan_the_runtime_follows(trace):
+    """The search's plan value and plans.json say the same thing: on this machine the runtime's
+    ExecPlan read back from the file equals the one the search hands over; on a big modelled
+    machine every rank keeps its CPUs and NUMA nodes."""
+    from sandwich_tvm.topology.plan import ExecPlan
+
+    tree, _ = load_tree()
+    here = search_plans(tree, PRESETS["llama-160m"], load_profile("generic"), trace, top_k=3)
+    for ranked in here.plans:
+        assert ExecPlan.from_dict(json.loads(json.dumps(ranked.to_dict())), "plans.json") == \
+            ranked.exec_plan("plans.json")
+    tree, _ = load_tree(xml=MILAN)
+    big = search_plans(tree, PRESETS["llama-160m"], load_profile("epyc-milan7763-2s"), trace)
+    for ranked in big.plans:
+        plan, p = ranked.exec_plan(), ranked.plan
+        assert plan.tp == p.tp and plan.numa == p.prefill.domains
+        assert plan.ranks == tuple(zip(p.prefill.processes, p.decode.processes, strict=True))
+        assert plan.predicted_tpot_ms == round(ranked.prediction.tpot_ms, 3)
