@@ -34,6 +34,7 @@ from .serve_bench import add_serve_parser, main_serve
 from .timing import median_seconds, paired_median_ratio, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
+EPILOGUE_CHOICES = ("none", "residual", "bias", "silu_mul")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
                         "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
+    g.add_argument("--epilogue", choices=EPILOGUE_CHOICES, default="none",
+                   help="what follows the GEMM, as the model runs it: Sandwich fuses it (its record "
+                        "tuned with it), numpy and torch run it after the product: residual (+ R), "
+                        "bias (+ b), silu_mul (silu(gate) * up of a gate_up GEMM) (default none)")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
@@ -76,7 +81,7 @@ SPIN_PAUSE_S = 0.3  # after each library's turn: OpenBLAS and OpenMP workers sto
 
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
                hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 5,
-               dtype: str = "float32") -> dict:
+               dtype: str = "float32", epilogue: str = "none") -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -91,11 +96,14 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     from ..topology.microbench import sgemm_gflops
     from ..tvm_compat import host_isa, host_target, tvm
 
-    shape = GemmShape(n, k, dtype)
+    if epilogue != "none" and ms_trials > 0:
+        raise ValueError("--metaschedule-trials tunes the plain GEMM; run it without --epilogue")
+    shape = GemmShape(n, k, dtype, epilogue)
     rec = find_record(shape, threads, root)
-    if rec is None or max(t.m for t in rec.tuned) < max(ms):
-        log(f"tuning n={n} k={k} ({dtype}) for m <= {max(ms)} on {threads} threads (resumable) ...")
-        rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root, dtype=dtype,
+    if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max(ms):
+        log(f"tuning n={n} k={k} ({dtype}, epilogue {epilogue}) for m <= {max(ms)} on {threads} threads "
+            "(resumable) ...")
+        rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root, dtype=dtype, epilogue=epilogue,
                         progress=lambda t: log(f"  m={t.m}: {t.schedule.key} "
                                                f"{'' if math.isnan(t.gflops) else f'{t.gflops:.1f} GFLOPS'}"))
     exe = tvm.compile(tvm.IRModule({"main": linear_primfunc(shape, rec.buckets(), "main")}),
@@ -103,7 +111,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     fn = exe.mod["main"]
     rng = np.random.default_rng(0)
     # Cold weights (default): enough copies to overflow the caches, used in turn.
-    layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype)
+    layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype, epilogue == "silu_mul")
     wbytes = numpy_dtype(dtype).itemsize
     copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * wbytes)))
     # weights exactly representable in ``dtype``: every library multiplies the same values
@@ -122,6 +130,11 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         ms_fn, ms_secs = tune_default(ms_m, n, k, threads, ms_trials, log)
         ms_row = {"m": ms_m, "trials": ms_trials, "tuning_seconds": ms_secs}
     xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    # the epilogue's operands per m: R[m, n] or b[n]; numpy and torch apply it after the product
+    extras = {m: [rng.standard_normal((m, n) if epilogue == "residual" else (n,)).astype("float32")]
+              if epilogue in ("residual", "bias") else [] for m in ms}
+    numpy_linear, torch_linear = _unfused(epilogue, n)
     with threadpool_limits(threads):
         peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
         fma_peak = fma_peak_gflops(threads)
@@ -130,9 +143,9 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             + ("hot" if hot else f"{copies} copies over {copies * ws[0].size * wbytes >> 20} MB"))
         errs = {}
         for m in ms:
-            ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
-            fn(ta, wps[0], y)
-            ref = xs[m] @ w.T
+            ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
+            fn(ta, wps[0], *[tvm.runtime.tensor(e) for e in extras[m]], y)
+            ref = numpy_linear(xs[m], w.T, *extras[m])
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
         if ms_row is not None:
             ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
@@ -144,6 +157,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
         xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in ms}
+        et = {m: [torch.from_numpy(e).to(t_dtype) for e in extras[m]] for m in ms}
         # The libraries take turns at each m, so every round's three timings are seconds apart
         # and their ratios are paired: this host's speed drifts by tens of percent over minutes
         # (memory bandwidth and compute alike, on a shared machine). OpenBLAS and OpenMP workers
@@ -152,10 +166,11 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         for r in range(rounds):
             log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch at each m = {ms[0]}..{ms[-1]}")
             for m in ms:
-                ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n), "float32", tvm.cpu())
-                calls = {"sandwich": rotating(fn, [(ta, wp, y) for wp in wps]),
-                         "numpy": rotating(np.matmul, [(xs[m], wi.T) for wi in ws]),
-                         "torch": rotating(torch.nn.functional.linear, [(xt[m], wt) for wt in wts])}
+                ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
+                ev = [tvm.runtime.tensor(e) for e in extras[m]]
+                calls = {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps]),
+                         "numpy": rotating(numpy_linear, [(xs[m], wi.T, *extras[m]) for wi in ws]),
+                         "torch": rotating(torch_linear, [(xt[m], wt, *et[m]) for wt in wts])}
                 for lib in LIBRARIES:
                     sweeps[lib][m].append(median_seconds(calls[lib]))
                     time.sleep(SPIN_PAUSE_S)
@@ -175,7 +190,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         rows.append(row)
     ratios = [r["ratio_vs_best"] for r in rows]
     vs_torch = [r["ratio_vs_torch"] for r in rows]
-    out = {"n": n, "k": k, "dtype": dtype, "kernel_isa": layout.isa, "threads": threads,
+    out = {"n": n, "k": k, "dtype": dtype, "epilogue": epilogue, "kernel_isa": layout.isa, "threads": threads,
            "geomean_vs_torch": float(np.exp(np.mean(np.log(vs_torch)))), "min_vs_torch": min(vs_torch),
            "weights": "hot" if hot else "cold", "peak_gflops": peak,
            "fma_peak_gflops": fma_peak, "weight_copies": copies,
@@ -187,6 +202,30 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             ms_row["sandwich_ratio"] = sw / ms_row["gflops"]
         out["metaschedule"] = ms_row
     return out
+
+
+def _unfused(epilogue: str, n: int):
+    """``(numpy, torch)`` functions of ``(x, W.T or W, *operands)``: the product, then the
+    epilogue as their users write it (``F.linear(x, w) + r``; ``F.silu(gate) * up`` on the two
+    halves of a gate_up product)."""
+    import torch
+
+    half = n // 2
+
+    def numpy_linear(x, wt, *ops):
+        y = x @ wt
+        if epilogue == "silu_mul":
+            gate = y[:, :half]
+            return gate / (1 + np.exp(-gate)) * y[:, half:]
+        return y + ops[0] if ops else y
+
+    def torch_linear(x, w, *ops):
+        y = torch.nn.functional.linear(x, w)
+        if epilogue == "silu_mul":
+            return torch.nn.functional.silu(y[:, :half]) * y[:, half:]
+        return y + ops[0] if ops else y
+
+    return numpy_linear, torch_linear
 
 
 def plot(result: dict, path: Path) -> None:
@@ -239,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
                             hot=args.hot_weights, ms_trials=args.metaschedule_trials,
-                            ms_m=args.metaschedule_m, rounds=args.rounds, dtype=args.dtype)
+                            ms_m=args.metaschedule_m, rounds=args.rounds, dtype=args.dtype,
+                            epilogue=args.epilogue)
     except (ScheduleDbError, ValueError) as exc:
         print_error(console, exc)
         return 2
@@ -247,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    table = Table(title=f"{args.dtype} GEMM n={args.n} k={args.k}, {threads} threads (median GFLOPS)")
+    fused = "" if args.epilogue == "none" else f" + {args.epilogue}"
+    table = Table(title=f"{args.dtype} GEMM{fused} n={args.n} k={args.k}, {threads} threads (median GFLOPS)")
     for col in ("m", "Sandwich", "numpy fp32", f"torch {args.dtype}", "vs torch", "vs best", "of FMA peak",
                 "schedule"):
         table.add_column(col)

@@ -44,3 +44,18 @@ def test_paired_ratio_cancels_the_hosts_drift():
     assert paired_median_ratio([1.0, 3.0, 1.5], [2.0, 6.0, 3.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="equal, non-empty"):
         paired_median_ratio([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "silu_mul"])
+def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
+    """Sandwich's fused kernel (its record tuned with the epilogue) against numpy and torch
+    running the product and then the epilogue; every library's result is checked."""
+    assert bench.main(["gemm", "--n", "64", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
+                       "--epilogue", epilogue, "--rounds", "1", "--json",
+                       "--plot", str(tmp_path / "gemm.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["epilogue"] == epilogue and all(r["max_rel_err"] < 1e-5 for r in out["rows"])
+    assert next(tmp_path.glob(f"*/t*/linear_n64_k72_float32_{epilogue}.json"))  # tuned with it
+    assert bench.main(["gemm", "--n", "64", "--k", "72", "--epilogue", epilogue,
+                       "--metaschedule-trials", "2", "--schedules", str(tmp_path)]) == 2
+    assert "without --epilogue" in capsys.readouterr().out
