@@ -43,10 +43,24 @@ def store_as(expr: str, dtype: str) -> str:
     return expr if dtype == "float32" else f'T.Cast("{dtype}", {expr})'
 
 
+def _round_bf16(bits: str) -> str:
+    """fp32 bits (a uint32) rounded to nearest even at bit 16: the bf16 is the high half."""
+    return f"({bits} + T.uint32(32767) + (({bits} >> T.uint32(16)) & T.uint32(1)))"
+
+
 def bf16_bits(x: str) -> str:
     """The bf16 bits of fp32 ``x`` (round to nearest even) in the low half of a uint32."""
     bits = f'T.reinterpret("uint32", {x})'
-    return f"(({bits} + T.uint32(32767) + (({bits} >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))"
+    return f"({_round_bf16(bits)} >> T.uint32(16))"
+
+
+def bf16_pair_of_word(word: str) -> str:
+    """The bf16 pair of the two fp32 values in the uint64 ``word`` (the one at the lower
+    address first): one uint32 as :func:`bf16_pair` makes it, from one 8-byte load, so a
+    vectorized loop reads a row of fp32 pairs contiguously."""
+    lo = _round_bf16(f'T.Cast("uint32", {word})')
+    hi = _round_bf16(f'T.Cast("uint32", {word} >> T.uint64(32))')
+    return f"(({lo} >> T.uint32(16)) | ({hi} & T.uint32(4294901760)))"
 
 
 def bf16_pair(lo: str, hi: str) -> str:

@@ -16,7 +16,7 @@ from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerizatio
 from sandwich_tvm.model.linear import resolve_dtype
 from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
 
-from ..isas import HALF_CASES, VECTOR_REGISTER, assembly, require_runnable
+from ..isas import ALL_ISAS, HALF_CASES, VECTOR_REGISTER, assembly, require_runnable
 
 pytestmark = pytest.mark.compile
 half_cases = pytest.mark.parametrize(("isa", "dtype"), HALF_CASES)
@@ -112,6 +112,28 @@ def test_residual_and_silu_mul_epilogues(isa, dtype):
         f_res(tvm.runtime.tensor(a), wp_res, tvm.runtime.tensor(r), y)
         want = aq @ quantized(w_res, dtype).T + r
         np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize(("isa", "dtype"), HALF_CASES + [(isa, "float32") for isa in ALL_ISAS])
+def test_packed_a_is_exact(isa, dtype):
+    """With W = I the GEMM returns A as the kernel packed it: exactly A (fp32, widening kernels)
+    or A rounded to bf16 to nearest even, ties included (pair kernels). k is even and has whole
+    vector blocks of the pack plus a tail, and m leaves partial row panels."""
+    require_runnable(isa)
+    lanes = ISAS[isa].lanes
+    k = 2 * lanes * 3 + 6
+    shape = GemmShape(k, k, dtype)
+    fn = build(shape, buckets_with_every_path(isa, dtype) if dtype != "float32" else [
+        Bucket(1 << 62, sch(isa, dtype, 3, 2, 6, 4, 16))])
+    wp = tvm.runtime.tensor(WeightLayout(isa, dtype).pack(np.eye(k, dtype=np.float32)))
+    rng = np.random.default_rng(3)
+    for m in (1, 2, 3, 5, 8, 13, 41, 85):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        ties = to_bfloat16(a).astype(np.float32).view(np.uint32) + np.uint32(0x8000)
+        a = np.where(rng.random(a.shape) < 0.5, ties.view(np.float32), a)  # half halfway between two bf16
+        y = tvm.runtime.empty((m, k), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wp, y)
+        np.testing.assert_array_equal(y.numpy(), expected_a(a, isa), err_msg=f"m={m}")
 
 
 # The instruction that shows each kernel computes as intended (Arm's widening kernels: its
