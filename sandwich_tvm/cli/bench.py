@@ -24,6 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ..kernels.schedule import EPILOGUES
 from .agreement import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
 from .args import positive_int, positive_ints, threads_beyond_cpus
@@ -34,7 +35,6 @@ from .serve_bench import add_serve_parser, main_serve
 from .timing import median_seconds, paired_median_ratio, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
-EPILOGUE_CHOICES = ("none", "residual", "bias", "silu_mul")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
                         "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
-    g.add_argument("--epilogue", choices=EPILOGUE_CHOICES, default="none",
+    g.add_argument("--epilogue", choices=EPILOGUES, default="none",
                    help="what follows the GEMM, as the model runs it: Sandwich fuses it (its record "
                         "tuned with it), numpy and torch run it after the product: residual (+ R), "
                         "bias (+ b), silu_mul (silu(gate) * up of a gate_up GEMM) (default none)")

@@ -156,7 +156,7 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     extra_buffer = ""
     if epilogue == "residual":
         extra_buffer = f'\n        R = T.match_buffer(var_R, (m, {n}), "float32")'
-    if any(_reads_pair_words(shape, b.schedule) for b in buckets):  # A's fp32 pairs as uint64 words
+    if any(_reads_pair_words(b.schedule, k) for b in buckets):  # A's fp32 pairs as uint64 words
         extra_buffer += f'\n        A2 = T.decl_buffer((m, {k // 2}), "uint64", data=A.data)'
     head = f'''
     @D.prim_func(s_tir=True)
@@ -463,10 +463,10 @@ def _pack_a(mr: int, k: int, pairs: bool, kk: str = "kk") -> str:
     return f"{lo} | ({hi} << T.uint32(16))"
 
 
-def _reads_pair_words(shape: GemmShape, sch: GemmSchedule) -> bool:
+def _reads_pair_words(sch: GemmSchedule, k: int) -> bool:
     """Whether the schedule's A pack reads A's fp32 pairs as 8-byte words (``A2``): a bf16
     pair register tile on an even k (an odd k leaves the rows of A unaligned to 8 bytes)."""
-    return sch.mk.k_pack == 2 and not ISAS[sch.mk.isa].tile_rows and shape.k % 2 == 0
+    return sch.mk.k_pack == 2 and not ISAS[sch.mk.isa].tile_rows and k % 2 == 0
 
 
 def _pack_a_panel(ap: str, sch: GemmSchedule, k: int) -> list[str]:
@@ -478,7 +478,7 @@ def _pack_a_panel(ap: str, sch: GemmSchedule, k: int) -> list[str]:
     packed element by element."""
     mr, lanes, pairs = sch.mk.mr, sch.mk.lanes, sch.mk.k_pack == 2
     kp = cdiv(k, sch.mk.k_pack)
-    blocks = kp // lanes if not pairs or k % 2 == 0 else 0
+    blocks = kp // lanes if not pairs or _reads_pair_words(sch, k) else 0
     row, col = f"it * {mr} + ii", f"kb * {lanes} + j"
     out = []
     if blocks:
