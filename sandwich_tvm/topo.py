@@ -5,4 +5,4 @@ import sys
 from .cli.entry import run
 
 if __name__ == "__main__":
-    sys.exit(run("topo"))
+    sys.exit(run("cli.topo"))

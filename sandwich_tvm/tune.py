@@ -5,4 +5,4 @@ import sys
 from .cli.entry import run
 
 if __name__ == "__main__":
-    sys.exit(run("tune"))
+    sys.exit(run("cli.tune"))

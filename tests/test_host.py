@@ -69,7 +69,7 @@ def test_tune_kernels_refuses_more_threads_than_cpus(capsys):
 
 
 def test_torch_baseline_dtype_follows_the_cpu():
-    from sandwich_tvm.cli.e2e import torch_dtype
+    from sandwich_tvm.bench.e2e import torch_dtype
 
     dtype, why = torch_dtype("auto")
     assert dtype == ("bfloat16" if half_precision_units() else "float32") and why

@@ -10,9 +10,10 @@ from ..host import HostError
 
 
 def run(module: str) -> int:
-    """Import ``sandwich_tvm.cli.<module>`` (importing TVM checks the environment) and run it."""
+    """Import ``sandwich_tvm.<module>`` (e.g. ``cli.generate``; importing TVM checks the
+    environment) and run its ``main``."""
     try:
-        return importlib.import_module(f"sandwich_tvm.cli.{module}").main()
+        return importlib.import_module(f"sandwich_tvm.{module}").main()
     except HostError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..compiler.artifact import CompileError
-from ..model.attention import DEFAULT_KV_DTYPE, KV_DTYPES
+from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
 from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from ..model.parallel import ShardError

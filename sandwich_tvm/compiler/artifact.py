@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..host import HostError, cache_dir, ensure_writable, host_signature, save_atomic, sha256_file
+from ..kernels.attention import DEFAULT_KV_DTYPE, check_kv_dtype
 from ..kernels.codegen import KernelError
 from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.packing import WeightLayout
-from ..model.attention import DEFAULT_KV_DTYPE, check_kv_dtype, replace_cache_kernels
 from ..model.config import LlamaConfig
 from ..model.linear import KernelSet, check_weight_dtype
 from ..model.llama import LlamaForCausalLM
@@ -32,6 +32,7 @@ from ..model.parallel import Shard, ShardError
 from ..model.shapes import linear_shapes
 from ..topology.plan import ExecPlan
 from ..tvm_compat import host_isa, host_target, tvm
+from .kv_cache import replace_cache_kernels
 from .phases import select_phase_kernels
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 

@@ -1,20 +1,12 @@
-"""RoPE for the KV cache's ``fused_rope`` step: one sin/cos per (token, frequency), shared by heads.
-
-TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and k. Here the
-inverse frequencies (Llama-3 scaling included, as HF computes them) are constants of the
-kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses them.
-Same signature as TVM's ``fused_rope``; swapped in by ``replace_rope``.
-"""
+"""RoPE's inverse frequencies as HF computes them (the default and Llama-3 scaling); the
+kernel that applies them to q and k is ``kernels.rope``."""
 
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import numpy as np
 
-from ..kernels.vecmath import load_f32, store_as
-from ..tvm_compat import parse_tvmscript, tvm
 from .config import LlamaConfig
 
 
@@ -32,57 +24,3 @@ def inv_freq(cfg: LlamaConfig) -> np.ndarray:
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         freq = np.where(mid, (1 - smooth) * freq / factor + smooth * freq, scaled)
     return freq.astype(np.float32)
-
-
-@cache
-def _rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
-                   dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    half, heads = d // 2, h_q + 2 * h_kv
-    lo, hi = load_f32("qkv[s, h, j]", dtype), load_f32(f"qkv[s, h, j + {half}]", dtype)
-    first = store_as(f"cs[j] * {lo} - sn[j] * {hi}", dtype)
-    second = store_as(f"cs[j] * {hi} + sn[j] * {lo}", dtype)
-    on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
-    init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
-    src = f'''
-@D.prim_func(s_tir=True)
-def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
-               var_v: T.handle, apply_rope: T.int64):
-    T.func_attr({{"global_symbol": "fused_rope", "tir.noalias": True, "tirx.is_scheduled": True}})
-    seq_len = T.int32()
-    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {d}), "{dtype}")
-    position_map = T.match_buffer(var_position_map, (seq_len,), "int32", offset_factor=1)
-    q = T.match_buffer(var_q, (seq_len, {h_q}, {d}), "{dtype}")
-    k = T.match_buffer(var_k, (seq_len, {h_kv}, {d}), "{dtype}")
-    v = T.match_buffer(var_v, (seq_len, {h_kv}, {d}), "{dtype}")
-    with T.sblock("root"):
-        for s in T.parallel(seq_len):
-            with T.sblock("token"):
-                f = T.sblock_alloc_buffer(({half},), "float32", scope="global")
-                cs = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                sn = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-{init}
-                for i in range({half}):
-                    cs[i] = T.if_then_else({on}, T.cos({angle}), T.float32(1))
-                    sn[i] = T.if_then_else({on}, T.sin({angle}), T.float32(0))
-                    cs[i + {half}] = cs[i]
-                    sn[i + {half}] = sn[i]
-                for h in range({h_q + h_kv}):
-                    for j in T.vectorized({half}):
-                        if h < {h_q}:
-                            q[s, h, j] = {first}
-                            q[s, h, j + {half}] = {second}
-                        else:
-                            k[s, h - {h_q}, j] = {first}
-                            k[s, h - {h_q}, j + {half}] = {second}
-                for h in range({h_kv}):
-                    for j in T.vectorized({d}):
-                        v[s, h, j] = qkv[s, h + {h_q + h_kv}, j]
-'''
-    return parse_tvmscript(src)
-
-
-def rope_primfunc(cfg: LlamaConfig, dtype: str = "float32", tp: int = 1) -> tvm.tirx.PrimFunc:
-    """``fused_rope`` for q/k/v stored in ``dtype`` (the KV cache's), computed in fp32, over one
-    of ``tp`` ranks' heads."""
-    return _rope_primfunc(cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp, cfg.head_dim,
-                          tuple(float(x) for x in inv_freq(cfg)), dtype)

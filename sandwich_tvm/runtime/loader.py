@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..compiler.artifact import CompiledModel, compile_model
-from ..model.attention import DEFAULT_KV_DTYPE
+from ..kernels.attention import DEFAULT_KV_DTYPE
 from ..model.config import load_config
 from ..model.weights import load_params, load_tokenizer
 from ..topology.plan import ExecPlan

@@ -127,7 +127,7 @@ def fma_gflops(cpu: int) -> float:
 
 def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int = 64) -> float:
     """GFLOPS of the model's causal prefill attention kernel on one core (``cpu``)."""
-    from ..model.attention import prefill_ragged_primfunc
+    from ..kernels.attention import prefill_ragged_primfunc
     from ..tvm_compat import host_target, pin_thread_pool, tvm
 
     run = tvm.compile(prefill_ragged_primfunc(heads, heads, head_dim), target=host_target(1))

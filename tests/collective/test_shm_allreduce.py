@@ -168,7 +168,7 @@ def test_the_owner_removes_the_segment_even_while_a_view_of_it_lives():
 
 
 def test_bench_allreduce_times_two_real_processes_and_reports_both_bandwidths():
-    from sandwich_tvm.cli.allreduce import bench_allreduce
+    from sandwich_tvm.bench.allreduce import bench_allreduce
 
     sizes = [768, 70_000]
     result = bench_allreduce(2, sizes, rounds=1, systems=["shm"], log=lambda _m: None)
@@ -184,7 +184,7 @@ def test_bench_allreduce_times_two_real_processes_and_reports_both_bandwidths():
 
 
 def test_bench_e2e_times_the_allreduce_for_the_simulator():
-    from sandwich_tvm.cli.e2e import allreduce_profile
+    from sandwich_tvm.bench.e2e import allreduce_profile
 
     terms = allreduce_profile(2, 768, log=lambda _m: None)
     assert 0 < terms["allreduce_latency_us"] < 1e5 and terms["allreduce_gbs"] > 0

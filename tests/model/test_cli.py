@@ -79,7 +79,7 @@ def test_errors_are_reported_not_raised(model_dir, tmp_path, capsys):
 
 
 def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
-    from sandwich_tvm.cli import bench as bench_cli
+    from sandwich_tvm.bench import cli as bench_cli
 
     plot = tmp_path / "e2e.png"
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),

@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import pytest
 
+from sandwich_tvm.bench.agreement import greedy_agreement
 from sandwich_tvm.cli.generate import synthetic_prompt
 from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.host import can_run, cpu_flags, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
-from sandwich_tvm.runtime.agreement import greedy_agreement
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS

@@ -1,8 +1,0 @@
-"""`python -m sandwich_tvm.bench`: see sandwich_tvm.cli.bench."""
-
-import sys
-
-from .cli.entry import run
-
-if __name__ == "__main__":
-    sys.exit(run("bench"))

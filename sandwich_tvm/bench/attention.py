@@ -1,0 +1,151 @@
+"""`python -m sandwich_tvm.bench attention`: the KV cache's attention kernels, Sandwich's against TVM's.
+
+Both kernels get the same inputs in one process. Prefill: one sequence of ``--prompt`` new
+tokens, causal. Decode: one query token against ``--context`` keys in 16-token pages, with a
+separate cache per layer (``--layers``) so K/V come from memory as in a decode step. The
+outputs are compared (the run fails on a mismatch) and the times, GFLOPS / GB/s and their
+ratio reported. Where the CPU has AMX, the prefill kernel a bf16 model runs there (bf16 operands
+on AMX tiles) is timed on the same inputs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..cli.common import print_error
+from ..model.config import ModelConfigError, load_config
+from .timing import median_seconds
+
+PAGE = 16
+
+
+def add_attention_parser(sub) -> None:
+    a = sub.add_parser("attention", help="prefill and decode attention kernels: Sandwich vs TVM's")
+    a.add_argument("--model", default="llama-160m", help="preset or HF directory: heads, KV heads, head dim")
+    a.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
+    a.add_argument("--context", type=int, default=1024, help="decode context length (default 1024)")
+    a.add_argument("--layers", type=int, default=None,
+                   help="decode caches timed per step (default: the model's layers)")
+    a.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+
+
+def bench_prefill(h_kv: int, h_q: int, d: int, n: int, log) -> dict:
+    from tvm.relax.frontend.nn.llm.kv_cache import _attention_prefill_ragged_cpu
+
+    from ..host import can_run
+    from ..kernels.attention import prefill_ragged_primfunc
+    from ..kernels.attention_amx import prefill_ragged_amx_primfunc, supports
+    from ..tvm_compat import host_target, tvm
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((n, h_q, d), dtype=np.float32)
+    k, v = (rng.standard_normal((n, h_kv, d), dtype=np.float32) for _ in range(2))
+    indptr, pos = np.array([0, n], np.int32), np.zeros(n, np.int32)
+    args = [tvm.runtime.tensor(a) for a in (q, indptr, k, v, indptr, pos, np.zeros(1, np.int32))]
+    scalars = (1, 0, 1.0, 1e4, d ** -0.5)  # causal, rotary_mode, rope_scale, rope_theta, sm_scale
+    row = {"kernel": "prefill", "tokens": n}
+    outs = {}
+    for name, func in (("sandwich", prefill_ragged_primfunc(h_kv, h_q, d)),
+                       ("tvm", _attention_prefill_ragged_cpu(h_kv, h_q, d, d, "float32", {}))):
+        log(f"prefill attention, {n} tokens: {name}")
+        run = tvm.compile(func, target=host_target())["batch_prefill_ragged_kv"]
+        out = tvm.runtime.empty((n, h_q, d), "float32", tvm.cpu())
+        lse = tvm.runtime.empty((n, h_q), "float32", tvm.cpu())
+        secs = median_seconds(lambda run=run, out=out, lse=lse: run(*args, out, lse, *scalars))
+        outs[name] = out.numpy()
+        row[f"{name}_ms"] = secs * 1e3
+        row[f"{name}_gflops"] = 2 * n * (n + 1) * h_q * d / secs / 1e9  # QK and PV, causal half
+    row["max_abs_diff"] = float(np.abs(outs["sandwich"] - outs["tvm"]).max())
+    row["ratio"] = row["sandwich_ms"] / row["tvm_ms"]
+    if can_run("amx") and supports(d):  # what a bf16 model on AMX runs: bf16 operands, fp32 sums
+        log(f"prefill attention, {n} tokens: sandwich on AMX tiles (bf16)")
+        run = tvm.compile(prefill_ragged_amx_primfunc(h_kv, h_q, d), target=host_target())
+        run = run["batch_prefill_ragged_kv"]
+        out = tvm.runtime.empty((n, h_q, d), "float32", tvm.cpu())
+        lse = tvm.runtime.empty((n, h_q), "float32", tvm.cpu())
+        secs = median_seconds(lambda: run(*args, out, lse, *scalars))
+        row["amx_ms"], row["amx_gflops"] = secs * 1e3, 2 * n * (n + 1) * h_q * d / secs / 1e9
+        row["amx_max_abs_diff"] = float(np.abs(out.numpy() - outs["tvm"]).max())
+        row["amx_ratio"] = row["amx_ms"] / row["tvm_ms"]
+    return row
+
+
+def bench_decode(h_kv: int, h_q: int, d: int, context: int, layers: int, log) -> dict:
+    from tvm.relax.frontend.nn.llm.kv_cache import _attention_decode_cpu
+
+    from ..kernels.attention import decode_paged_primfunc
+    from ..tvm_compat import PROCESS_CPUS, host_target, tvm
+
+    rng = np.random.default_rng(0)
+    npages = -(-context // PAGE)
+    q = tvm.runtime.tensor(rng.standard_normal((1, h_q, d), dtype=np.float32))
+    meta = [tvm.runtime.tensor(a) for a in (
+        np.array([0, npages], np.int32), np.arange(npages, dtype=np.int32),
+        np.array([context - (npages - 1) * PAGE], np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32))]
+    caches = [tvm.runtime.tensor(rng.standard_normal((npages, 2, h_kv, PAGE, d), dtype=np.float32))
+              for _ in range(layers)]
+    row = {"kernel": "decode", "context": context, "layers": layers}
+    outs = {}
+    split = 2 * len(PROCESS_CPUS)
+    for name, func in (("sandwich", decode_paged_primfunc(h_kv, h_q, d, PAGE, split)),
+                       ("tvm", _attention_decode_cpu(h_kv, h_q, d, "float32", False, {}))):
+        log(f"decode attention, context {context} x {layers} layers: {name}")
+        run = tvm.compile(func, target=host_target())["batch_decode_paged_kv_cpu"]
+        out = tvm.runtime.empty((1, h_q, d), "float32", tvm.cpu())
+        lse = tvm.runtime.empty((1, h_q), "float32", tvm.cpu())
+
+        def step(run=run, out=out, lse=lse) -> None:
+            for pages in caches:
+                run(q, pages, *meta, out, lse, 0, 1.0, 1e4, d ** -0.5)
+
+        secs = median_seconds(step)
+        outs[name] = out.numpy()
+        row[f"{name}_ms"] = secs * 1e3
+        row[f"{name}_gbs"] = layers * context * 2 * h_kv * d * 4 / secs / 1e9
+    row["max_abs_diff"] = float(np.abs(outs["sandwich"] - outs["tvm"]).max())
+    row["ratio"] = row["sandwich_ms"] / row["tvm_ms"]
+    return row
+
+
+def main_attention(args: argparse.Namespace, console: Console) -> int:
+    try:
+        cfg = load_config(args.model)
+    except (ModelConfigError, OSError) as exc:
+        print_error(console, exc)
+        return 2
+    if args.prompt < 1 or args.context < 1:
+        console.print("[red]error:[/] --prompt and --context must be positive")
+        return 2
+    h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    layers = args.layers or cfg.num_hidden_layers
+    rows = [bench_prefill(h_kv, h_q, d, args.prompt, console.print),
+            bench_decode(h_kv, h_q, d, args.context, layers, console.print)]
+    bad = [r["kernel"] for r in rows if r["max_abs_diff"] > 1e-3]
+    bad += ["AMX prefill"] * any(r.get("amx_max_abs_diff", 0) > 0.1 for r in rows)  # bf16 operands
+    result = {"model": cfg.name, "heads": h_q, "kv_heads": h_kv, "head_dim": d, "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        table = Table(title=f"{cfg.name} attention ({h_q} heads, {h_kv} KV heads, d={d}), median ms")
+        for col in ("kernel", "size", "Sandwich", "TVM", "Sandwich / TVM", "Sandwich rate", "max |diff|"):
+            table.add_column(col)
+        for r in rows:
+            prefill = r["kernel"] == "prefill"
+            size = f"{r['tokens']} tokens" if prefill else f"{r['context']} ctx x {r['layers']}"
+            rate = f"{r['sandwich_gflops']:.1f} GFLOPS" if prefill else f"{r['sandwich_gbs']:.1f} GB/s"
+            table.add_row(r["kernel"], size, f"{r['sandwich_ms']:.2f}", f"{r['tvm_ms']:.2f}",
+                          f"{r['ratio']:.3f}", rate, f"{r['max_abs_diff']:.1e}")
+            if "amx_ms" in r:
+                table.add_row("prefill, AMX bf16", size, f"{r['amx_ms']:.2f}", f"{r['tvm_ms']:.2f}",
+                              f"{r['amx_ratio']:.3f}", f"{r['amx_gflops']:.1f} GFLOPS",
+                              f"{r['amx_max_abs_diff']:.1e}")
+        console.print(table)
+    if bad:
+        print_error(console, f"Sandwich's {', '.join(bad)} attention differs from TVM's")
+        return 1
+    return 0

@@ -1,0 +1,177 @@
+"""llama.cpp as a baseline: the same weights written as an F32 GGUF (``gguf`` package) and timed
+through ``llama-cpp-python`` (built from source: ``pip install -e .[llamacpp]``, minutes).
+
+The GGUF follows llama.cpp's own HF conversion: q/k rows permuted back to the interleaved
+RoPE layout, Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
+embeddings as ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
+benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
+tokens, not byte tokens, so llama-server never holds a token back to complete a UTF-8 character
+and streams exactly one chunk per generated token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ...model.config import LlamaConfig
+from ...model.rope import inv_freq
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama-cpp-python or gguf is not installed."""
+
+
+def available() -> str | None:
+    """None when usable, else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as err:
+        return f"llama.cpp baseline skipped: {err.name} is not installed (pip install -e '.[llamacpp]')"
+    return None
+
+
+GGUF_VERSION = 2  # of what write_gguf writes; part of the cache name (2: no BYTE tokens)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotate-half row order -> llama.cpp's interleaved pairs (inverse of HF's conversion)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype: str = "float32") -> Path:
+    """The weights as a GGUF; with a 16-bit ``dtype`` its matrices are F16/BF16 and the 1-D
+    tensors stay F32, as llama.cpp's ``convert_hf_to_gguf.py --outtype f16|bf16`` writes them."""
+    import gguf
+
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"no GGUF type for {dtype!r}; one of {', '.join(GGUF_TYPES)}")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(cfg.name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(len(tokens), cfg.vocab_size)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.NORMAL] * (cfg.vocab_size - 3)  # no BYTE tokens: see the module docstring
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[: cfg.vocab_size])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types(types[: cfg.vocab_size])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or dtype == "float32":
+            w.add_tensor(name, arr)
+        elif dtype == "float16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+    put("token_embd.weight", state["model.embed_tokens.weight"])
+    put("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", state["lm_head.weight"])
+    if cfg.rope_scaling:
+        base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+        put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
+        put(b + "attn_q.weight", _permute(state[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        put(b + "attn_k.weight", _permute(state[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        put(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        put(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        put(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
+        put(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
+        put(b + "ffn_down.weight", state[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
+             log: Callable[[str], None] | None = None, dtype: str = "float32") -> Path:
+    """The GGUF (F32, or F16/BF16 matrices for a 16-bit ``dtype``) of the weights our engine runs
+    for ``model_spec`` (a preset's random weights drawn with ``seed``, or a checkpoint
+    directory), written once under ``cache_dir()/gguf/``."""
+    from ...host import cache_dir
+    from ...model.config import PRESETS
+    from ...model.weights import checkpoint_key, random_checkpoint, read_checkpoint
+
+    preset = model_spec in PRESETS
+    key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
+    tag = "" if dtype == "float32" else f"-{GGUF_TYPES.get(dtype, dtype)}"
+    path = cache_dir() / "gguf" / f"{cfg.name}-{key}{tag}-v{GGUF_VERSION}.gguf"
+    if not path.is_file():
+        if log is not None:
+            log(f"writing the same weights as a {GGUF_TYPES.get(dtype, dtype).upper()} GGUF: {path}")
+        state = random_checkpoint(cfg, seed) if preset else read_checkpoint(Path(model_spec))
+        write_gguf(cfg, state, path, dtype)
+        del state
+    return path
+
+
+class LlamaCpp:
+    """Greedy prefill/decode timing through llama-cpp-python on ``threads`` threads."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=context, n_threads=threads,
+                                   n_threads_batch=threads, n_batch=min(context, 2048),
+                                   n_ubatch=min(context, 512), logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def logits(self) -> np.ndarray:
+        """The last evaluated position's logits, read in place through llama.cpp's C API
+        (llama-cpp-python copies them only with ``logits_all``, which would slow prefill)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def generate(self, prompt: list[int], new_tokens: int,
+                 on_token: Callable[[int], None] | None = None) -> tuple[float, list[float], list[int]]:
+        """(TTFT ms, per-step decode ms, tokens)."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(prompt)
+        token = int(np.argmax(self.logits()))
+        ttft = (time.perf_counter() - t0) * 1e3
+        steps, tokens = [], [token]
+        for _ in range(new_tokens - 1):
+            t0 = time.perf_counter()
+            self.llm.eval([token])
+            token = int(np.argmax(self.logits()))
+            steps.append((time.perf_counter() - t0) * 1e3)
+            tokens.append(token)
+        return ttft, steps, tokens

@@ -1,0 +1,313 @@
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement`: Sandwich's dynamic-shape
+GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``; ``attention``: the KV cache's
+attention kernels against TVM's, ``cli/attention.py``; ``serve``: the serving benchmark over
+the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``; ``allreduce``: the
+shared-memory all-reduce against gloo, ``cli/allreduce.py``; ``agreement``: a 16-bit model's greedy
+tokens against its fp32 model's, ``cli/agreement.py``).
+
+Everything runs in one process on the same thread count; each number is the median of
+timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
+``schedules/`` (tuned on the spot when missing); the tuning time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..cli.args import positive_int, positive_ints, threads_beyond_cpus
+from ..cli.common import print_error
+from ..kernels.schedule import EPILOGUES
+from .agreement_cmd import add_agreement_parser, main_agreement
+from .allreduce import add_allreduce_parser, main_allreduce
+from .attention import add_attention_parser, main_attention
+from .e2e import add_e2e_parser, main_e2e
+from .serve_cmd import add_serve_parser, main_serve
+from .timing import median_seconds, paired_median_ratio, rotating
+
+DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sandwich_tvm.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("gemm", help="Y = X @ W.T for a list of m")
+    g.add_argument("--n", type=positive_int, required=True, help="output features (rows of W)")
+    g.add_argument("--k", type=positive_int, required=True, help="input features")
+    g.add_argument("--m", default=DEFAULT_M, help=f"comma-separated sequence lengths (default {DEFAULT_M})")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="threads for every library (default: all cores)")
+    g.add_argument("--schedules", type=Path, default=None, help="tuning database root (default schedules/)")
+    g.add_argument("--hot-weights", action="store_true",
+                   help="time every call on one weight (cache-resident when it fits); default: rotate "
+                        "copies over twice the last-level cache (at least 96 MB) so weights come from "
+                        "memory, as in a served model")
+    g.add_argument("--metaschedule-trials", type=int, default=0,
+                   help="also tune MetaSchedule's default search with this many trials (0: skip)")
+    g.add_argument("--metaschedule-m", type=positive_int, default=128,
+                   help="m of the MetaSchedule run (default 128)")
+    g.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds in which the libraries take turns at each m; GFLOPS are medians over "
+                        "rounds, ratios the medians of each round's paired ratios (default 5)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
+                        "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
+    g.add_argument("--epilogue", choices=EPILOGUES, default="none",
+                   help="what follows the GEMM, as the model runs it: Sandwich fuses it (its record "
+                        "tuned with it), numpy and torch run it after the product: residual (+ R), "
+                        "bias (+ b), silu_mul (silu(gate) * up of a gate_up GEMM) (default none)")
+    g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
+    add_e2e_parser(sub)
+    add_attention_parser(sub)
+    add_serve_parser(sub)
+    add_allreduce_parser(sub)
+    add_agreement_parser(sub)
+    return parser
+
+
+LIBRARIES = ("sandwich", "numpy", "torch")  # bench gemm's libraries, in the order they take turns
+SPIN_PAUSE_S = 0.3  # after each library's turn: OpenBLAS and OpenMP workers stop spinning
+
+
+def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
+               hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 5,
+               dtype: str = "float32", epilogue: str = "none") -> dict:
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from ..host import cold_weight_bytes, cpu_flags
+    from ..kernels.codegen import linear_primfunc
+    from ..kernels.database import find_record
+    from ..kernels.microkernel import kernel_isa
+    from ..kernels.packing import WeightLayout, numpy_dtype
+    from ..kernels.peak import fma_peak_gflops
+    from ..kernels.schedule import GemmShape
+    from ..kernels.tuner import tune_gemm
+    from ..topology.microbench import sgemm_gflops
+    from ..tvm_compat import host_isa, host_target, tvm
+
+    if epilogue != "none" and ms_trials > 0:
+        raise ValueError("--metaschedule-trials tunes the plain GEMM; run it without --epilogue")
+    shape = GemmShape(n, k, dtype, epilogue)
+    rec = find_record(shape, threads, root)
+    if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max(ms):
+        log(f"tuning n={n} k={k} ({dtype}, epilogue {epilogue}) for m <= {max(ms)} on {threads} threads "
+            "(resumable) ...")
+        rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root, dtype=dtype, epilogue=epilogue,
+                        progress=lambda t: log(f"  m={t.m}: {t.schedule.key} "
+                                               f"{'' if math.isnan(t.gflops) else f'{t.gflops:.1f} GFLOPS'}"))
+    exe = tvm.compile(tvm.IRModule({"main": linear_primfunc(shape, rec.buckets(), "main")}),
+                      target=host_target(threads))
+    fn = exe.mod["main"]
+    rng = np.random.default_rng(0)
+    # Cold weights (default): enough copies to overflow the caches, used in turn.
+    layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype, epilogue == "silu_mul")
+    wbytes = numpy_dtype(dtype).itemsize
+    copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * wbytes)))
+    # weights exactly representable in ``dtype``: every library multiplies the same values
+    ws = [rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32") for _ in range(copies)]
+    w = ws[0]
+    wps = [tvm.runtime.tensor(layout.pack(wi)) for wi in ws]
+    torch.set_num_threads(threads)
+    t_dtype = getattr(torch, dtype)  # torch runs in the dtype asked, as its users would
+    wts = [torch.from_numpy(wi).to(t_dtype) for wi in ws]
+    log(f"Sandwich: {dtype} weights on {layout.isa} micro-kernels; torch F.linear in {dtype}; "
+        "numpy in float32")
+    ms_row = None
+    if ms_trials > 0:
+        from .baselines.metaschedule import tune_default
+
+        ms_fn, ms_secs = tune_default(ms_m, n, k, threads, ms_trials, log)
+        ms_row = {"m": ms_m, "trials": ms_trials, "tuning_seconds": ms_secs}
+    xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
+    n_out = n // 2 if epilogue == "silu_mul" else n
+    # the epilogue's operands per m: R[m, n] or b[n]; numpy and torch apply it after the product
+    extras = {m: [rng.standard_normal((m, n) if epilogue == "residual" else (n,)).astype("float32")]
+              if epilogue in ("residual", "bias") else [] for m in ms}
+    numpy_linear, torch_linear = _unfused(epilogue, n)
+    with threadpool_limits(threads):
+        peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
+        fma_peak = fma_peak_gflops(threads)
+        log(f"FMA peak ({threads} threads, register-only loop): {fma_peak:.0f} GFLOPS; "
+            f"OpenBLAS SGEMM x {threads} cores: {peak:.0f} GFLOPS; weights: "
+            + ("hot" if hot else f"{copies} copies over {copies * ws[0].size * wbytes >> 20} MB"))
+        errs = {}
+        for m in ms:
+            ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
+            fn(ta, wps[0], *[tvm.runtime.tensor(e) for e in extras[m]], y)
+            ref = numpy_linear(xs[m], w.T, *extras[m])
+            errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
+        if ms_row is not None:
+            ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
+            y = tvm.runtime.empty((ms_m, n), "float32", tvm.cpu())
+            wms = [tvm.runtime.tensor(wi) for wi in ws]
+            ms_fn(ta, wms[0], y)
+            ref = ta.numpy() @ w.T
+            ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
+            secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
+            ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
+        xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in ms}
+        et = {m: [torch.from_numpy(e).to(t_dtype) for e in extras[m]] for m in ms}
+        # The libraries take turns at each m, so every round's three timings are seconds apart
+        # and their ratios are paired: this host's speed drifts by tens of percent over minutes
+        # (memory bandwidth and compute alike, on a shared machine). OpenBLAS and OpenMP workers
+        # spin for a while after a call, so each library gets the cores to itself after a pause.
+        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in LIBRARIES}
+        for r in range(rounds):
+            log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch at each m = {ms[0]}..{ms[-1]}")
+            for m in ms:
+                ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
+                ev = [tvm.runtime.tensor(e) for e in extras[m]]
+                calls = {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps]),
+                         "numpy": rotating(numpy_linear, [(xs[m], wi.T, *extras[m]) for wi in ws]),
+                         "torch": rotating(torch_linear, [(xt[m], wt, *et[m]) for wt in wts])}
+                for lib in LIBRARIES:
+                    sweeps[lib][m].append(median_seconds(calls[lib]))
+                    time.sleep(SPIN_PAUSE_S)
+    rows = []
+    for m in ms:
+        flops = 2.0 * m * n * k
+        sw, nm, th = (sweeps[lib][m] for lib in LIBRARIES)
+        row = {"m": m, "sandwich_gflops": flops / float(np.median(sw)) / 1e9,
+               "numpy_gflops": flops / float(np.median(nm)) / 1e9,
+               "torch_gflops": flops / float(np.median(th)) / 1e9, "max_rel_err": errs[m],
+               "seconds": {lib: sweeps[lib][m] for lib in LIBRARIES}}
+        row["ratio_vs_torch"] = paired_median_ratio(sw, th)
+        row["ratio_vs_best"] = paired_median_ratio(sw, [min(a, b) for a, b in zip(nm, th, strict=True)])
+        row["peak_fraction"] = row["sandwich_gflops"] / peak
+        row["fma_peak_fraction"] = row["sandwich_gflops"] / fma_peak
+        row["schedule"] = rec.schedule_for(m).key
+        rows.append(row)
+    ratios = [r["ratio_vs_best"] for r in rows]
+    vs_torch = [r["ratio_vs_torch"] for r in rows]
+    out = {"n": n, "k": k, "dtype": dtype, "epilogue": epilogue, "kernel_isa": layout.isa, "threads": threads,
+           "geomean_vs_torch": float(np.exp(np.mean(np.log(vs_torch)))), "min_vs_torch": min(vs_torch),
+           "weights": "hot" if hot else "cold", "peak_gflops": peak,
+           "fma_peak_gflops": fma_peak, "weight_copies": copies,
+           "tuning_seconds": rec.seconds, "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
+           "min_ratio": min(ratios), "rows": rows}
+    if ms_row is not None:
+        sw = next((r["sandwich_gflops"] for r in rows if r["m"] == ms_m), None)
+        if sw is not None:
+            ms_row["sandwich_ratio"] = sw / ms_row["gflops"]
+        out["metaschedule"] = ms_row
+    return out
+
+
+def _unfused(epilogue: str, n: int):
+    """``(numpy, torch)`` functions of ``(x, W.T or W, *operands)``: the product, then the
+    epilogue as their users write it (``F.linear(x, w) + r``; ``F.silu(gate) * up`` on the two
+    halves of a gate_up product)."""
+    import torch
+
+    half = n // 2
+
+    def numpy_linear(x, wt, *ops):
+        y = x @ wt
+        if epilogue == "silu_mul":
+            gate = y[:, :half]
+            return gate / (1 + np.exp(-gate)) * y[:, half:]
+        return y + ops[0] if ops else y
+
+    def torch_linear(x, w, *ops):
+        y = torch.nn.functional.linear(x, w)
+        if epilogue == "silu_mul":
+            return torch.nn.functional.silu(y[:, :half]) * y[:, half:]
+        return y + ops[0] if ops else y
+
+    return numpy_linear, torch_linear
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = [r["m"] for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("sandwich_gflops", "Sandwich"), ("numpy_gflops", "numpy (OpenBLAS)"),
+                       ("torch_gflops", f"torch ({result.get('dtype', 'float32')})")):
+        ax.plot(ms, [r[key] for r in result["rows"]], marker="o", label=label)
+    ax.axhline(result["fma_peak_gflops"], ls="--", c="black", label="measured FMA peak")
+    ax.axhline(result["peak_gflops"], ls=":", c="grey", label="OpenBLAS SGEMM x threads")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("m (tokens)")
+    ax.set_ylabel("GFLOPS")
+    ax.set_title(f"{result.get('dtype', 'float32')} GEMM n={result['n']} k={result['k']}, "
+                 f"{result['threads']} threads")
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=args.json)
+    if args.what == "e2e":
+        return main_e2e(args, console)
+    if args.what == "attention":
+        return main_attention(args, console)
+    if args.what == "serve":
+        return main_serve(args, console)
+    if args.what == "allreduce":
+        return main_allreduce(args, console)
+    if args.what == "agreement":
+        return main_agreement(args, console)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    if too_many := threads_beyond_cpus(threads):
+        print_error(console, too_many)
+        return 2
+    try:
+        ms = positive_ints(args.m, "--m")
+    except ValueError as exc:
+        print_error(console, f"bad --m {args.m!r}: {exc}")
+        return 2
+    from ..kernels.database import ScheduleDbError
+
+    try:
+        result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
+                            hot=args.hot_weights, ms_trials=args.metaschedule_trials,
+                            ms_m=args.metaschedule_m, rounds=args.rounds, dtype=args.dtype,
+                            epilogue=args.epilogue)
+    except (ScheduleDbError, ValueError) as exc:
+        print_error(console, exc)
+        return 2
+    plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    fused = "" if args.epilogue == "none" else f" + {args.epilogue}"
+    table = Table(title=f"{args.dtype} GEMM{fused} n={args.n} k={args.k}, {threads} threads (median GFLOPS)")
+    for col in ("m", "Sandwich", "numpy fp32", f"torch {args.dtype}", "vs torch", "vs best", "of FMA peak",
+                "schedule"):
+        table.add_column(col)
+    for r in result["rows"]:
+        table.add_row(str(r["m"]), f"{r['sandwich_gflops']:.1f}", f"{r['numpy_gflops']:.1f}",
+                      f"{r['torch_gflops']:.1f}", f"{r['ratio_vs_torch']:.2f}x", f"{r['ratio_vs_best']:.2f}x",
+                      f"{r['fma_peak_fraction']:.0%}", r["schedule"])
+    console.print(table)
+    if "metaschedule" in result:
+        r = result["metaschedule"]
+        vs = f", Sandwich {r['sandwich_ratio']:.2f}x" if "sandwich_ratio" in r else ""
+        console.print(f"MetaSchedule default search, m={r['m']}: {r['gflops']:.1f} GFLOPS after "
+                      f"{r['trials']} trials in {r['tuning_seconds']:.0f} s{vs}")
+    console.print(f"geomean vs torch {result['geomean_vs_torch']:.2f}x (min {result['min_vs_torch']:.2f}x); "
+                  f"vs best library {result['geomean_ratio']:.2f}x (min {result['min_ratio']:.2f}x); "
+                  f"FMA peak {result['fma_peak_gflops']:.0f} GFLOPS; "
+                  f"tuning {result['tuning_seconds']:.0f} s; plot {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""`python -m sandwich_tvm.bench e2e`: TTFT and TPOT of the whole model, Sandwich against baselines.
+
+Each of ``--repeat`` rounds runs one whole request (prefill, then the greedy tokens) per system;
+TTFT and TPOT (the median decode step of a request) are medians over the rounds. Sandwich and
+llama.cpp alternate round by round, and their ratios are the median of the per-round ratios, so
+the host's memory-bandwidth drift (minutes long, up to ~1.7x here) cancels out.
+Systems, each on the same thread count and the same weights: Sandwich (the plan's prefill and
+decode cores, hot switching), HF ``transformers`` on torch, TVM's stock Relax build (its
+unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``) and
+llama.cpp when ``llama_cpp`` and ``gguf`` are installed. The simulator's predictions for the
+plan are printed next to the measured Sandwich numbers; its TPOT uses the memory bandwidth
+sampled before and after each of that prompt length's Sandwich requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..cli.common import print_error
+from ..cli.generate import add_model_args, synthetic_prompt, weight_dtype
+from ..host import cpu_flags, host_isa
+from ..kernels.microkernel import ISAS, kernel_isa
+from ..model.config import LlamaConfig, load_config
+
+
+def add_e2e_parser(sub) -> None:
+    e = sub.add_parser("e2e", help="TTFT / TPOT of the whole model against baselines")
+    add_model_args(e)
+    e.add_argument("--prompts", default="128,512,1024", help="prompt lengths (default 128,512,1024)")
+    e.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request (default 128)")
+    e.add_argument("--systems", default="sandwich,llamacpp,torch,stock",
+                   help="comma-separated: sandwich, llamacpp, torch, stock (default all; llamacpp is "
+                        "skipped with a note when the extra is not installed)")
+    e.add_argument("--repeat", type=int, default=3,
+                   help="requests per prompt length and system; medians over them (default 3; TVM stock: 1)")
+    e.add_argument("--stock-max-prompt", type=int, default=128,
+                   help="longest prompt given to TVM's stock build (default 128)")
+    e.add_argument("--cached-profile", action="store_true",
+                   help="predict from the cached machine profile instead of re-measuring it in this run "
+                        "(memory bandwidth drifts: the default measures it right after the timed requests)")
+    e.add_argument("--torch-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the torch baseline (default auto: bfloat16 where the CPU has AMX or "
+                        "AVX512-BF16, as its users would run it; float32 elsewhere)")
+    e.add_argument("--also-plan", type=Path, default=None, metavar="FILE",
+                   help="also run Sandwich on this plans.json (e.g. two processes against one), its "
+                        "requests interleaved with the main plan's; rows 'sandwich tpP', with ratios to "
+                        "'sandwich' and the simulator's predictions for that plan")
+    e.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
+                        "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
+                        "ratios to 'sandwich'")
+    e.add_argument("--llamacpp-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the GGUF llama.cpp runs (default: the precision Sandwich runs, --dtype), e.g. "
+                        "float16 against a bfloat16 Sandwich where F16 is llama.cpp's faster 16-bit type")
+    e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
+
+
+Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
+
+
+def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None,
+               name: str = "sandwich", dtype: str | None = None) -> Runner:
+    """Requests on a Sandwich (or stock) engine; ``dtype`` overrides ``--dtype``."""
+    from ..runtime.loader import open_engine
+
+    dtype = "float32" if stock else dtype or weight_dtype(args, log)
+    engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
+                               context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
+                               seed=args.seed, kv_dtype=args.kv_dtype, dtype=dtype, log=log)
+    engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
+
+    def run(p: int) -> dict | None:
+        if stock and p > args.stock_max_prompt:
+            return None
+        new = args.new_tokens if not stock else min(args.new_tokens, 16)
+        if probe is not None:
+            probe.sample()
+        gen = engine.generate(synthetic_prompt(p, cfg.vocab_size), new)
+        if probe is not None:  # the bandwidth of the minutes this request decoded in
+            probe.sample()
+        decode_total = sum(gen.decode_ms)
+        row = {"system": "tvm-stock" if stock else name, "prompt": p, "weights": dtype,
+               "ttft_ms": gen.ttft_ms,
+               "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
+               "switch_ms": gen.switch_ms,
+               "tokens": gen.tokens[:16], "weights_huge_page_share": engine.huge_page_share,
+               "switch_share_of_decode": gen.switch_ms / decode_total if decode_total else None}
+        log(f"{row['system']}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms'] or 0:.2f} ms")
+        return row
+
+    return run
+
+
+def hf_model(spec: str, cfg: LlamaConfig, seed: int):
+    """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
+    import torch
+    import transformers
+
+    from ..model.config import PRESETS
+    from ..model.weights import random_checkpoint
+
+    if spec not in PRESETS:
+        return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
+    rope.setdefault("rope_type", "default")
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
+    model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def torch_dtype(choice: str) -> tuple[str, str]:
+    """The torch baseline's dtype and why: bf16 where the CPU has bf16 units (oneDNN uses them)."""
+    from ..host import half_precision_units
+
+    if choice != "auto":
+        return choice, "requested with --torch-dtype"
+    units = half_precision_units()
+    if units:
+        return "bfloat16", f"this CPU has {', '.join(units)}"
+    return "float32", "this CPU has no AMX or AVX512-BF16"
+
+
+def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> list[dict]:
+    """HF transformers as ``generate`` runs it: logits of the last position only
+    (``logits_to_keep=1``), KV cache on, in the dtype its users would pick on this CPU."""
+    import os
+
+    import torch
+
+    from ..tvm_compat import PROCESS_CPUS
+
+    os.sched_setaffinity(0, PROCESS_CPUS)  # TVM's decode plan pinned this thread to its cores
+    torch.set_num_threads(threads)
+    dtype, why = torch_dtype(getattr(args, "torch_dtype", "auto"))
+    log(f"torch baseline: {dtype} ({why}), logits of the last position only, {threads} threads")
+    model = hf_model(args.model, cfg, args.seed).to(getattr(torch, dtype))
+    rows = []
+    with torch.inference_mode():
+        for p in [8, *prompts]:
+            ids = torch.tensor([synthetic_prompt(p, cfg.vocab_size)])
+            ttfts = []
+            for _ in range(1 if p == 8 else args.repeat):
+                t0 = time.perf_counter()
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                token = out.logits[0, -1].argmax()
+                ttfts.append((time.perf_counter() - t0) * 1e3)
+            ttft = float(np.median(ttfts))
+            past, steps = out.past_key_values, []
+            for _ in range(args.new_tokens - 1 if p != 8 else 2):
+                t0 = time.perf_counter()
+                out = model(token.view(1, 1), past_key_values=past, use_cache=True, logits_to_keep=1)
+                past, token = out.past_key_values, out.logits[0, -1].argmax()
+                steps.append((time.perf_counter() - t0) * 1e3)
+            if p == 8:
+                continue  # warm-up
+            rows.append({"system": "torch", "dtype": dtype, "prompt": p, "ttft_ms": ttft,
+                         "ttft_runs_ms": ttfts,
+                         "tpot_ms": float(np.median(steps)),
+                         "output_tokens": len(steps) + 1})
+            log(f"torch: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
+    return rows
+
+
+def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes: list[str],
+                    log) -> Runner | None:
+    import os
+
+    from ..tvm_compat import PROCESS_CPUS
+    from .baselines.llamacpp import LlamaCpp, available, gguf_for
+
+    why = available()
+    if why:
+        notes.append(why)
+        return None
+    os.sched_setaffinity(0, PROCESS_CPUS)
+    # the weights in the precision Sandwich runs them (F32, or an F16/BF16 GGUF)
+    dtype = args.llamacpp_dtype or weight_dtype(args, lambda _m: None)
+    path = gguf_for(args.model, cfg, args.seed, log=log, dtype=dtype)
+    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
+    engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
+
+    def run(p: int) -> dict:
+        os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
+        ttft, steps, tokens = engine.generate(synthetic_prompt(p, cfg.vocab_size), args.new_tokens)
+        row = {"system": "llama.cpp", "prompt": p, "weights": dtype, "ttft_ms": ttft,
+               "tpot_ms": float(np.median(steps)),
+               "output_tokens": len(tokens), "tokens": tokens[:16]}
+        log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
+        return row
+
+    return run
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row per (system, prompt): medians over the rounds, the per-round values kept."""
+    row = dict(rounds[0])
+    for key in ("ttft_ms", "tpot_ms"):
+        runs = [r[key] for r in rounds]
+        row[key.replace("_ms", "_runs_ms")] = runs
+        row[key] = float(np.median(runs))
+    if rounds[0].get("switch_ms") is not None:
+        row["switch_ms"] = float(np.median([r["switch_ms"] for r in rounds]))
+    return row
+
+
+def paired_ratio(row: dict, base: dict, key: str) -> float:
+    """Median of the per-round ratios when both systems ran the same interleaved rounds."""
+    a, b = row.get(f"{key}_runs_ms"), base.get(f"{key}_runs_ms")
+    if a and b and len(a) == len(b):
+        return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
+    return row[f"{key}_ms"] / base[f"{key}_ms"]
+
+
+def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
+              refresh: bool = True, decode_gbs: dict[int, float] | None = None,
+              gemm_speedup: float = 1.0) -> list[dict]:
+    """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
+    ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
+    on the decode cores when given (the bandwidth sampled around that length's requests).
+    ``gemm_speedup``: the Linear layers' compute roof over the measured fp32 one (2 for bf16
+    pairs on vdpbf16ps, which does two k steps per instruction; attention stays fp32)."""
+    from ..topology import load_tree
+    from ..topology.configs import ServiceConfig
+    from ..topology.microbench import measure_profile
+    from ..topology.simulator import LatencySimulator, Trace
+
+    tree, found = load_tree()
+    measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
+    measured = dataclasses.replace(measured, gemm_efficiency=measured.gemm_efficiency * gemm_speedup)
+    allreduce = allreduce_profile(plan.tp, cfg.hidden_size, log) if plan.tp > 1 else {}
+    if allreduce:  # the all-reduce the ranks run, measured between as many processes
+        measured = dataclasses.replace(measured, **allreduce)
+    where = dict(zip(tree.pus, tree.domains, strict=True))
+
+    def config(cpus: list[tuple[int, ...]]) -> ServiceConfig:
+        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus))
+
+    pre, dec = config([p for p, _ in plan.ranks]), config([d for _, d in plan.ranks])
+    out = []
+    for n in prompts:
+        gbs = (decode_gbs or {}).get(n)
+        profile = measured if gbs is None else with_bandwidth(measured, len(plan.all_decode_cpus), gbs)
+        p = np.array([n], dtype=float)
+        sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
+        out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
+                    "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
+                    **allreduce})
+    return out
+
+
+def allreduce_profile(procs: int, hidden: int, log) -> dict:
+    """The simulator's all-reduce terms from the shared-memory all-reduce timed now between
+    ``procs`` processes: the latency of one token's hidden state and the bus bandwidth of a
+    prefill-sized message (2 (P - 1) / P x bytes / time)."""
+    from .allreduce import run_shm
+
+    big = 1 << 20
+    t = run_shm(procs, [hidden, big], rounds=3)
+    gbs = 2 * (procs - 1) / procs * 4 * big / t[big] / 1e9
+    log(f"all-reduce between {procs} processes: {t[hidden] * 1e6:.1f} µs for {hidden} floats, "
+        f"{gbs:.1f} GB/s bus bandwidth at 4 MB")
+    return {"allreduce_latency_us": t[hidden] * 1e6, "allreduce_gbs": gbs}
+
+
+def with_bandwidth(profile, cores: int, gbs: float):
+    """``profile`` with every memory resource's curve scaled so ``cores`` cores read ``gbs``."""
+    from dataclasses import replace
+
+    def scaled(r):
+        factor = gbs / r.bandwidth(cores)
+        return replace(r, bw_gbs=tuple(round(b * factor, 2) for b in r.bw_gbs))
+
+    return replace(profile, resources=tuple(scaled(r) for r in profile.resources))
+
+
+def bench_e2e(args, console: Console) -> dict:
+    from ..topology.plan import resolve_plan
+
+    cfg = load_config(args.model)
+    plan = resolve_plan(args.plan)
+    prompts = [int(x) for x in args.prompts.split(",")]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
+    log(plan.describe())
+    threads = len(plan.all_prefill_cpus)  # every system gets the plan's cores
+    rows: list[dict] = []
+    notes: list[str] = []
+    unknown = set(systems) - {"sandwich", "llamacpp", "torch", "stock"}
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}")
+    # Sandwich and llama.cpp alternate request by request (and which goes first): decode is
+    # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
+    runners = []
+    probe = None
+    if "sandwich" in systems:
+        from ..topology.microbench import BandwidthProbe
+
+        probe = BandwidthProbe(list(plan.all_decode_cpus))
+        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, probe))
+    also = resolve_plan(args.also_plan) if args.also_plan is not None else None
+    also_name = f"sandwich tp{also.tp}" if also is not None else None
+    if also is not None:
+        log(f"also: {also.describe()}")
+        runners.append(tvm_runner(args, cfg, also, prompts, False, log, name=also_name))
+    dtype_name = f"sandwich {args.also_dtype}" if args.also_dtype else None
+    if dtype_name:
+        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, name=dtype_name,
+                                  dtype=args.also_dtype))
+    if "llamacpp" in systems:
+        runners.append(llamacpp_runner(args, cfg, prompts, threads, notes, log))
+    runners = [r for r in runners if r is not None]
+    gbs: dict[int, float] = {}
+    for i, p in enumerate(prompts):
+        first = len(probe.samples) if probe is not None else 0
+        rounds: list[list[dict]] = [[] for _ in runners]
+        for r in range(max(1, args.repeat)):
+            order = list(enumerate(runners))
+            for j, run in (order if (i + r) % 2 == 0 else order[::-1]):
+                rounds[j].append(run(p))
+        rows += [merge_rounds(x) for x in rounds]
+        if probe is not None and probe.samples[first:]:  # the minutes this length decoded in
+            gbs[p] = float(np.median(probe.samples[first:]))
+    # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
+    sim_cfg = dataclasses.replace(cfg, dtype=weight_dtype(args, lambda _m: None))
+
+    def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
+        pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
+        return predicted(dataclasses.replace(cfg, dtype=dtype), on, prompts, args.new_tokens, log,
+                         refresh=refresh, decode_gbs=gbs, gemm_speedup=float(pairs))
+
+    preds = {"sandwich": predict(sim_cfg.dtype, plan, refresh=not args.cached_profile)}
+    if also is not None:
+        preds[also_name] = predict(sim_cfg.dtype, also)
+    if dtype_name:
+        preds[dtype_name] = predict(args.also_dtype, plan)
+    del runners
+    gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
+    if "torch" in systems:
+        rows += run_torch(args, cfg, prompts, threads, log)
+        gc.collect()
+    if "stock" in systems:
+        stock = tvm_runner(args, cfg, plan.one_process(), prompts, True, log)
+        rows += [merge_rounds([row]) for p in prompts if (row := stock(p)) is not None]
+    for r in rows:
+        if r["system"] == "sandwich":
+            for other, tag in (("torch", "torch"), ("llama.cpp", "llamacpp")):
+                base = next((b for b in rows if b["system"] == other and b["prompt"] == r["prompt"]), None)
+                if base:
+                    r[f"ttft_ratio_vs_{tag}"] = paired_ratio(r, base, "ttft")
+                    r[f"tpot_ratio_vs_{tag}"] = paired_ratio(r, base, "tpot")
+                    if "tokens" in base:
+                        r[f"same_tokens_as_{tag}"] = r["tokens"] == base["tokens"]
+        source = preds.get(r["system"])
+        if source:
+            pr = next(x for x in source if x["prompt"] == r["prompt"])
+            r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
+            r["decode_bandwidth_gbs"] = pr["decode_gbs"]
+            if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
+                r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
+                r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
+        if r["system"] in (also_name, dtype_name):
+            base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
+            r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
+            r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
+            r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
+    return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
+            "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
+            "dtype": sim_cfg.dtype, "kv_dtype": args.kv_dtype,
+            "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
+            "bandwidth_samples_gbs": probe.samples if probe else []}
+
+
+def print_e2e(result: dict, console: Console) -> None:
+    table = Table(title=f"{result['model']}: {result['plan']}")
+    for col in ("system", "prompt", "TTFT ms", "TPOT ms", "TTFT / torch", "TPOT / torch",
+                "TTFT / llama.cpp", "TPOT / llama.cpp", "predicted TTFT", "predicted TPOT", "switch µs"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        def f(key: str, fmt: str = "{:.1f}", r=r) -> str:
+            return fmt.format(r[key]) if r.get(key) is not None else "-"
+        system = r["system"] + (f" ({r['dtype']})" if "dtype" in r else "")
+        table.add_row(system, str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
+                      f("ttft_ratio_vs_torch", "{:.3f}"), f("tpot_ratio_vs_torch", "{:.3f}"),
+                      f("ttft_ratio_vs_llamacpp", "{:.3f}"), f("tpot_ratio_vs_llamacpp", "{:.3f}"),
+                      f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),
+                      "-" if r.get("switch_ms") is None else f"{r['switch_ms'] * 1e3:.0f}")
+    console.print(table)
+    for r in result["rows"]:
+        if r.get("tpot_ratio_vs_sandwich") is not None:
+            what = result["also_plan"] if " tp" in r["system"] else r.get("weights")
+            console.print(f"{r['system']} ({what}) at {r['prompt']} tokens: TTFT "
+                          f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
+                          f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
+    for n in result["notes"]:
+        console.print(n)
+
+
+def plot_e2e(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in dict.fromkeys(r["system"] for r in result["rows"]):
+        rs = [r for r in result["rows"] if r["system"] == system]
+        a.plot([r["prompt"] for r in rs], [r["ttft_ms"] for r in rs], "o-", label=system)
+        b.plot([r["prompt"] for r in rs], [r["tpot_ms"] for r in rs], "o-", label=system)
+    for ax, name in ((a, "TTFT ms"), (b, "TPOT ms")):
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(name)
+        ax.set_yscale("log")
+        ax.legend()
+    fig.suptitle(f"{result['model']} ({result['threads']} threads)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main_e2e(args: argparse.Namespace, console: Console) -> int:
+    from ..cli.generate import LOAD_ERRORS
+
+    try:
+        result = bench_e2e(args, console)
+    except LOAD_ERRORS as exc:
+        print_error(console, exc)
+        return 2
+    plot_e2e(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_e2e(result, console)
+        console.print(f"plot: {args.plot}")
+    return 0

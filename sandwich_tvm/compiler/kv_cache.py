@@ -1,0 +1,43 @@
+"""Relax pass: swap the paged KV cache's attention and RoPE kernels for Sandwich's.
+
+TVM's ``PagedKVCache`` compiles its own CPU kernels (serial scalar loop nests); ours keep their
+names and signatures (``kernels.attention``, ``kernels.attention_amx``, ``kernels.rope``), so
+the cache's runtime calls them unchanged.
+"""
+
+from __future__ import annotations
+
+from ..kernels.attention import decode_paged_primfunc, prefill_paged_primfunc, prefill_ragged_primfunc
+from ..kernels.attention_amx import prefill_paged_amx_primfunc, prefill_ragged_amx_primfunc, supports
+from ..kernels.rope import rope_primfunc
+from ..model.config import LlamaConfig
+from ..model.rope import inv_freq
+from ..tvm_compat import tvm
+
+
+def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: int = 4,
+                          isa: str | None = None, page_size: int = 16,
+                          kv_dtype: str = "float32", tp: int = 1, amx: bool = False) -> tvm.IRModule:
+    """Swap the KV cache's attention kernels and its RoPE for ours (same names and signatures,
+    so the cache's runtime calls them unchanged), for one of ``tp`` ranks' heads. Decode splits
+    each sequence's pages into two chunks per decode thread. ``amx`` (a bf16 model whose GEMMs
+    run on AMX): prompt attention (new keys and paged prefix) on AMX tiles too, in bf16 like the
+    Linears' inputs."""
+    h_kv, h_q, d = cfg.num_key_value_heads // tp, cfg.num_attention_heads // tp, cfg.head_dim
+    if amx and supports(d):
+        ragged = prefill_ragged_amx_primfunc(h_kv, h_q, d, kv_dtype)
+        paged = prefill_paged_amx_primfunc(h_kv, h_q, d, page_size, kv_dtype)
+    else:
+        ragged = prefill_ragged_primfunc(h_kv, h_q, d, kv_dtype, isa)
+        paged = prefill_paged_primfunc(h_kv, h_q, d, page_size, isa, kv_dtype)
+    ours = {"batch_prefill_ragged_kv": ragged, "batch_prefill_paged_kv_cpu": paged,
+            "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
+                                                               isa=isa, dtype=kv_dtype),
+            "fused_rope": rope_primfunc(h_q, h_kv, d, tuple(float(x) for x in inv_freq(cfg)), kv_dtype)}
+    for gv, func in list(mod.functions_items()):
+        if gv.name_hint in ours and isinstance(func, tvm.tirx.PrimFunc):
+            new = ours[gv.name_hint]
+            if len(new.params) != len(func.params):
+                raise RuntimeError(f"TVM's {gv.name_hint} signature changed; update sandwich_tvm/kernels")
+            mod[gv] = new
+    return mod

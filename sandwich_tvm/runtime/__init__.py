@@ -1,0 +1,1 @@
+"""The generation engine: phases on their plans' cores, continuous batching, tensor-parallel ranks."""

@@ -1,0 +1,61 @@
+"""`bench gemm`: correct kernels from every library, cold weights, MetaSchedule's default search."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.bench import cli as bench
+
+pytestmark = pytest.mark.compile
+
+
+def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
+    plot = tmp_path / "gemm.png"
+    assert bench.main(["gemm", "--n", "40", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
+                       "--metaschedule-trials", "4", "--rounds", "2", "--metaschedule-m", "3", "--json",
+                       "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights"] == "cold" and plot.is_file() and out["weight_copies"] > 1
+    assert out["fma_peak_gflops"] > 0 and all(0 < r["fma_peak_fraction"] < 2 for r in out["rows"])
+    assert [r["m"] for r in out["rows"]] == [1, 3]
+    for r in out["rows"]:
+        assert r["max_rel_err"] < 1e-5
+        assert min(r["sandwich_gflops"], r["numpy_gflops"], r["torch_gflops"]) > 0
+        # ratios pair each round's timings (the libraries take turns at each m)
+        secs = r["seconds"]
+        assert {lib: len(v) for lib, v in secs.items()} == {"sandwich": 2, "numpy": 2, "torch": 2}
+        vs_torch = [t / s for s, t in zip(secs["sandwich"], secs["torch"], strict=True)]
+        rounds = zip(secs["sandwich"], secs["numpy"], secs["torch"], strict=True)
+        vs_best = [min(a, b) / s for s, a, b in rounds]
+        assert r["ratio_vs_torch"] == pytest.approx(float(np.median(vs_torch)))
+        assert r["ratio_vs_best"] == pytest.approx(float(np.median(vs_best)))
+    ms = out["metaschedule"]  # a real search: its kernel computes the same product
+    assert (ms["m"], ms["trials"]) == (3, 4) and ms["max_rel_err"] < 1e-5 and ms["tuning_seconds"] > 0
+    assert ms["sandwich_ratio"] == pytest.approx(out["rows"][1]["sandwich_gflops"] / ms["gflops"])
+
+
+def test_paired_ratio_cancels_the_hosts_drift():
+    from sandwich_tvm.bench.timing import paired_median_ratio
+
+    # the host slows 3x between rounds; ours is 2x faster within every round
+    assert paired_median_ratio([1.0, 3.0, 1.5], [2.0, 6.0, 3.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_median_ratio([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "silu_mul"])
+def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
+    """Sandwich's fused kernel (its record tuned with the epilogue) against numpy and torch
+    running the product and then the epilogue; every library's result is checked."""
+    assert bench.main(["gemm", "--n", "64", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
+                       "--epilogue", epilogue, "--rounds", "1", "--json",
+                       "--plot", str(tmp_path / "gemm.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["epilogue"] == epilogue and all(r["max_rel_err"] < 1e-5 for r in out["rows"])
+    assert next(tmp_path.glob(f"*/t*/linear_n64_k72_float32_{epilogue}.json"))  # tuned with it
+    assert bench.main(["gemm", "--n", "64", "--k", "72", "--epilogue", epilogue,
+                       "--metaschedule-trials", "2", "--schedules", str(tmp_path)]) == 2
+    assert "without --epilogue" in capsys.readouterr().out
