@@ -1,4 +1,8 @@
-"""Tuned dynamic-shape kernels on disk: ``schedules/<cpu>/t<threads>/linear_<n>_<k>_<dtype>.json``.
+"""Tuned dynamic-shape kernels on disk: ``<records>/<cpu>/t<threads>/linear_<n>_<k>_<dtype>.json``.
+
+``<records>`` is the user's records directory (``SANDWICH_RECORDS_DIR``, else
+``<cache>/records``), where ``tune`` writes, then the records shipped in the package
+(``sandwich_tvm/records/``); an explicit ``root`` replaces both.
 
 A file records the CPU signature (``host.CpuSignature``: vendor, family/model/stepping, ISA
 features, cache sizes; not the model name, which clouds mask), the thread count, every tuned
@@ -12,17 +16,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..host import CpuSignature, host_signature, save_atomic
+from ..host import CpuSignature, cache_dir, host_signature, save_atomic
 from .codegen import Bucket, KernelError, check_schedule
 from .microkernel import kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 from .search import Tuned
 
-SCHEDULES_DIR = Path(__file__).resolve().parents[2] / "schedules"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "records"  # package data
+RECORDS_ENV = "SANDWICH_RECORDS_DIR"
 FORMAT = 2
+
+
+def user_records_dir() -> Path:
+    """Where this user's tuning is written and read first: ``$SANDWICH_RECORDS_DIR``, else
+    ``<cache>/records`` (``host.cache_dir``)."""
+    env = os.environ.get(RECORDS_ENV)
+    return Path(env) if env else cache_dir() / "records"
+
+
+def search_roots(root: Path | None = None) -> tuple[Path, ...]:
+    """The directories records are read from, first match wins: ``root`` alone when given, else
+    the user's directory and then the shipped records."""
+    return (Path(root),) if root is not None else (user_records_dir(), SHIPPED_DIR)
 
 
 class ScheduleDbError(ValueError):
@@ -129,7 +148,8 @@ class KernelRecord:
 
 def record_path(shape: GemmShape, threads: int, root: Path | None = None,
                 cpu: CpuSignature | None = None) -> Path:
-    root = SCHEDULES_DIR if root is None else root
+    """Where the record is written: under ``root``, else the user's records directory."""
+    root = user_records_dir() if root is None else root
     return root / (cpu or host_signature()).slug / f"t{threads}" / f"linear_{shape.name}.json"
 
 
@@ -161,7 +181,7 @@ def check_signature(rec: KernelRecord, path: Path, here: CpuSignature | None = N
         raise ScheduleDbError(
             f"{path} was tuned on {rec.cpu.describe()}, but this machine is {here.describe()}; "
             f"they differ in {'; '.join(diff)}. Its schedules do not apply here: "
-            f"{retune_hint(rec.threads)} (the record for this CPU goes to schedules/{here.slug}/)")
+            f"{retune_hint(rec.threads)} (the record for this CPU goes to <records>/{here.slug}/)")
 
 
 def load_record(path: Path, *, check_host: bool = True) -> KernelRecord:
@@ -185,12 +205,19 @@ def find_record(shape: GemmShape, threads: int, root: Path | None = None,
 
 
 def _find(shape: GemmShape, threads: int, root: Path | None, here: CpuSignature) -> KernelRecord | None:
-    path = record_path(shape, threads, root, here)
+    for base in search_roots(root):
+        rec = _find_in(shape, threads, base, here)
+        if rec is not None:
+            return rec
+    return None
+
+
+def _find_in(shape: GemmShape, threads: int, base: Path, here: CpuSignature) -> KernelRecord | None:
+    path = record_path(shape, threads, base, here)
     if path.exists():
         rec = read_record(path)
         check_signature(rec, path, here)
         return rec
-    base = SCHEDULES_DIR if root is None else root
     for other in sorted(base.glob(f"*/t{threads}/{path.name}")):
         try:
             rec = read_record(other)
