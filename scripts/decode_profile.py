@@ -31,6 +31,7 @@ from sandwich_tvm.model.config import load_config  # noqa: E402
 from sandwich_tvm.model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER  # noqa: E402
 from sandwich_tvm.model.weights import load_params  # noqa: E402
 from sandwich_tvm.runtime.engine import Engine  # noqa: E402
+from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def main() -> None:
 
     cfg = load_config(args.model)
     plan = ExecPlan.from_file(args.plan)
-    compiled = compile_model(cfg, plan, dtype=args.dtype, log=print)
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, weight_dtype=args.dtype), log=print)
     isa, dtype = compiled.weight_layout
     if compiled.tp > 1:
         _local_collectives()

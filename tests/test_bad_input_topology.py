@@ -15,7 +15,7 @@ import pytest
 from sandwich_tvm.cli import topo as topo_cli
 from sandwich_tvm.topology import hwloc
 from sandwich_tvm.topology.hwobj import MAX_PUS, Discovery, HwObject, TopologyError
-from sandwich_tvm.topology.plan import DEFAULT_PLAN, ExecPlan, PlanError, resolve_plan
+from sandwich_tvm.topology.plan import PLANS_VERSION, ExecPlan, PlanError, save_plans
 from sandwich_tvm.topology.sysfs import parse_cpulist
 from sandwich_tvm.topology.tree import from_discovery
 from tests.conftest import topology
@@ -172,7 +172,7 @@ def test_nonsense_numbers_stop_at_parsing(option, value, capsys):
     assert f"argument {option}:" in capsys.readouterr().err
 
 
-# 3. Plan files: a clear PlanError, and a broken default file is not silently ignored.
+# 3. Plan files: a clear PlanError; a file is read only when the user names it.
 
 def _plans(path: Path, plans: list) -> Path:
     path.write_text(json.dumps({"plans": plans}))
@@ -181,10 +181,10 @@ def _plans(path: Path, plans: list) -> Path:
 
 def test_plan_directory_is_named_a_directory(tmp_path):
     with pytest.raises(PlanError, match="is a directory, not a plans.json file"):
-        resolve_plan(tmp_path)
+        ExecPlan.from_file(tmp_path)
     _plans(tmp_path / "plans.json", [])
     with pytest.raises(PlanError, match=f"pass {tmp_path / 'plans.json'}"):
-        resolve_plan(tmp_path)
+        ExecPlan.from_file(tmp_path)
 
 
 @pytest.mark.parametrize(("plan", "expected"), [
@@ -210,21 +210,33 @@ def test_empty_plans_file_says_to_replan(tmp_path):
         ExecPlan.from_file(_plans(tmp_path / "plans.json", []))
 
 
-@pytest.mark.parametrize("text", ["{oops", "[]", '{"plans": []}', '{"plans": [{"tp": 1}]}'])
-def test_broken_default_plan_is_an_error(tmp_path, monkeypatch, text):
+def test_without_plan_every_cpu_and_no_file_is_read(tmp_path, monkeypatch):
+    """A plans.json in the working directory is not read unless the user names it."""
+    from sandwich_tvm.spec import resolve_run_spec
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
-    (tmp_path / DEFAULT_PLAN).write_text(text)
-    with pytest.raises(PlanError) as err:
-        resolve_plan(None)
-    message = str(err.value)
-    assert message.startswith(str(DEFAULT_PLAN))
-    assert "python -m sandwich_tvm.tune plan" in message and f"delete {DEFAULT_PLAN}" in message
+    (tmp_path / "out" / "plans.json").write_text("{oops")
+    assert resolve_run_spec("llama-160m", dtype="float32").plan == ExecPlan.all_cpus()
 
 
-def test_missing_default_plan_uses_every_cpu(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert resolve_plan(None) == ExecPlan.all_cpus()
+def test_plans_round_trip_through_the_one_schema(tmp_path):
+    cpus = sorted(ExecPlan.all_cpus().prefill_cpus)
+    plan = ExecPlan.processes([(tuple(cpus), tuple(cpus[:1]))], "search", 12.5, 3.25, [(0,)])
+    path = save_plans(tmp_path / "plans.json", [plan], details=[{"transforms": ["remove"]}],
+                      model={"name": "m"})
+    doc = json.loads(path.read_text())
+    assert doc["version"] == PLANS_VERSION and doc["plans"][0]["transforms"] == ["remove"]
+    back = ExecPlan.from_file(path)
+    assert back.ranks == plan.ranks and back.numa == plan.numa
+    assert (back.predicted_ttft_ms, back.predicted_tpot_ms) == (12.5, 3.25)
+
+
+def test_a_newer_plans_version_is_refused(tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"version": PLANS_VERSION + 1, "plans": []}))
+    with pytest.raises(PlanError, match="written by a newer sandwich-tvm"):
+        ExecPlan.from_file(path)
 
 
 def test_a_two_process_plan_is_read_whole(tmp_path):
@@ -238,10 +250,10 @@ def test_a_two_process_plan_is_read_whole(tmp_path):
     assert ExecPlan.all_cpus().tp == 1
 
 
-def test_generate_reports_a_broken_default_plan(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / DEFAULT_PLAN).write_text("{oops")
-    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--prompt-len", "4",
-                          "--max-new-tokens", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def test_generate_reports_a_broken_plan_file(tmp_path):
+    (tmp_path / "plans.json").write_text("{oops")
+    cmd = [sys.executable, "-m", "sandwich_tvm.generate", "--prompt-len", "4", "--plan", "plans.json",
+           "--max-new-tokens", "1"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert "error: out/plans.json is not a plans.json" in run.stderr and "delete out/plans.json" in run.stderr
+    assert "error: plans.json is not a plans.json" in run.stderr and "tune plan" in run.stderr

@@ -1,10 +1,13 @@
-"""The package's layers import downward only: host facts, then kernels and topology, then the
-model, the compiler, the runtime and the front-ends. An import back up a layer is a seam the
-next feature would have to cut, so this test names it."""
+"""The package's layers import downward only: host facts, then kernels, the model and topology,
+the run spec, the compiler, the runtime and the front-ends; the benchmark harness sits beside
+the product, which never imports it. An import back up a layer is a seam the next feature would
+have to cut, so this test names it."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +17,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sandwich_tvm"
 FRONT = {"server", "cli", "bench"}
 # layer -> the sandwich_tvm packages it must never import ("host": the host-fact modules)
 FORBIDDEN = {
-    "host": {"kernels", "collective", "topology", "model", "compiler", "runtime"} | FRONT,
-    "kernels": {"collective", "topology", "model", "compiler", "runtime"} | FRONT,
-    "collective": {"kernels", "topology", "model", "compiler", "runtime"} | FRONT,
-    "model": {"topology", "compiler", "runtime"} | FRONT,
+    "host": {"kernels", "collective", "topology", "model", "spec", "compiler", "runtime"} | FRONT,
+    "kernels": {"collective", "topology", "model", "spec", "compiler", "runtime"} | FRONT,
+    "collective": {"kernels", "topology", "model", "spec", "compiler", "runtime"} | FRONT,
+    "model": {"topology", "spec", "compiler", "runtime"} | FRONT,
     # topology may read model/ (LlamaConfig, the attention kernel it times): the one exception
-    "topology": {"compiler", "runtime"} | FRONT,
+    "topology": {"spec", "compiler", "runtime"} | FRONT,
+    "spec": {"compiler", "runtime"} | FRONT,
     "compiler": {"runtime"} | FRONT,
     "runtime": FRONT,
     "server": {"cli", "bench"},
@@ -59,6 +63,8 @@ def _imported_packages(source: str, rel: Path) -> set[str]:
 def test_no_import_runs_back_up_the_layers(layer):
     if layer == "host":
         files = [PACKAGE / name for name in HOST_MODULES]
+    elif layer == "spec":
+        files = [PACKAGE / "spec.py"]
     else:
         files = sorted((PACKAGE / layer).rglob("*.py"))
     upward = {f"{path.relative_to(PACKAGE)} imports {pkg}"
@@ -73,3 +79,33 @@ def test_the_checker_sees_relative_and_absolute_imports():
               "from sandwich_tvm import server\nfrom sandwich_tvm.cli.args import positive_int\n")
     assert _imported_packages(source, Path("kernels/probe.py")) == {
         "model", "runtime", "compiler", "kernels", "server", "cli"}
+
+
+PRODUCT = ["sandwich_tvm.serve", "sandwich_tvm.generate", "sandwich_tvm.compile", "sandwich_tvm.tune",
+           "sandwich_tvm.cli.serve", "sandwich_tvm.cli.generate", "sandwich_tvm.cli.compile",
+           "sandwich_tvm.cli.tune", "sandwich_tvm.runtime.loader", "sandwich_tvm.runtime.tp",
+           "sandwich_tvm.runtime.batch", "sandwich_tvm.server.app"]
+
+
+@pytest.mark.parametrize("module", PRODUCT)
+def test_the_product_loads_no_benchmark_module(module):
+    """What the user runs imports nothing of ``sandwich_tvm.bench`` (checked in a fresh
+    interpreter, so an import inside a function body that runs at import time counts too)."""
+    probe = (f"import importlib, sys; importlib.import_module({module!r}); "
+             "print(sorted(m for m in sys.modules if m.startswith('sandwich_tvm.bench')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_auto_dtype_and_the_context_are_resolved_in_one_place():
+    """``--dtype auto`` is turned into a dtype only by ``spec.resolve_weight_dtype``, and the
+    context is checked only by ``spec.check_context``: no other module defines either."""
+    defs = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = getattr(node, "name", "")
+            if isinstance(node, ast.FunctionDef) and (
+                    "dtype" in name and "resolve" in name or "context" in name and "check" in name):
+                defs.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert defs == {"resolve_weight_dtype": ["spec.py"], "check_context": ["spec.py"]}, defs

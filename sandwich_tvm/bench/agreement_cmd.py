@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 from rich.console import Console
@@ -82,12 +83,11 @@ def torch_agreement(spec: str, cfg, seed: int, prompts: list[list[int]], tokens:
 def main_agreement(args: argparse.Namespace, console: Console) -> int:
     from ..cli.common import print_error
     from ..compiler.artifact import CompileError
+    from ..model.checkpoint import ModelLoadError
     from ..model.config import ModelConfigError, load_config
-    from ..model.linear import resolve_dtype
-    from ..model.weights import ModelLoadError
-    from ..runtime.engine import EngineError, run_context
+    from ..runtime.engine import EngineError
     from ..runtime.loader import open_engine
-    from ..topology.plan import ExecPlan
+    from ..spec import SpecError, resolve_run_spec
     from .agreement import greedy_agreement, pooled
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
@@ -99,10 +99,15 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     if why := _fits(cfg, 4):
         print_error(console, why)
         return 2
-    dtype, reason = resolve_dtype(args.dtype)
-    log(f"candidate: {dtype} weights ({reason}), {args.kv_dtype} KV cache; reference: float32, float32")
-    plan = ExecPlan.all_cpus()
-    context = run_context(cfg, args.prompt_len + args.steps)
+    try:
+        spec = resolve_run_spec(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, records=args.schedules,
+                                needed_tokens=args.prompt_len + args.steps, max_batch=1, seed=args.seed)
+    except SpecError as exc:
+        print_error(console, exc)
+        return 2
+    dtype = spec.weight_dtype
+    log(f"candidate: {dtype} weights ({spec.dtype_note}), {args.kv_dtype} KV cache; "
+        "reference: float32, float32")
     rng = np.random.default_rng(args.prompt_seed)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
                for _ in range(args.prompts)]
@@ -110,8 +115,7 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     def opener(weights: str, kv: str):
         def open_it():
             log(f"opening the {weights} model ({kv} KV cache) ...")
-            engine, _, _ = open_engine(args.model, plan, schedules=args.schedules, context=context,
-                                       max_batch=1, kv_dtype=kv, seed=args.seed, dtype=weights, log=log)
+            engine, _ = open_engine(replace(spec, weight_dtype=weights, kv_dtype=kv), log=log)
             return engine
         return open_it
 
@@ -126,7 +130,7 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     if args.torch:
         log("HF transformers in bfloat16 on the same tokens ...")
         systems["torch bfloat16"] = torch_agreement(args.model, cfg, args.seed, prompts,
-                                                    [r.tokens for r in results], len(plan.prefill_cpus))
+                                                    [r.tokens for r in results], len(spec.plan.prefill_cpus))
     out = {"model": cfg.name, "dtype": dtype, "kv_dtype": args.kv_dtype, "prompt_len": args.prompt_len,
            "steps": args.steps, "seconds": time.perf_counter() - t0,
            "systems": {name: {"agree": pooled(rs), "prompts": [r.to_json() for r in rs]}

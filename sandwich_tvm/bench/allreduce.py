@@ -1,5 +1,11 @@
 """`python -m sandwich_tvm.bench allreduce`: the shared-memory all-reduce against
-torch.distributed's gloo backend, 2..P processes pinned one per CPU, in one run.
+torch.distributed's gloo backend, 2..P processes, in one run.
+
+Each system's ranks are placed as its users run them (``PLACEMENTS``; the JSON's ``placement``
+gives every rank's CPUs and the CPUs its threads were allowed on): the shared-memory ranks one
+per CPU, gloo's ranks not pinned (as ``torchrun`` starts them, one torch thread each) on the
+same P CPUs, so gloo's I/O threads are not stacked on their rank's only CPU. ``gloo-pinned``
+(not run by default) pins gloo's ranks, I/O threads and all, one per CPU.
 
 Each (system, processes, size) is the median over rounds of back-to-back all-reduces timed on
 rank 0. Two bandwidths, both next to the machine's streaming-read bandwidth on all CPUs,
@@ -17,6 +23,7 @@ measured in the same run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -40,7 +47,9 @@ def add_allreduce_parser(sub) -> None:
     a.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"float32 elements per message (default {DEFAULT_SIZES})")
     a.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians (default 5)")
-    a.add_argument("--systems", default="shm,gloo", help="shm, gloo (default both)")
+    a.add_argument("--systems", default="shm,gloo",
+                   help="shm, gloo, gloo-pinned (default shm,gloo: gloo's ranks not pinned, as torchrun "
+                        "runs them; gloo-pinned: one CPU per rank, its I/O threads on it too)")
     a.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     a.add_argument("--plot", type=Path, default=Path("out/bench_allreduce.png"), help="PNG plot path")
 
@@ -63,17 +72,50 @@ def _time(fn, nbytes: int, rounds: int) -> float:
     return float(np.median(out))
 
 
-def _pin(rank: int, cpus: list[int]) -> None:
-    """Rank r on the r-th of ``cpus`` (the benchmark's CPUs, passed down: a child's own affinity
-    is whatever its parent's was when it started, possibly one CPU, which would stack ranks)."""
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+SYSTEMS = ("shm", "gloo", "gloo-pinned")
+PLACEMENTS = {
+    "shm": "rank r pinned to the r-th CPU, one CPU each",
+    "gloo": "not pinned, as torchrun starts them: every rank's threads (main and gloo's I/O) may run on "
+            "any of the first P CPUs; one torch thread per rank (torchrun's OMP_NUM_THREADS=1)",
+    "gloo-pinned": "rank r pinned to the r-th CPU, one CPU each, gloo's I/O threads on it too; one torch "
+                   "thread per rank",
+}
+
+
+def rank_cpus(system: str, rank: int, world: int, cpus: list[int]) -> list[int]:
+    """The CPUs rank ``rank`` of ``world`` may use under ``system``'s placement (``PLACEMENTS``)."""
+    if system == "gloo":
+        return list(cpus[:world]) if world <= len(cpus) else list(cpus)
+    return [cpus[rank % len(cpus)]]
+
+
+def _place(system: str, rank: int, world: int, cpus: list[int], every_thread: bool = True) -> None:
+    """Put this thread, and with ``every_thread`` every other thread of this rank's process, on
+    ``rank_cpus`` (the benchmark's CPUs are passed down: a child's own affinity is whatever its
+    parent's was when it started, possibly one CPU, which would stack ranks). Threads started
+    later, like gloo's I/O threads, inherit it."""
+    mine = set(rank_cpus(system, rank, world, cpus))
+    if every_thread:  # e.g. OpenBLAS's workers, started as numpy loaded
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), mine)
+    os.sched_setaffinity(0, mine)
+
+
+def thread_cpus() -> list[list[int]]:
+    """The distinct CPU sets this process's threads may run on (``/proc/self/task``)."""
+    sets = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            sets.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+    return [list(x) for x in sorted(sets)]
 
 
 def _shm_rank(name: str, rank: int, world: int, slot: int, sizes: list[int], rounds: int, cpus: list[int],
               q) -> None:
     from ..collective.shm import ShmGroup
 
-    _pin(rank, cpus)
+    _place("shm", rank, world, cpus)
     with ShmGroup.attach(name, rank, world, slot) as group:
         for n in sizes:
             x, out = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -97,7 +139,7 @@ def run_shm(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = 
         for p in procs:
             p.start()
         before = os.sched_getaffinity(0)
-        _pin(0, cpus)
+        _place("shm", 0, world, cpus, every_thread=False)  # the caller's own threads stay put
         try:
             for n in sizes:
                 x, y = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -111,37 +153,43 @@ def run_shm(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = 
     return out
 
 
-def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, cpus, q) -> None:
+def _gloo_rank(path: str, rank: int, world: int, sizes: list[int], rounds: int, cpus, q,
+               system: str = "gloo") -> None:
+    _place(system, rank, world, cpus)  # first: threads torch starts as it loads inherit it
     import torch
     import torch.distributed as dist
 
-    _pin(rank, cpus)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     times = {}
     for n in sizes:
         t = torch.ones(n, dtype=torch.float32)
         times[n] = _time(lambda t=t: dist.all_reduce(t), 4 * n, rounds)
+    threads = thread_cpus()  # gloo's I/O threads are up now
     dist.destroy_process_group()
-    q.put((rank, times))
+    q.put((rank, times, threads))
 
 
-def run_gloo(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = None) -> dict[int, float]:
-    """Rank 0's median seconds per size, rank r pinned to the r-th of ``cpus`` (default: the
-    CPUs this process may use)."""
+def run_gloo(world: int, sizes: list[int], rounds: int, cpus: list[int] | None = None,
+             system: str = "gloo", threads: dict[int, list[list[int]]] | None = None) -> dict[int, float]:
+    """Rank 0's median seconds per size, the ranks placed on ``cpus`` (default: the CPUs this
+    process may use) as ``system`` (gloo or gloo-pinned) says; ``threads`` gets each rank's
+    threads' CPU sets."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "rendezvous")
-        procs = [ctx.Process(target=_gloo_rank, args=(path, r, world, sizes, rounds, cpus, q))
+        procs = [ctx.Process(target=_gloo_rank, args=(path, r, world, sizes, rounds, cpus, q, system))
                  for r in range(world)]
         for p in procs:
             p.start()
-        got = dict(q.get(timeout=600) for _ in procs)
+        got = {rank: (times, seen) for rank, times, seen in (q.get(timeout=600) for _ in procs)}
         for p in procs:
             p.join(timeout=60)
-    return got[0]
+    if threads is not None:
+        threads.update({rank: seen for rank, (_, seen) in got.items()})
+    return got[0][0]
 
 
 def bench_allreduce(procs: int, sizes: list[int], rounds: int, systems: list[str], log) -> dict:
@@ -151,22 +199,31 @@ def bench_allreduce(procs: int, sizes: list[int], rounds: int, systems: list[str
     read_gbs = BandwidthProbe(cpus).sample()
     log(f"streaming read on CPUs {cpus}: {read_gbs:.1f} GB/s")
     rows = []
+    placement: dict[str, dict] = {s: {"how": PLACEMENTS[s], "ranks": {}} for s in systems}
     for world in range(2, procs + 1):
         results = {}
         for system in systems:
             log(f"{system}: {world} processes over {len(sizes)} sizes ...")
-            results[system] = (run_shm if system == "shm" else run_gloo)(world, sizes, rounds, cpus)
+            seen: dict[int, list[list[int]]] = {}
+            if system == "shm":
+                results[system] = run_shm(world, sizes, rounds, cpus)
+            else:
+                results[system] = run_gloo(world, sizes, rounds, cpus, system=system, threads=seen)
+            placement[system]["ranks"][str(world)] = [
+                {"rank": r, "cpus": rank_cpus(system, r, world, cpus), "thread_cpus": seen.get(r)}
+                for r in range(world)]
         for n in sizes:
             row = {"procs": world, "floats": n, "bytes": 4 * n}
             for system, times in results.items():
-                row[f"{system}_us"] = times[n] * 1e6
-                row[f"{system}_bus_gbs"] = 2 * (world - 1) / world * 4 * n / times[n] / 1e9
-                row[f"{system}_mem_gbs"] = 2 * world * 4 * n / times[n] / 1e9
-                row[f"{system}_mem_of_read"] = row[f"{system}_mem_gbs"] / read_gbs
+                key = system.replace("-", "_")
+                row[f"{key}_us"] = times[n] * 1e6
+                row[f"{key}_bus_gbs"] = 2 * (world - 1) / world * 4 * n / times[n] / 1e9
+                row[f"{key}_mem_gbs"] = 2 * world * 4 * n / times[n] / 1e9
+                row[f"{key}_mem_of_read"] = row[f"{key}_mem_gbs"] / read_gbs
             if "shm_us" in row and "gloo_us" in row:
                 row["latency_ratio"] = row["shm_us"] / row["gloo_us"]
             rows.append(row)
-    return {"cpus": cpus, "read_gbs": read_gbs, "rounds": rounds, "rows": rows}
+    return {"cpus": cpus, "read_gbs": read_gbs, "rounds": rounds, "placement": placement, "rows": rows}
 
 
 def plot_allreduce(result: dict, path: Path) -> None:
@@ -178,7 +235,7 @@ def plot_allreduce(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for world in sorted({r["procs"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["procs"] == world]
-        for system, style in (("shm", "-o"), ("gloo", "--s")):
+        for system, style in (("shm", "-o"), ("gloo", "--s"), ("gloo_pinned", ":^")):
             if f"{system}_us" in rows[0]:
                 ax.plot([r["bytes"] for r in rows], [r[f"{system}_us"] for r in rows], style,
                         label=f"{system}, {world} processes")
@@ -202,8 +259,8 @@ def main_allreduce(args: argparse.Namespace, console: Console) -> int:
         print_error(console, f"bad --sizes {args.sizes!r}: {err}")
         return 2
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not systems or set(systems) - {"shm", "gloo"}:
-        print_error(console, f"--systems takes shm and/or gloo, not {args.systems!r}")
+    if not systems or set(systems) - set(SYSTEMS):
+        print_error(console, f"--systems takes {', '.join(SYSTEMS)}, not {args.systems!r}")
         return 2
     procs = args.procs or max(2, len(os.sched_getaffinity(0)))
     if procs < 2:
@@ -217,15 +274,18 @@ def main_allreduce(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = Table(title=f"all-reduce, float32, CPUs {result['cpus']} (streaming read "
                         f"{result['read_gbs']:.1f} GB/s)")
-    for col in ("procs", "bytes", "shm µs", "gloo µs", "shm / gloo", "shm bus GB/s", "gloo bus GB/s",
-                "shm memory GB/s", "of read BW"):
+    for col in ("procs", "bytes", "shm µs", "gloo µs", "gloo pinned µs", "shm / gloo", "shm bus GB/s",
+                "gloo bus GB/s", "shm memory GB/s", "of read BW"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         def f(key: str, fmt: str, r=r) -> str:
             return fmt.format(r[key]) if key in r else "-"
         table.add_row(str(r["procs"]), str(r["bytes"]), f("shm_us", "{:.1f}"), f("gloo_us", "{:.1f}"),
-                      f("latency_ratio", "{:.2f}"), f("shm_bus_gbs", "{:.2f}"), f("gloo_bus_gbs", "{:.2f}"),
+                      f("gloo_pinned_us", "{:.1f}"), f("latency_ratio", "{:.2f}"), f("shm_bus_gbs", "{:.2f}"),
+                      f("gloo_bus_gbs", "{:.2f}"),
                       f("shm_mem_gbs", "{:.1f}"), f("shm_mem_of_read", "{:.2f}"))
     console.print(table)
+    for system, where in result["placement"].items():
+        console.print(f"{system}: {where['how']}", markup=False)
     console.print(f"plot: {args.plot}")
     return 0

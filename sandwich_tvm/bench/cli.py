@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..kernels.schedule import EPILOGUES
 from .agreement_cmd import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
 from .attention import add_attention_parser, main_attention
+from .cold import cold_rotation, llc_bytes_of
 from .e2e import add_e2e_parser, main_e2e
 from .serve_cmd import add_serve_parser, main_serve
 from .timing import median_seconds, paired_median_ratio, rotating
@@ -49,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedules", type=Path, default=None, help="tuning database root (default schedules/)")
     g.add_argument("--hot-weights", action="store_true",
                    help="time every call on one weight (cache-resident when it fits); default: rotate "
-                        "copies over twice the last-level cache (at least 96 MB) so weights come from "
-                        "memory, as in a served model")
+                        "copies over twice the last-level cache, and the benchmark CPUs' caches together "
+                        "(at least 96 MB), so weights come from memory, as in a served model; checked in "
+                        "the run (at m = 1 no library may beat a streaming read) and doubled until so")
     g.add_argument("--metaschedule-trials", type=int, default=0,
                    help="also tune MetaSchedule's default search with this many trials (0: skip)")
     g.add_argument("--metaschedule-m", type=positive_int, default=128,
@@ -110,17 +113,27 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
                       target=host_target(threads))
     fn = exe.mod["main"]
     rng = np.random.default_rng(0)
-    # Cold weights (default): enough copies to overflow the caches, used in turn.
+    # Cold weights (default): enough copies to overflow the caches, all CPUs' together, used in
+    # turn; checked in the run against a streaming read (bench/cold.py), grown if they were not.
     layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype, epilogue == "silu_mul")
     wbytes = numpy_dtype(dtype).itemsize
-    copies = 1 if hot else max(1, math.ceil(cold_weight_bytes() / (n * k * wbytes)))
-    # weights exactly representable in ``dtype``: every library multiplies the same values
-    ws = [rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32") for _ in range(copies)]
-    w = ws[0]
-    wps = [tvm.runtime.tensor(layout.pack(wi)) for wi in ws]
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    cold_bytes = max(cold_weight_bytes(), 2 * llc_bytes_of(cpus))
+    copies = 1 if hot else max(1, math.ceil(cold_bytes / (n * k * wbytes)))
     torch.set_num_threads(threads)
     t_dtype = getattr(torch, dtype)  # torch runs in the dtype asked, as its users would
-    wts = [torch.from_numpy(wi).to(t_dtype) for wi in ws]
+    ws: list[np.ndarray] = []
+    wps: list = []
+    wts: list = []
+
+    def add_copies(count: int) -> None:
+        while len(ws) < count:  # weights exactly representable in ``dtype``: the same values everywhere
+            ws.append(rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32"))
+            wps.append(tvm.runtime.tensor(layout.pack(ws[-1])))
+            wts.append(torch.from_numpy(ws[-1]).to(t_dtype))
+
+    add_copies(copies)
+    w = ws[0]
     log(f"Sandwich: {dtype} weights on {layout.isa} micro-kernels; torch F.linear in {dtype}; "
         "numpy in float32")
     ms_row = None
@@ -129,12 +142,24 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
 
         ms_fn, ms_secs = tune_default(ms_m, n, k, threads, ms_trials, log)
         ms_row = {"m": ms_m, "trials": ms_trials, "tuning_seconds": ms_secs}
-    xs = {m: rng.standard_normal((m, k)).astype("float32") for m in ms}
+    all_m = sorted(set(ms) | ({1} if not hot else set()))  # the cold check runs at m = 1
+    xs = {m: rng.standard_normal((m, k)).astype("float32") for m in all_m}
     n_out = n // 2 if epilogue == "silu_mul" else n
     # the epilogue's operands per m: R[m, n] or b[n]; numpy and torch apply it after the product
     extras = {m: [rng.standard_normal((m, n) if epilogue == "residual" else (n,)).astype("float32")]
-              if epilogue in ("residual", "bias") else [] for m in ms}
+              if epilogue in ("residual", "bias") else [] for m in all_m}
+    xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in all_m}
+    et = {m: [torch.from_numpy(e).to(t_dtype) for e in extras[m]] for m in all_m}
     numpy_linear, torch_linear = _unfused(epilogue, n)
+
+    def calls_at(m: int) -> dict[str, Callable[[], object]]:
+        """Each library's call at ``m``, on the next weight copy each time."""
+        ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
+        ev = [tvm.runtime.tensor(e) for e in extras[m]]
+        return {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps]),
+                "numpy": rotating(numpy_linear, [(xs[m], wi.T, *extras[m]) for wi in ws]),
+                "torch": rotating(torch_linear, [(xt[m], wt, *et[m]) for wt in wts])}
+
     with threadpool_limits(threads):
         peak = sum(sgemm_gflops(c) for c in sorted(os.sched_getaffinity(0))[:threads])
         fma_peak = fma_peak_gflops(threads)
@@ -147,6 +172,13 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             fn(ta, wps[0], *[tvm.runtime.tensor(e) for e in extras[m]], y)
             ref = numpy_linear(xs[m], w.T, *extras[m])
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
+        cold = None
+        if not hot:
+            one = {"sandwich": layout.pack(ws[0]).nbytes, "numpy": ws[0].nbytes,
+                   "torch": wts[0].element_size() * wts[0].numel()}
+            cold = cold_rotation(copies, add_copies, lambda: calls_at(1), one, sum(one.values()), cpus, log,
+                                 SPIN_PAUSE_S)
+            copies = cold["copies"]
         if ms_row is not None:
             ta = tvm.runtime.tensor(xs.get(ms_m, rng.standard_normal((ms_m, k)).astype("float32")))
             y = tvm.runtime.empty((ms_m, n), "float32", tvm.cpu())
@@ -156,8 +188,6 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             ms_row["max_rel_err"] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
             secs = median_seconds(rotating(ms_fn, [(ta, wi, y) for wi in wms]))
             ms_row["gflops"] = 2.0 * ms_m * n * k / secs / 1e9
-        xt = {m: torch.from_numpy(xs[m]).to(t_dtype) for m in ms}
-        et = {m: [torch.from_numpy(e).to(t_dtype) for e in extras[m]] for m in ms}
         # The libraries take turns at each m, so every round's three timings are seconds apart
         # and their ratios are paired: this host's speed drifts by tens of percent over minutes
         # (memory bandwidth and compute alike, on a shared machine). OpenBLAS and OpenMP workers
@@ -166,11 +196,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         for r in range(rounds):
             log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch at each m = {ms[0]}..{ms[-1]}")
             for m in ms:
-                ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
-                ev = [tvm.runtime.tensor(e) for e in extras[m]]
-                calls = {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps]),
-                         "numpy": rotating(numpy_linear, [(xs[m], wi.T, *extras[m]) for wi in ws]),
-                         "torch": rotating(torch_linear, [(xt[m], wt, *et[m]) for wt in wts])}
+                calls = calls_at(m)
                 for lib in LIBRARIES:
                     sweeps[lib][m].append(median_seconds(calls[lib]))
                     time.sleep(SPIN_PAUSE_S)
@@ -193,7 +219,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     out = {"n": n, "k": k, "dtype": dtype, "epilogue": epilogue, "kernel_isa": layout.isa, "threads": threads,
            "geomean_vs_torch": float(np.exp(np.mean(np.log(vs_torch)))), "min_vs_torch": min(vs_torch),
            "weights": "hot" if hot else "cold", "peak_gflops": peak,
-           "fma_peak_gflops": fma_peak, "weight_copies": copies,
+           "fma_peak_gflops": fma_peak, "weight_copies": copies, "cold_check": cold,
            "tuning_seconds": rec.seconds, "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
            "min_ratio": min(ratios), "rows": rows}
     if ms_row is not None:

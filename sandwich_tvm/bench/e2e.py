@@ -1,15 +1,20 @@
 """`python -m sandwich_tvm.bench e2e`: TTFT and TPOT of the whole model, Sandwich against baselines.
 
 Each of ``--repeat`` rounds runs one whole request (prefill, then the greedy tokens) per system;
-TTFT and TPOT (the median decode step of a request) are medians over the rounds. Sandwich and
-llama.cpp alternate round by round, and their ratios are the median of the per-round ratios, so
-the host's memory-bandwidth drift (minutes long, up to ~1.7x here) cancels out.
+TTFT and TPOT (the median decode step of a request) are medians over the rounds. Sandwich,
+llama.cpp and torch take turns in every round (``bench/rounds.py``), and their ratios are the
+median of the per-round ratios, so the host's memory-bandwidth drift (minutes long, up to ~1.7x
+here) cancels out; the JSON's ``order`` lists the requests as they ran. Every system's weights
+stay loaded for the whole run.
 Systems, each on the same thread count and the same weights: Sandwich (the plan's prefill and
 decode cores, hot switching), HF ``transformers`` on torch, TVM's stock Relax build (its
-unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``) and
-llama.cpp when ``llama_cpp`` and ``gguf`` are installed. The simulator's predictions for the
-plan are printed next to the measured Sandwich numbers; its TPOT uses the memory bandwidth
-sampled before and after each of that prompt length's Sandwich requests.
+unscheduled loops are ~100x slower, so it runs only prompts up to ``--stock-max-prompt``, after
+the others) and llama.cpp when ``llama_cpp`` and ``gguf`` are installed: ``llamacpp`` with its
+defaults (weights mmap-ed from the GGUF) and ``llamacpp-mlock`` with its weights read into
+locked memory (``use_mlock``, ``use_mmap=False``), so the page size's part shows. The
+simulator's predictions for the plan are printed next to the measured Sandwich numbers; its TPOT
+uses the memory bandwidth sampled before and after each of that prompt length's Sandwich
+requests.
 """
 
 from __future__ import annotations
@@ -18,8 +23,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +30,18 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cli.common import print_error
-from ..cli.generate import add_model_args, synthetic_prompt, weight_dtype
+from ..cli.options import add_model_args, spec_from_args, synthetic_prompt
 from ..host import cpu_flags, host_isa
 from ..kernels.microkernel import ISAS, kernel_isa
-from ..model.config import LlamaConfig, load_config
+from ..model.config import LlamaConfig
+from ..spec import DTYPE_BYTES, RunSpec
+from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
+from .rounds import Runner, interleaved, merge_rounds, paired_ratio
+
+SYSTEMS = ("sandwich", "llamacpp", "llamacpp-mlock", "torch", "stock")
+LLAMACPP_ROWS = {"llamacpp": "llama.cpp", "llamacpp-mlock": "llama.cpp mlock"}  # system -> row name
+# Sandwich's rows get ratios to these rows: (row name, the keys' suffix)
+RATIO_TAGS = (("torch", "torch"), ("llama.cpp", "llamacpp"), ("llama.cpp mlock", "llamacpp_mlock"))
 
 
 def add_e2e_parser(sub) -> None:
@@ -38,9 +49,10 @@ def add_e2e_parser(sub) -> None:
     add_model_args(e)
     e.add_argument("--prompts", default="128,512,1024", help="prompt lengths (default 128,512,1024)")
     e.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request (default 128)")
-    e.add_argument("--systems", default="sandwich,llamacpp,torch,stock",
-                   help="comma-separated: sandwich, llamacpp, torch, stock (default all; llamacpp is "
-                        "skipped with a note when the extra is not installed)")
+    e.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated: {', '.join(SYSTEMS)} (default all; llamacpp-mlock is llama.cpp "
+                        "with its weights locked in memory; both are skipped with a note when the extra "
+                        "is not installed)")
     e.add_argument("--repeat", type=int, default=3,
                    help="requests per prompt length and system; medians over them (default 3; TVM stock: 1)")
     e.add_argument("--stock-max-prompt", type=int, default=128,
@@ -66,18 +78,12 @@ def add_e2e_parser(sub) -> None:
     e.add_argument("--plot", type=Path, default=Path("out/bench_e2e.png"), help="PNG plot path")
 
 
-Runner = Callable[[int], "dict | None"]  # prompt length -> one result row
-
-
-def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, log, probe=None,
-               name: str = "sandwich", dtype: str | None = None) -> Runner:
-    """Requests on a Sandwich (or stock) engine; ``dtype`` overrides ``--dtype``."""
+def tvm_runner(args, spec: RunSpec, prompts: list[int], log, probe=None, name: str = "sandwich") -> Runner:
+    """Requests on the engine of ``spec`` (Sandwich's, or TVM's stock build)."""
     from ..runtime.loader import open_engine
 
-    dtype = "float32" if stock else dtype or weight_dtype(args, log)
-    engine, _, _ = open_engine(args.model, plan, stock=stock, schedules=args.schedules,
-                               context=max(prompts) + args.new_tokens + 1, max_batch=args.max_batch,
-                               seed=args.seed, kv_dtype=args.kv_dtype, dtype=dtype, log=log)
+    cfg, stock, dtype = spec.config, spec.stock, spec.weight_dtype
+    engine, _ = open_engine(spec, log=log)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 4)  # warm-up: pages, thread pool
 
     def run(p: int) -> dict | None:
@@ -102,87 +108,26 @@ def tvm_runner(args, cfg: LlamaConfig, plan, prompts: list[int], stock: bool, lo
     return run
 
 
-def hf_model(spec: str, cfg: LlamaConfig, seed: int):
-    """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
-    import torch
-    import transformers
-
-    from ..model.config import PRESETS
-    from ..model.weights import random_checkpoint
-
-    if spec not in PRESETS:
-        return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
-    rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
-    rope.setdefault("rope_type", "default")
-    hf_cfg = transformers.LlamaConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
-    model = transformers.LlamaForCausalLM(hf_cfg)
-    state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
-    model.load_state_dict(state, strict=False)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
-
-
-def torch_dtype(choice: str) -> tuple[str, str]:
-    """The torch baseline's dtype and why: bf16 where the CPU has bf16 units (oneDNN uses them)."""
-    from ..host import half_precision_units
-
-    if choice != "auto":
-        return choice, "requested with --torch-dtype"
-    units = half_precision_units()
-    if units:
-        return "bfloat16", f"this CPU has {', '.join(units)}"
-    return "float32", "this CPU has no AMX or AVX512-BF16"
-
-
-def run_torch(args, cfg: LlamaConfig, prompts: list[int], threads: int, log) -> list[dict]:
-    """HF transformers as ``generate`` runs it: logits of the last position only
-    (``logits_to_keep=1``), KV cache on, in the dtype its users would pick on this CPU."""
-    import os
-
+def torch_baseline(args, cfg: LlamaConfig, threads: int, log) -> Runner:
+    """HF transformers as ``generate`` runs it, in the dtype its users would pick on this CPU."""
     import torch
 
-    from ..tvm_compat import PROCESS_CPUS
-
-    os.sched_setaffinity(0, PROCESS_CPUS)  # TVM's decode plan pinned this thread to its cores
-    torch.set_num_threads(threads)
     dtype, why = torch_dtype(getattr(args, "torch_dtype", "auto"))
     log(f"torch baseline: {dtype} ({why}), logits of the last position only, {threads} threads")
     model = hf_model(args.model, cfg, args.seed).to(getattr(torch, dtype))
-    rows = []
-    with torch.inference_mode():
-        for p in [8, *prompts]:
-            ids = torch.tensor([synthetic_prompt(p, cfg.vocab_size)])
-            ttfts = []
-            for _ in range(1 if p == 8 else args.repeat):
-                t0 = time.perf_counter()
-                out = model(ids, use_cache=True, logits_to_keep=1)
-                token = out.logits[0, -1].argmax()
-                ttfts.append((time.perf_counter() - t0) * 1e3)
-            ttft = float(np.median(ttfts))
-            past, steps = out.past_key_values, []
-            for _ in range(args.new_tokens - 1 if p != 8 else 2):
-                t0 = time.perf_counter()
-                out = model(token.view(1, 1), past_key_values=past, use_cache=True, logits_to_keep=1)
-                past, token = out.past_key_values, out.logits[0, -1].argmax()
-                steps.append((time.perf_counter() - t0) * 1e3)
-            if p == 8:
-                continue  # warm-up
-            rows.append({"system": "torch", "dtype": dtype, "prompt": p, "ttft_ms": ttft,
-                         "ttft_runs_ms": ttfts,
-                         "tpot_ms": float(np.median(steps)),
-                         "output_tokens": len(steps) + 1})
-            log(f"torch: prompt {p}: TTFT {ttft:.0f} ms, TPOT {rows[-1]['tpot_ms']:.2f} ms")
-    return rows
+    run = torch_runner(model, dtype, threads, args.new_tokens, lambda p: synthetic_prompt(p, cfg.vocab_size))
+
+    def logged(p: int) -> dict:
+        row = run(p)
+        log(f"torch: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
+        return row
+
+    return logged
 
 
 def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, notes: list[str],
-                    log) -> Runner | None:
+                    log, weight_dtype: str, locked: bool = False) -> Runner | None:
+    """llama.cpp through llama-cpp-python; ``locked``: its weights in locked memory."""
     import os
 
     from ..tvm_compat import PROCESS_CPUS
@@ -190,50 +135,34 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
 
     why = available()
     if why:
-        notes.append(why)
+        if why not in notes:  # once for both llama.cpp rows
+            notes.append(why)
         return None
     os.sched_setaffinity(0, PROCESS_CPUS)
     # the weights in the precision Sandwich runs them (F32, or an F16/BF16 GGUF)
-    dtype = args.llamacpp_dtype or weight_dtype(args, lambda _m: None)
+    dtype = args.llamacpp_dtype or weight_dtype
     path = gguf_for(args.model, cfg, args.seed, log=log, dtype=dtype)
-    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8)
+    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8, locked=locked)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
+    name = LLAMACPP_ROWS["llamacpp-mlock" if locked else "llamacpp"]
+    memory = ({"weights_memory": "locked (use_mlock, use_mmap=False)", "memlock_limit": engine.memlock_limit}
+              if locked else {"weights_memory": "mmap (llama.cpp's default)"})
 
     def run(p: int) -> dict:
         os.sched_setaffinity(0, PROCESS_CPUS)  # its threads inherit this thread's CPUs
         ttft, steps, tokens = engine.generate(synthetic_prompt(p, cfg.vocab_size), args.new_tokens)
-        row = {"system": "llama.cpp", "prompt": p, "weights": dtype, "ttft_ms": ttft,
+        row = {"system": name, "prompt": p, "weights": dtype, "ttft_ms": ttft,
                "tpot_ms": float(np.median(steps)),
-               "output_tokens": len(tokens), "tokens": tokens[:16]}
-        log(f"llama.cpp: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
+               "output_tokens": len(tokens), "tokens": tokens[:16], **memory}
+        log(f"{name}: prompt {p}: TTFT {row['ttft_ms']:.0f} ms, TPOT {row['tpot_ms']:.2f} ms")
         return row
 
     return run
 
 
-def merge_rounds(rounds: list[dict]) -> dict:
-    """One row per (system, prompt): medians over the rounds, the per-round values kept."""
-    row = dict(rounds[0])
-    for key in ("ttft_ms", "tpot_ms"):
-        runs = [r[key] for r in rounds]
-        row[key.replace("_ms", "_runs_ms")] = runs
-        row[key] = float(np.median(runs))
-    if rounds[0].get("switch_ms") is not None:
-        row["switch_ms"] = float(np.median([r["switch_ms"] for r in rounds]))
-    return row
-
-
-def paired_ratio(row: dict, base: dict, key: str) -> float:
-    """Median of the per-round ratios when both systems ran the same interleaved rounds."""
-    a, b = row.get(f"{key}_runs_ms"), base.get(f"{key}_runs_ms")
-    if a and b and len(a) == len(b):
-        return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
-    return row[f"{key}_ms"] / base[f"{key}_ms"]
-
-
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
               refresh: bool = True, decode_gbs: dict[int, float] | None = None,
-              gemm_speedup: float = 1.0) -> list[dict]:
+              gemm_speedup: float = 1.0, weight_bytes: int = 4, kv_bytes: int = 4) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
     ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
     on the decode cores when given (the bandwidth sampled around that length's requests).
@@ -261,7 +190,8 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
         gbs = (decode_gbs or {}).get(n)
         profile = measured if gbs is None else with_bandwidth(measured, len(plan.all_decode_cpus), gbs)
         p = np.array([n], dtype=float)
-        sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)))
+        sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)),
+                               weight_bytes=weight_bytes, kv_bytes=kv_bytes)
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
                     **allreduce})
@@ -294,76 +224,77 @@ def with_bandwidth(profile, cores: int, gbs: float):
 
 
 def bench_e2e(args, console: Console) -> dict:
-    from ..topology.plan import resolve_plan
+    from ..topology.plan import ExecPlan
 
-    cfg = load_config(args.model)
-    plan = resolve_plan(args.plan)
     prompts = [int(x) for x in args.prompts.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
+    context = max(prompts) + args.new_tokens + 1
+    spec = spec_from_args(args, log, context=context, prefill_chunk=context)
+    cfg, plan = spec.config, spec.plan
     log(plan.describe())
     threads = len(plan.all_prefill_cpus)  # every system gets the plan's cores
     rows: list[dict] = []
     notes: list[str] = []
-    unknown = set(systems) - {"sandwich", "llamacpp", "torch", "stock"}
+    unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}")
-    # Sandwich and llama.cpp alternate request by request (and which goes first): decode is
+    # Every system but the stock build takes its turn in each round (bench/rounds.py): decode is
     # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
-    runners = []
+    runners: list[tuple[str, Runner | None]] = []
     probe = None
     if "sandwich" in systems:
         from ..topology.microbench import BandwidthProbe
 
         probe = BandwidthProbe(list(plan.all_decode_cpus))
-        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, probe))
-    also = resolve_plan(args.also_plan) if args.also_plan is not None else None
+        runners.append(("sandwich", tvm_runner(args, spec, prompts, log, probe)))
+    also = ExecPlan.from_file(args.also_plan) if args.also_plan is not None else None
     also_name = f"sandwich tp{also.tp}" if also is not None else None
     if also is not None:
         log(f"also: {also.describe()}")
-        runners.append(tvm_runner(args, cfg, also, prompts, False, log, name=also_name))
+        runners.append((also_name, tvm_runner(args, spec.with_plan(also), prompts, log, name=also_name)))
     dtype_name = f"sandwich {args.also_dtype}" if args.also_dtype else None
     if dtype_name:
-        runners.append(tvm_runner(args, cfg, plan, prompts, False, log, name=dtype_name,
-                                  dtype=args.also_dtype))
-    if "llamacpp" in systems:
-        runners.append(llamacpp_runner(args, cfg, prompts, threads, notes, log))
-    runners = [r for r in runners if r is not None]
+        runners.append((dtype_name, tvm_runner(args, dataclasses.replace(spec, weight_dtype=args.also_dtype),
+                                               prompts, log, name=dtype_name)))
+    for system, row_name in LLAMACPP_ROWS.items():
+        if system in systems:
+            run = llamacpp_runner(args, cfg, prompts, threads, notes, log, spec.weight_dtype,
+                                  locked=system == "llamacpp-mlock")
+            runners.append((row_name, run))
+    if "torch" in systems:
+        runners.append(("torch", torch_baseline(args, cfg, threads, log)))
+    turns = [(name, run) for name, run in runners if run is not None]
     gbs: dict[int, float] = {}
+    order: list[dict] = []
     for i, p in enumerate(prompts):
         first = len(probe.samples) if probe is not None else 0
-        rounds: list[list[dict]] = [[] for _ in runners]
-        for r in range(max(1, args.repeat)):
-            order = list(enumerate(runners))
-            for j, run in (order if (i + r) % 2 == 0 else order[::-1]):
-                rounds[j].append(run(p))
-        rows += [merge_rounds(x) for x in rounds]
+        rows += interleaved(turns, p, i, args.repeat, order)
         if probe is not None and probe.samples[first:]:  # the minutes this length decoded in
             gbs[p] = float(np.median(probe.samples[first:]))
     # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
-    sim_cfg = dataclasses.replace(cfg, dtype=weight_dtype(args, lambda _m: None))
 
     def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
-        return predicted(dataclasses.replace(cfg, dtype=dtype), on, prompts, args.new_tokens, log,
-                         refresh=refresh, decode_gbs=gbs, gemm_speedup=float(pairs))
+        return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
+                         gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
+                         kv_bytes=DTYPE_BYTES[spec.kv_dtype])
 
-    preds = {"sandwich": predict(sim_cfg.dtype, plan, refresh=not args.cached_profile)}
+    preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile)}
     if also is not None:
-        preds[also_name] = predict(sim_cfg.dtype, also)
+        preds[also_name] = predict(spec.weight_dtype, also)
     if dtype_name:
         preds[dtype_name] = predict(args.also_dtype, plan)
-    del runners
-    gc.collect()  # free those weights before the next system's (Llama-3.2-1B is 5 GB in fp32)
-    if "torch" in systems:
-        rows += run_torch(args, cfg, prompts, threads, log)
-        gc.collect()
+    del runners, turns
+    gc.collect()  # free those weights before the stock build's (Llama-3.2-1B is 5 GB in fp32)
     if "stock" in systems:
-        stock = tvm_runner(args, cfg, plan.one_process(), prompts, True, log)
+        stock_spec = dataclasses.replace(spec, stock=True, weight_dtype="float32", kv_dtype="float32",
+                                         plan=plan.one_process())
+        stock = tvm_runner(args, stock_spec, prompts, log)
         rows += [merge_rounds([row]) for p in prompts if (row := stock(p)) is not None]
     for r in rows:
         if r["system"] == "sandwich":
-            for other, tag in (("torch", "torch"), ("llama.cpp", "llamacpp")):
+            for other, tag in RATIO_TAGS:
                 base = next((b for b in rows if b["system"] == other and b["prompt"] == r["prompt"]), None)
                 if base:
                     r[f"ttft_ratio_vs_{tag}"] = paired_ratio(r, base, "ttft")
@@ -385,15 +316,18 @@ def bench_e2e(args, console: Console) -> dict:
             r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
     return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
-            "dtype": sim_cfg.dtype, "kv_dtype": args.kv_dtype,
-            "new_tokens": args.new_tokens, "rows": rows, "notes": notes,
+            "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
+            "new_tokens": args.new_tokens, "rows": rows, "notes": notes, "repeat": max(1, args.repeat),
+            "interleaving": "every round runs one request per system but the stock build, in turn; the "
+                            "order is reversed every other round and prompt length", "order": order,
             "bandwidth_samples_gbs": probe.samples if probe else []}
 
 
 def print_e2e(result: dict, console: Console) -> None:
     table = Table(title=f"{result['model']}: {result['plan']}")
     for col in ("system", "prompt", "TTFT ms", "TPOT ms", "TTFT / torch", "TPOT / torch",
-                "TTFT / llama.cpp", "TPOT / llama.cpp", "predicted TTFT", "predicted TPOT", "switch µs"):
+                "TTFT / llama.cpp", "TPOT / llama.cpp", "TTFT / llama.cpp mlock", "TPOT / llama.cpp mlock",
+                "predicted TTFT", "predicted TPOT", "switch µs"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         def f(key: str, fmt: str = "{:.1f}", r=r) -> str:
@@ -402,6 +336,8 @@ def print_e2e(result: dict, console: Console) -> None:
         table.add_row(system, str(r["prompt"]), f("ttft_ms"), f("tpot_ms", "{:.2f}"),
                       f("ttft_ratio_vs_torch", "{:.3f}"), f("tpot_ratio_vs_torch", "{:.3f}"),
                       f("ttft_ratio_vs_llamacpp", "{:.3f}"), f("tpot_ratio_vs_llamacpp", "{:.3f}"),
+                      f("ttft_ratio_vs_llamacpp_mlock", "{:.3f}"),
+                      f("tpot_ratio_vs_llamacpp_mlock", "{:.3f}"),
                       f("predicted_ttft_ms"), f("predicted_tpot_ms", "{:.2f}"),
                       "-" if r.get("switch_ms") is None else f"{r['switch_ms'] * 1e3:.0f}")
     console.print(table)
@@ -437,7 +373,7 @@ def plot_e2e(result: dict, path: Path) -> None:
 
 
 def main_e2e(args: argparse.Namespace, console: Console) -> int:
-    from ..cli.generate import LOAD_ERRORS
+    from ..cli.options import LOAD_ERRORS
 
     try:
         result = bench_e2e(args, console)

@@ -1,12 +1,17 @@
 """`python -m sandwich_tvm.bench serve`: the paper's serving benchmark (Sec. 8.3) over HTTP.
 
 Every system is started as an OpenAI-compatible server (Sandwich's ``sandwich_tvm.serve``,
-llama.cpp's ``llama-server`` on an F32 GGUF of the same weights) and driven by the same
+llama.cpp's ``llama-server`` on a GGUF of the same weights in the same dtype) and driven by the same
 streaming client with the same token-id prompts. ``--mode single`` sends the requests one after
 another (single-sequence serving); ``--mode poisson`` sends them at Poisson arrival times for
 each ``--rates`` value (batched serving, open loop). Reported per rate: P50/P90/P99 TTFT, TPOT
 and E2E, output tokens/s, SLO attainment; per system: goodput (the highest rate with 90%
 attainment) and the SLO-scale sweep of Fig. 9. Results are saved after every rate.
+
+llama-server runs twice: as its users start it (``llamacpp``: weights mmap-ed from the GGUF)
+and with its weights locked in memory (``llamacpp-mlock``: ``--mlock --no-mmap``). The systems
+take turns in ``--rounds`` rounds (A B, B A, ...), so their runs of a rate are paired; the JSON
+lists the run order.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from ..cli.args import non_negative_int, positive_int, threads_beyond_cpus
 from ..cli.common import print_error
 from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
-from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
+from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_weight_dtype
 from .serving.report import DEFAULT_SCALES, render, without_requests
 from .serving.runner import SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
 from .serving.workload import parse_lengths
@@ -47,14 +52,19 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--model", default=DEFAULT_PRESET, metavar="PRESET|DIR",
                    help=f"preset (random weights) or HF model directory (default {DEFAULT_PRESET})")
     s.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated systems, run one after another (default {','.join(SYSTEMS)}; "
-                        "llamacpp is skipped with the reason when llama-server is unavailable)")
+                   help=f"comma-separated systems, taking turns (default {','.join(SYSTEMS)}; "
+                        "llamacpp-mlock is llama-server with --mlock --no-mmap; both are skipped with "
+                        "the reason when llama-server is unavailable)")
+    s.add_argument("--rounds", type=positive_int, default=2,
+                   help="whole sweeps per system, the systems taking turns round by round and the order "
+                        "reversed every other round, so each round's runs of a rate pair up (default 2; "
+                        "1: one system after another); each round sends --num-prompts per rate")
     s.add_argument("--mode", choices=["single", "poisson"], default="poisson",
                    help="single: one request after another; poisson: Poisson arrivals per rate (default)")
     s.add_argument("--rates", default=DEFAULT_RATES,
                    help=f"request rates per second for --mode poisson (default {DEFAULT_RATES})")
     s.add_argument("--num-prompts", type=positive_int, default=90,
-                   help="requests per rate (default 90, as the paper's single-sequence runs); only "
+                   help="requests per rate and round (default 90, as the paper's single-sequence runs); only "
                         "what is needed of ShareGPT is tokenized")
     s.add_argument("--duration", type=positive_float, default=None, metavar="S",
                    help="send no request later than S seconds into a rate (the rest count as not sent)")
@@ -78,7 +88,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=8,
                    help="sequences served together (Sandwich --max-batch, llama-server slots; default 8)")
     s.add_argument("--plan", type=Path, default=None,
-                   help="Sandwich's plans.json (default out/plans.json if present, as the server reads)")
+                   help="Sandwich's plans.json (default: every CPU)")
     s.add_argument("--context", type=positive_int, default=None,
                    help=f"tokens of one request, prompt + output (default min({DEFAULT_CONTEXT}, the "
                         "model's)); both systems' KV caches hold max-batch times it")
@@ -138,8 +148,9 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         duration_s=args.duration, lengths=lengths, max_output=args.max_output or None,
         slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot, slo_scales=scales, cpus=cpus,
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,
+        rounds=args.rounds,
         kv_dtype=args.kv_dtype, prefill_budget=args.prefill_budget, priority=args.priority,
-        dtype=resolve_dtype(args.dtype)[0],
+        dtype=resolve_weight_dtype(args.dtype)[0],
         timeout_s=args.timeout, ready_timeout_s=args.ready_timeout)
 
 

@@ -4,38 +4,45 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
 
 from ..host import save_atomic
-from ..model.config import load_config
-from ..model.linear import resolve_dtype
 from ..runtime.loader import open_engine
-from ..topology.plan import ExecPlan
-from .generate import synthetic_prompt
+from ..spec import RunSpec
+from .options import synthetic_prompt
 
 
-def compare_with_stock(args: argparse.Namespace, plan: ExecPlan, console: Console) -> int:
-    cfg = load_config(args.model)
+def build_dtypes(run: RunSpec, meta: dict) -> dict[str, str]:
+    """The dtypes a build runs: its weights and KV cache as compiled (``meta``), its activations."""
+    return {"weight_dtype": meta.get("dtype", run.weight_dtype),
+            "kv_dtype": meta.get("kv_dtype", run.kv_dtype), "act_dtype": run.act_dtype}
+
+
+def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console) -> int:
+    """Generate with ``spec`` and with TVM's stock build of the same model on the same CPUs."""
+    cfg, plan = spec.config, spec.plan
     prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size)
     results = {}
     for stock in ([False] if args.no_stock else [False, True]):
         name = "tvm-stock" if stock else "sandwich"
-        engine, _, compiled = open_engine(args.model, plan.one_process() if stock else plan, stock=stock,
-                                          schedules=args.schedules,
-                                          context=args.prompt_len + args.max_new_tokens + 8,
-                                          dtype="float32" if stock else resolve_dtype(args.dtype)[0],
-                                          log=lambda m: console.print(f"[dim]{m}[/]"))
+        run = (replace(spec, stock=True, weight_dtype="float32", kv_dtype="float32", plan=plan.one_process())
+               if stock else spec)
+        engine, compiled = open_engine(run, log=lambda m: console.print(f"[dim]{m}[/]"))
         engine.generate(prompt[:4], 2)  # warm-up
         gen = engine.generate(prompt, args.max_new_tokens)
         engine.close()
-        results[name] = gen.to_json() | {"kernels": compiled.meta["kernels"]}
+        results[name] = (gen.to_json() | build_dtypes(run, compiled.meta)
+                         | {"kernels": compiled.meta["kernels"]})
         tpot = "n/a" if results[name]["tpot_ms"] is None else f"{gen.tpot_ms:.2f} ms"
-        console.print(f"{name}: TTFT {gen.ttft_ms:.1f} ms, TPOT {tpot}, tokens {gen.tokens[:8]}...")
+        r = results[name]
+        console.print(f"{name} ({r['weight_dtype']} weights, {r['kv_dtype']} KV cache): TTFT "
+                      f"{gen.ttft_ms:.1f} ms, TPOT {tpot}, tokens {gen.tokens[:8]}...")
     table = Table(title=f"{cfg.name}: prompt {args.prompt_len} tokens, {args.max_new_tokens} new "
                         f"({plan.describe()})")
-    for col in ("build", "TTFT ms", "TPOT ms", "TTFT speed-up", "TPOT speed-up"):
+    for col in ("build", "weights", "KV cache", "TTFT ms", "TPOT ms", "TTFT speed-up", "TPOT speed-up"):
         table.add_column(col, justify="right")
     base = results.get("tvm-stock")
     for name, r in results.items():
@@ -43,7 +50,7 @@ def compare_with_stock(args: argparse.Namespace, plan: ExecPlan, console: Consol
                    if base and base["tpot_ms"] and r["tpot_ms"] else "n/a")
         up = (f"{base['ttft_ms'] / r['ttft_ms']:.1f}x", tpot_up) if base else ("-", "-")
         tpot = "n/a" if r["tpot_ms"] is None else f"{r['tpot_ms']:.2f}"
-        table.add_row(name, f"{r['ttft_ms']:.1f}", tpot, *up)
+        table.add_row(name, r["weight_dtype"], r["kv_dtype"], f"{r['ttft_ms']:.1f}", tpot, *up)
     console.print(table)
     if base and base["tokens"] != results["sandwich"]["tokens"]:
         console.print("[yellow]warning:[/] the stock build generated different tokens")

@@ -9,16 +9,14 @@ from pathlib import Path
 from rich.console import Console
 
 from ..compiler.artifact import compile_model
-from ..model.config import load_config
-from ..topology.plan import resolve_plan
 from .common import print_error
-from .generate import LOAD_ERRORS, add_model_args, weight_dtype
+from .options import LOAD_ERRORS, add_model_args, spec_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sandwich_tvm.compile",
                                 description="Compile a Llama model through the 'sandwich' Relax pipeline: "
-                                            "tuned kernels from schedules/ for the plan's prefill and decode "
+                                            "tuned kernel records for the plan's prefill and decode "
                                             "thread counts, default schedules elsewhere.")
     add_model_args(p)
     p.add_argument("--out", type=Path, default=None, help="artifact directory (default: the cache)")
@@ -30,11 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     try:
-        plan = resolve_plan(args.plan)
-        console.print(plan.describe())
-        compiled = compile_model(load_config(args.model), plan, stock=args.stock, max_batch=args.max_batch,
-                                 out=args.out, root=args.schedules, force=args.force, kv_dtype=args.kv_dtype,
-                                 dtype=weight_dtype(args, console.print), log=console.print)
+        spec = spec_from_args(args, console.print)
+        console.print(spec.plan.describe())
+        compiled = compile_model(spec, out=args.out, force=args.force, log=console.print)
     except LOAD_ERRORS as exc:
         print_error(console, exc)
         return 2

@@ -6,58 +6,17 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from ..compiler.artifact import CompileError
-from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
-from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
-from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
-from ..model.parallel import ShardError
-from ..model.weights import ModelLoadError, load_tokenizer
-from ..runtime.engine import EngineError, check_context, check_length, run_context
+from ..model.tokenizer import load_model_tokenizer
+from ..runtime.engine import EngineError, check_length
 from ..runtime.loader import open_engine
-from ..runtime.sampling import Sampler, SamplingError, SamplingParams
+from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.text import Detokenizer
-from ..topology.plan import PlanError, resolve_plan
 from .args import non_negative_int, positive_int
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_PRESET, metavar="PRESET|DIR",
-                        help=f"preset (random weights) or HF model directory (default {DEFAULT_PRESET})")
-    parser.add_argument("--plan", type=Path, default=None,
-                        help="plans.json from `tune plan` (default out/plans.json if present, else all CPUs)")
-    parser.add_argument("--schedules", type=Path, default=None,
-                        help="tuned kernel database root (default: the repository's schedules/)")
-    parser.add_argument("--stock", action="store_true", help="use TVM's stock build (the baseline)")
-    parser.add_argument("--max-batch", type=positive_int, default=8,
-                        help="decode kernels cover m <= this (default 8)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of a preset's random weights")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
-                        help=f"what the KV cache stores (default {DEFAULT_KV_DTYPE}, as llama.cpp's; "
-                             "attention sums in fp32; a bf16 model on AMX feeds its prompt "
-                             "attention bf16 operands, as it does its Linears)")
-    parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
-                        help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
-                             "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
-                             "loaded). Activations, norms, RoPE, softmax and accumulation stay fp32")
-
-
-def weight_dtype(args: argparse.Namespace, log: Callable[[str], None]) -> str:
-    """The resolved ``--dtype`` (TVM's stock build: float32), said when ``auto`` chose it."""
-    if args.stock:
-        return "float32"
-    dtype, why = resolve_dtype(args.dtype)
-    if args.dtype == "auto":
-        log(f"weights: {dtype} ({why})")
-    return dtype
-
-
-LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError,
-               ShardError)
+from .options import LOAD_ERRORS, add_model_args, spec_from_args, synthetic_prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "decode on its decode cores.")
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
+    src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     src.add_argument("--prompt-len", type=positive_int, help="a synthetic prompt of N token ids")
     p.add_argument("--max-new-tokens", type=non_negative_int, default=32,
                    help="tokens to generate (default 32; 0 runs the prefill only)")
@@ -80,10 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the sampler (default: fresh entropy); --seed is the preset weights'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
-
-
-def synthetic_prompt(n: int, vocab: int) -> list[int]:
-    return [(7 + 31 * i) % vocab for i in range(n)]
 
 
 class TextStream:
@@ -115,32 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     log = (lambda _m: None) if args.json else (lambda m: err.print(f"[dim]{m}[/]"))
     try:
-        cfg = load_config(args.model)
-        tok = load_tokenizer(args.model)
+        tok = load_model_tokenizer(args.model)
         if args.prompt is not None:
             if tok is None:
-                raise EngineError(f"{args.model} has no tokenizer.json; pass --prompt-len N instead")
-            prompt = tok.encode(args.prompt).ids
+                raise EngineError(f"{args.model} has no tokenizer; pass --prompt-len N instead")
+            prompt = tok.encode(args.prompt, add_special_tokens=True)
             if not prompt:
                 raise EngineError("the prompt is empty after tokenization; pass some text")
-        else:
-            prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size)
         params = SamplingParams(max_tokens=None, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)
         # The KV cache is allocated up front: size it to this run, and fail before compiling.
-        if args.context is not None:
-            check_context(cfg, args.context)
-        context = args.context or run_context(cfg, len(prompt) + args.max_new_tokens)
-        check_length(cfg, len(prompt), args.max_new_tokens, context)
-        plan = resolve_plan(args.plan)
+        needed = (len(prompt) if args.prompt is not None else args.prompt_len) + args.max_new_tokens
+        spec = spec_from_args(args, log, context=args.context, needed_tokens=needed)
+        if args.prompt is None:
+            prompt = synthetic_prompt(args.prompt_len, spec.config.vocab_size)
+        check_length(spec.config, len(prompt), args.max_new_tokens, spec.context)
+        plan = spec.plan
         log(plan.describe())
-        engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
-                                   context=context, max_batch=args.max_batch, seed=args.seed,
-                                   kv_dtype=args.kv_dtype, dtype=weight_dtype(args, log), log=log)
-        eos = set()
-        if tok is not None:
-            ids = (tok.token_to_id(t) for t in ("</s>", "<|end_of_text|>", "<|eot_id|>"))
-            eos = {i for i in ids if i is not None}
+        engine, _ = open_engine(spec, log=log)
+        eos = set(tok.eos_ids) if tok is not None else set()
 
         def write(text: str) -> None:
             sys.stdout.write(text)

@@ -9,14 +9,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..kernels.database import record_path
+from ..kernels.database import RECORDS_ENV, record_path
 from ..kernels.search import SequenceTuner
 from ..kernels.tuner import tune_gemm
-from ..model.config import load_config
-from ..model.linear import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_dtype
 from ..model.parallel import check_tp
 from ..model.shapes import linear_shapes
+from ..spec import RunSpec
 from .args import positive_int
+from .options import add_dtype_arg
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
@@ -28,25 +28,21 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                         help="chain: largest m tuned for the decode thread count (default 1, batch 1)")
     parser.add_argument("--window", type=positive_int, default=16,
                         help="micro-kernel sliding window σ (default 16)")
-    parser.add_argument("--schedules", type=Path, default=None,
-                        help="database root (default: the repository's schedules/)")
+    parser.add_argument("--records", "--schedules", dest="records", type=Path, default=None, metavar="DIR",
+                        help=f"where records are written and read (default: ${RECORDS_ENV} or the user's "
+                             "cache; the package's shipped records are read after it)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="P",
                         help="tune one rank's shard shapes of a model split over P processes (default 1)")
-    parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
-                        help=f"the weights' precision the kernels read (default {DEFAULT_DTYPE}; auto: "
-                             "bfloat16); each dtype has its own records")
+    add_dtype_arg(parser)
 
 
-def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int, max_m: int,
+def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console, threads: int, max_m: int,
                        tp: int | None = None) -> int:
-    """Tune the model's GEMMs for ``threads`` (one rank's shards when split over ``tp`` processes;
-    default ``--tp``)."""
-    cfg = load_config(args.model)
+    """Tune the GEMMs of ``spec``'s model and weight dtype for ``threads`` (one rank's shards when
+    split over ``tp`` processes; default ``--tp``), writing to ``spec.records``."""
+    cfg, dtype, root = spec.config, spec.weight_dtype, spec.records
     tp = getattr(args, "tp", 1) if tp is None else tp
     check_tp(cfg, tp)
-    dtype, why = resolve_dtype(args.dtype)
-    if args.dtype == "auto":
-        console.print(f"weights: {dtype} ({why})")
     shapes = linear_shapes(cfg, dtype, tp)
     shards = f", one of {tp} ranks' shards" if tp > 1 else ""
     table = Table(title=f"Sandwich kernels for {cfg.name}, {dtype} weights, {threads} threads{shards}")
@@ -59,12 +55,12 @@ def tune_model_kernels(args: argparse.Namespace, console: Console, threads: int,
             ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=args.schedules, dtype=dtype, epilogue=shape.epilogue,
+                            root=root, dtype=dtype, epilogue=shape.epilogue,
                             progress=lambda _t, task=task: bar.advance(task),
                             log=lambda msg: console.print(msg, markup=False, highlight=False))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),
                           str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",
-                          str(record_path(shape, threads, args.schedules)))
+                          str(record_path(shape, threads, root)))
     console.print(table)
     return 0

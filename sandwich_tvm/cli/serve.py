@@ -12,21 +12,20 @@ import sys
 
 from rich.console import Console
 
-from ..model.config import load_config
 from ..model.tokenizer import load_model_tokenizer
-from ..runtime.engine import DEFAULT_CONTEXT, EngineError, check_context, check_kv_memory
+from ..runtime.engine import EngineError
 from ..runtime.scheduler import SchedulerPolicy
-from ..topology.plan import resolve_plan
+from ..spec import DEFAULT_CONTEXT
 from .args import positive_int
 from .common import print_error
-from .generate import LOAD_ERRORS, add_model_args, weight_dtype
+from .options import LOAD_ERRORS, add_model_args, spec_from_args
 
 SWITCH_INTERVAL_S = 2e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sandwich_tvm.serve", description=__doc__)
-    add_model_args(p)  # --model --plan --schedules --stock --max-batch --seed
+    add_model_args(p)  # --model --plan --records --stock --max-batch --seed --kv-dtype --dtype
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
     p.add_argument("--context", type=positive_int, default=None,
@@ -59,23 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         policy = SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
                                  chunk=args.chunk or args.prefill_budget, priority=args.priority,
                                  max_queue=args.max_queue)
-        cfg = load_config(args.model)
-        if args.context is not None:  # an explicit length the model cannot take is an error
-            check_context(cfg, args.context)
-        context = min(args.context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
-        check_context(cfg, context)
-        kv_tokens = max(args.kv_cache_tokens or context * args.max_batch // 2, context)
-        check_kv_memory(cfg, kv_tokens, option="--kv-cache-tokens")
+        spec = spec_from_args(args, log, context=args.context, kv_tokens=args.kv_cache_tokens, shared_kv=True,
+                              prefill_chunk=max(args.prefill_budget, policy.chunk))
         tok = load_model_tokenizer(args.model)
-        plan = resolve_plan(args.plan)
-        log(plan.describe())
+        log(spec.plan.describe())
         from ..runtime.loader import open_engine
 
-        engine, _, _ = open_engine(args.model, plan, stock=args.stock, schedules=args.schedules,
-                                   context=context, kv_tokens=kv_tokens, max_batch=args.max_batch,
-                                   kv_dtype=args.kv_dtype, dtype=weight_dtype(args, log),
-                                   prefill_chunk=max(args.prefill_budget, policy.chunk), seed=args.seed,
-                                   log=log)
+        engine, _ = open_engine(spec, log=log)
     except LOAD_ERRORS as exc:
         print_error(Console(stderr=True), exc)
         return 2

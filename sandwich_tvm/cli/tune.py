@@ -3,7 +3,8 @@
 Stage ``plan`` reads this machine's topology, microbenchmarks its roofs (cached per CPU),
 explores TopoTrees and writes the ranked Sandwich plans to ``<out>/plans.json``. Stage
 ``kernels`` tunes every Linear GEMM of the model for every sequence length and writes the
-dynamic-shape kernel databases under ``schedules/``.
+dynamic-shape kernel records to the user's records directory. ``all`` runs both and hands the
+best plan on in-process to compile and a short generation.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..host import HostError, cache_dir, ensure_writable, save_atomic
+from ..host import HostError, cache_dir, ensure_writable
+from ..kernels.attention import DEFAULT_KV_DTYPE
 from ..model.config import ModelConfigError
+from ..spec import DTYPE_BYTES, RunSpec, SpecError, resolve_run_spec
 from ..topology.hwobj import TopologyError
+from ..topology.plan import ExecPlan, PlanError, save_plans
 from ..topology.profile import ProfileError
 from .args import positive_int, threads_beyond_cpus
 from .common import (
@@ -66,11 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
         print_error(console, too_many)
         return 2
+    try:  # the run spec, once: the plan stage ranks plans for the weights the kernels are tuned for
+        spec = resolve_run_spec(args.model, dtype=args.dtype, kv_dtype=DEFAULT_KV_DTYPE, records=args.records,
+                                plan=args.plan, log=console.print)
+    except (ModelConfigError, SpecError, PlanError) as exc:
+        print_error(console, exc)
+        return 2
     if args.stage == "kernels":
         from ..kernels.database import ScheduleDbError
 
         try:
-            return tune_model_kernels(args, console, args.threads or len(os.sched_getaffinity(0)),
+            return tune_model_kernels(args, spec, console, args.threads or len(os.sched_getaffinity(0)),
                                       2048 if args.max_m is None else args.max_m)
         except (ModelConfigError, ScheduleDbError, ValueError) as exc:
             print_error(console, exc)
@@ -78,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan is not None and args.stage != "all":
         print_error(console, f"--plan is for the 'all' chain, not the {args.stage} stage")
         return 2
-    code = 0 if args.plan is not None else plan_stage(args, console)
-    if code or args.stage == "plan":
-        return code
-    return run_chain(args, console)
+    if args.plan is None:
+        best = plan_stage(args, spec, console)
+        if best is None or args.stage == "plan":
+            return 0 if best is not None else 2
+        spec = spec.with_plan(best)
+    return run_chain(args, spec, console)
 
 
-def plan_stage(args: argparse.Namespace, console: Console) -> int:
+def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> ExecPlan | None:
+    """Search this machine's plans for ``spec``'s model and dtypes, write them to
+    ``<out>/plans.json`` and return the best (None after an error, which is printed)."""
     try:
         ensure_writable(args.out, "--out directory")  # before minutes of work, not after
         ensure_writable(cache_dir(), "cache directory")
@@ -101,47 +115,46 @@ def plan_stage(args: argparse.Namespace, console: Console) -> int:
             task = bar.add_task("exploring grouped TopoTrees", total=None)
             result = run_search(
                 args, tree, model, profile, trace,
-                progress=lambda _stage, done, total: bar.update(task, completed=done, total=total))
+                progress=lambda _stage, done, total: bar.update(task, completed=done, total=total),
+                weight_bytes=DTYPE_BYTES[spec.weight_dtype], kv_bytes=DTYPE_BYTES[spec.kv_dtype])
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
         print_error(console, exc)
-        return 2
+        return None
     print_search(console, result)
     if note := bound_note(result.stats):
         console.print(Text(note, style="yellow"))
     console.print(plans_table(result, f"Sandwich plans for {model.name}"))
     out = args.out / "plans.json"
-    save_atomic(out, json.dumps({
-        "machine": source, "tree": tree.summary(), "profile": json.loads(profile.to_json()),
-        "model": model.to_dict(), "plans": [p.to_dict() for p in result.plans]}, indent=2))
-    best = result.plans[0] if result.plans else None
-    if best:
-        console.print(f"best plan: {best.exec_plan(str(out)).describe()}; "
-                      f"predicted TTFT {best.prediction.ttft_ms:.1f} ms, "
-                      f"TPOT {best.prediction.tpot_ms:.2f} ms")
-    console.print(f"wrote {out}")
-    return 0
+    if not result.plans:
+        print_error(console, "the search found no plan for this model on this machine")
+        return None
+    ranked = [p.exec_plan(str(out)) for p in result.plans]
+    save_plans(out, ranked, details=[p.to_dict() for p in result.plans], machine=source, tree=tree.summary(),
+               profile=json.loads(profile.to_json()), model=model.to_dict(), weight_dtype=spec.weight_dtype,
+               kv_dtype=spec.kv_dtype)
+    best = result.plans[0]
+    console.print(f"best plan: {ranked[0].describe()}; predicted TTFT {best.prediction.ttft_ms:.1f} ms, "
+                  f"TPOT {best.prediction.tpot_ms:.2f} ms ({spec.weight_dtype} weights)")
+    console.print(f"wrote {out} (run it with --plan {out})")
+    return ranked[0]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-def run_chain(args: argparse.Namespace, console: Console) -> int:
+def run_chain(args: argparse.Namespace, spec: RunSpec, console: Console) -> int:
     """kernels (prefill and decode thread counts) -> compile -> generation vs the stock build."""
     from ..kernels.database import ScheduleDbError
-    from ..topology.plan import ExecPlan
     from .chain import compare_with_stock
-    from .generate import LOAD_ERRORS
+    from .options import LOAD_ERRORS
 
     try:
-        plan = ExecPlan.from_file(args.plan or args.out / "plans.json")
+        plan = spec.plan
         max_m = 4 if args.max_m is None else args.max_m
         console.rule(f"[bold]kernels stage: m <= {max_m}, {plan.describe()}")
         for threads in sorted({plan.prefill_threads, plan.decode_threads}, reverse=True):
             limit = max_m if threads == plan.prefill_threads else min(max_m, args.decode_max_m)
-            tune_model_kernels(args, console, threads, limit, tp=plan.tp)
+            tune_model_kernels(args, spec, console, threads, limit, tp=plan.tp)
         console.rule("[bold]compile and generate")
-        return compare_with_stock(args, plan, console)
+        ctx = args.prompt_len + args.max_new_tokens + 8
+        return compare_with_stock(args, replace(spec, context=ctx, kv_tokens=ctx, prefill_chunk=ctx), console)
     except (*LOAD_ERRORS, ScheduleDbError) as exc:
         print_error(console, exc)
         return 2

@@ -21,26 +21,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..host import HostError, cache_dir, ensure_writable, host_signature, save_atomic, sha256_file
-from ..kernels.attention import DEFAULT_KV_DTYPE, check_kv_dtype
 from ..kernels.codegen import KernelError
 from ..kernels.database import ScheduleDbError, find_record
 from ..kernels.packing import WeightLayout
 from ..model.config import LlamaConfig
-from ..model.linear import KernelSet, check_weight_dtype
+from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
 from ..model.shapes import linear_shapes
-from ..topology.plan import ExecPlan
+from ..spec import RunSpec
 from ..tvm_compat import host_isa, host_target, tvm
 from .kv_cache import replace_cache_kernels
 from .phases import select_phase_kernels
 from .pipeline import lowering_passes, schedule_passes, unscheduled
 
-FORMAT = 2
+FORMAT = 3  # 3: the config describes the checkpoint only (no dtype)
 PACKAGE = Path(__file__).resolve().parents[1]
 # Everything that shapes generated code: the kernel generator and search, the model, the
 # passes, and the TVM/host glue (target features, TVMScript parsing).
-_SOURCE_GLOBS = ("kernels/*.py", "model/*.py", "compiler/*.py", "tvm_compat.py", "host.py")
+_SOURCE_GLOBS = ("kernels/*.py", "kernels/*/*.py", "model/*.py", "compiler/*.py", "tvm_compat.py", "host.py",
+                 "spec.py")
 
 
 def source_files() -> list[Path]:
@@ -116,20 +116,22 @@ class CompiledModel:
         return cls(path, meta)
 
 
-def build_key(cfg: LlamaConfig, plan: ExecPlan, stock: bool, max_batch: int, root: Path | None,
-              kv_dtype: str = "float32", dtype: str = "float32") -> str:
+def build_key(spec: RunSpec) -> str:
+    """Everything that changes the generated code: the spec's model, dtypes, batch, thread
+    counts and records, the CPU, the target, the TVM version and this package's sources."""
+    cfg, plan = spec.config, spec.plan
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
-    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), stock, max_batch, kv_dtype, dtype, plan.tp,
-                                   host_signature().to_json(), str(target), plan.prefill_threads,
-                                   plan.decode_threads,
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
+                                   spec.weight_dtype, spec.act_dtype, plan.tp, host_signature().to_json(),
+                                   str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
-    if not stock:
-        shapes = list(linear_shapes(cfg, dtype, plan.tp).values())
+    if not spec.stock:
+        shapes = list(linear_shapes(cfg, spec.weight_dtype, plan.tp).values())
         for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:
-                rec = find_record(shape, threads, root)
+                rec = find_record(shape, threads, spec.records)
                 if rec is not None:
                     h.update(json.dumps(rec.to_json(), sort_keys=True).encode())
     return h.hexdigest()[:16]
@@ -151,23 +153,15 @@ def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: s
     return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], hints
 
 
-def compile_model(cfg: LlamaConfig, plan: ExecPlan, *, stock: bool = False, max_batch: int = 8,
-                  out: Path | None = None, root: Path | None = None, force: bool = False,
-                  kv_dtype: str = DEFAULT_KV_DTYPE, dtype: str = "float32",
+def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False,
                   log: Callable[[str], None] = lambda _msg: None) -> CompiledModel:
-    """Build (or reuse) the model for ``plan``. ``stock=True``: TVM's own build (``nn.Linear``,
-    the default Relax pipeline, its KV cache in the model's dtype), the baseline. ``kv_dtype``:
-    what the paged KV cache stores (16-bit by default, as llama.cpp's; computed in fp32).
-    ``dtype``: the Linear weights' precision (``resolve_dtype``; activations stay fp32)."""
-    if stock:
-        kv_dtype, dtype = cfg.dtype, cfg.dtype
+    """Build (or reuse) the model ``spec`` describes: its plan's thread counts, weight and KV
+    dtypes, batch and records. ``spec.stock``: TVM's own build (``nn.Linear``, the default Relax
+    pipeline, fp32 weights and cache), the baseline."""
+    cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
+    kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
     try:
-        check_kv_dtype(kv_dtype)
-        check_weight_dtype(dtype)
-    except ValueError as err:
-        raise CompileError(str(err)) from err
-    try:
-        key = build_key(cfg, plan, stock, max_batch, root, kv_dtype, dtype)
+        key = build_key(spec)
     except ScheduleDbError as err:
         raise CompileError(str(err)) from err
     flavour = "stock" if stock else "sandwich"

@@ -3,7 +3,8 @@
 Public entry points for other TVM flows:
 
 - ``SandwichGemmRule`` / ``SandwichSearchStrategy``: MetaSchedule schedule rule and search
-  strategy for the Linear pattern on a packed weight (``metaschedule``).
+  strategy for the Linear pattern on a packed weight (``metaschedule.schedule_rule``,
+  ``metaschedule.search_strategy``; builder, runner and workload beside them).
 - ``tune_gemm(n, k, threads=...)``: tune every sequence length of one GEMM (``tuner``).
 - ``linear_primfunc(shape, buckets)``: the generated dynamic-m kernel (``codegen``);
   ``WeightLayout(isa, dtype).pack(w)`` (``packing``) puts a weight in the layout it reads.

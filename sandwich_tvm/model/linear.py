@@ -12,48 +12,21 @@ from pathlib import Path
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from ..host import CpuSignature, cpu_flags, host_isa, host_signature, isa_of
+from ..host import CpuSignature, cpu_flags, host_isa, host_signature
 from ..kernels.codegen import Bucket, linear_primfunc
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
-from ..kernels.microkernel import DTYPES, kernel_isa
+from ..kernels.microkernel import kernel_isa
 from ..kernels.packing import WeightLayout
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import tvm
 
-WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
-DEFAULT_DTYPE = "auto"  # the CLIs: bfloat16 (resolve_dtype), as vLLM's --dtype auto serves 16 bits
 
-
-def check_weight_dtype(dtype: str) -> None:
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype {dtype!r} is not supported; use one of {', '.join(WEIGHT_DTYPES)} "
-                         "(or auto)")
-
-
-def resolve_dtype(dtype: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """``(dtype, why)`` for a ``--dtype`` value. ``auto`` is bfloat16 on every CPU: computed on
-    the bf16 unit where there is one (AMX, AVX512-BF16, Arm's BF16), else widened to fp32
-    as it is loaded, which still halves the bytes decode streams per token."""
-    if dtype != "auto":
-        check_weight_dtype(dtype)
-        return dtype, "as asked"
-    flags = cpu_flags() if flags is None else flags
-    isa = kernel_isa(isa_of(flags), "bfloat16", flags)
-    if isa == "amx":
-        return "bfloat16", ("this CPU has AMX: bf16 prefill GEMMs run on tdpbf16ps tiles, decode-sized "
-                            "ones on AVX512-BF16's vdpbf16ps")
-    if isa == "avx512bf16":
-        return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
-    if isa == "neonbf16":
-        return "bfloat16", "this CPU has Arm's BF16 extension: bf16 weights run on bfdot"
-    return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
-                        f"widened to fp32 on {isa} (half the weight bytes of fp32)")
 @dataclass
 class KernelSet:
     """Which generated kernel each (phase, n, k) Linear calls.
 
-    A shape tuned for the phase's thread count (``schedules/``) uses its buckets up to the
+    A shape tuned for the phase's thread count (a record, ``kernels.database``) uses its buckets up to the
     largest tuned m and the default schedules above it; an untuned shape gets the defaults.
     Decode kernels keep only the buckets for m <= max_batch. Records are those of ``cpu``
     (default: this host), and only when its ISA is the one the kernels are built for.

@@ -24,11 +24,13 @@ from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
 
+ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; weights and KV have their own
+
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
             interleave: bool = False, shard: Shard | None = None) -> nn.Module:
     """``Y = X @ W.T`` with ``W[n, k]`` (this rank's part of a weight split as ``shard``)."""
-    linear = (nn.Linear(k, n, bias=False, dtype=cfg.dtype) if kernels is None
+    linear = (nn.Linear(k, n, bias=False, dtype=ACT_DTYPE) if kernels is None
               else PackedLinear(k, n, kernels, interleave))
     shard_hint(linear.weight, shard)
     return linear
@@ -50,15 +52,15 @@ def _row_parallel(tp: int, k: int) -> Shard | None:
 
 def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
     if kernels is None:
-        return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, kernels.isa)
+        return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=ACT_DTYPE)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ACT_DTYPE, kernels.isa)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // tp,
                                                     cfg.num_key_value_heads // tp, cfg.head_dim)
-        self.dtype, self.kv_dtype, self.tp = cfg.dtype, kv_dtype, tp
+        self.dtype, self.kv_dtype, self.tp = ACT_DTYPE, kv_dtype, tp
         d = self.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels,
@@ -119,7 +121,7 @@ class Embedding(nn.Module):
         self.hidden = cfg.hidden_size
         self.layout = layout
         self.weight = (packed_parameter(cfg.vocab_size, cfg.hidden_size, layout) if layout
-                       else nn.Parameter((cfg.vocab_size, cfg.hidden_size), cfg.dtype))
+                       else nn.Parameter((cfg.vocab_size, cfg.hidden_size), ACT_DTYPE))
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         flat = op.reshape(ids, (-1,))

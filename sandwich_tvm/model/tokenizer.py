@@ -2,7 +2,9 @@
 
 A checkpoint directory brings its own ``tokenizer.json`` (read with ``tokenizers``), its EOS ids
 (``config.json``, ``generation_config.json``, ``tokenizer_config.json``) and its chat template
-(``tokenizer_config.json``'s ``chat_template``, rendered with jinja2 as HF does). A preset has
+(``chat_template.jinja``, where current ``transformers`` writes it, else ``tokenizer_config.json``'s
+``chat_template``; rendered with jinja2 as HF does). A GGUF (or a named model) brings all three in
+its metadata (``gguf_tokenizer``). A preset has
 random weights and no vocabulary, so it gets a placeholder with llama.cpp's SentencePiece
 layout, the one the GGUF baseline is written with: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, the 256
 bytes at 3..258 (so any text encodes, byte by byte) and ``t<id>`` for every other id.
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .config import PRESETS
-from .weights import ModelLoadError
+from .checkpoint import ModelLoadError
+from .config import PRESETS, model_path
 
 # Used when a checkpoint has no chat_template (and for presets): ChatML, one turn per message.
 DEFAULT_CHAT_TEMPLATE = (
@@ -41,8 +43,13 @@ class ModelTokenizer:
     eos_token: str = ""
     source: str = ""
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor
+        adds (a raw prompt's BOS, as HF's ``generate`` does; a chat template writes its own)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -108,6 +115,15 @@ def _json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _read_text(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path} cannot be read as UTF-8 text ({err}); re-download it") from err
+
+
 def _token_text(v) -> str:
     """tokenizer_config's special tokens are strings or AddedToken dicts."""
     if isinstance(v, dict):
@@ -123,17 +139,33 @@ def _ids(v) -> set[int]:
     return set()
 
 
+def _read_tokenizer_json(path: Path):
+    """``tokenizer.json`` through ``tokenizers``; None when the directory has none."""
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception
+        raise ModelLoadError(f"{path} is not a valid tokenizer ({err}); re-download it") from err
+
+
 def load_model_tokenizer(spec: str | Path) -> ModelTokenizer | None:
-    """The tokenizer of a preset (the placeholder) or a checkpoint; None for a checkpoint
-    without ``tokenizer.json`` (token-id prompts still work)."""
+    """The tokenizer of a preset (the placeholder), a GGUF or named model (from its metadata; a
+    ``ModelLoadError`` when it has none) or a checkpoint directory (None without
+    ``tokenizer.json``: token-id prompts still work). The one tokenizer loader: its ``eos_ids``
+    are the one list of stop ids."""
     if str(spec) in PRESETS:
         cfg = PRESETS[str(spec)]
         return ModelTokenizer(placeholder_tokenizer(cfg.vocab_size), frozenset({2}), bos_token="<s>",
                               eos_token="</s>", source=f"{spec} (placeholder vocabulary)")
-    from .weights import load_tokenizer
+    path = model_path(spec)
+    if path.suffix == ".gguf":
+        from .gguf_tokenizer import gguf_model_tokenizer
 
-    path = Path(spec)
-    tok = load_tokenizer(path)
+        return gguf_model_tokenizer(path)
+    tok = _read_tokenizer_json(path / "tokenizer.json")
     if tok is None:
         return None
     tcfg = _json(path / "tokenizer_config.json")
@@ -144,7 +176,7 @@ def load_model_tokenizer(spec: str | Path) -> ModelTokenizer | None:
         tid = tok.token_to_id(text) if text else None
         if tid is not None and (text == eos_token or not eos_ids):
             eos_ids.add(tid)
-    template = tcfg.get("chat_template")
+    template = _read_text(path / "chat_template.jinja") or tcfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .engine import Engine, EngineError, check_token_ids
+from .engine import EngineError, check_token_ids
+from .interface import ServingEngine
 from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerPolicy, Step
@@ -41,10 +42,11 @@ class TokenEvent:
 
 
 class BatchEngine:
-    """Scheduler + samplers over an ``Engine``'s model steps and KV cache."""
+    """Scheduler + samplers over a ``ServingEngine``'s model steps and KV cache (one process or
+    tensor-parallel ranks)."""
 
-    def __init__(self, engine: Engine, policy: SchedulerPolicy, *, eos_ids: frozenset[int] = frozenset(),
-                 metrics: ServingMetrics | None = None):
+    def __init__(self, engine: ServingEngine, policy: SchedulerPolicy, *,
+                 eos_ids: frozenset[int] = frozenset(), metrics: ServingMetrics | None = None):
         if policy.max_batch > engine.max_batch:
             raise EngineError(f"the policy batches {policy.max_batch} sequences but the KV cache was made "
                               f"for {engine.max_batch}")

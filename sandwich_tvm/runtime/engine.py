@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,53 +19,15 @@ import numpy as np
 from ..compiler.artifact import CompiledModel
 from ..memory import huge_page_share
 from ..model.config import LlamaConfig
+from ..spec import DEFAULT_CONTEXT
 from ..topology.plan import ExecPlan
 from ..tvm_compat import pin_thread_pool, tensor_from_numpy, tvm
 
 ShapeTuple = tvm.runtime.ShapeTuple
-DEFAULT_CONTEXT = 4096  # KV cache tokens when the caller does not say (capped at the model's)
-CONTEXT_ROUND = 256  # a run's context is rounded up to this many tokens
 
 
 class EngineError(ValueError):
     """A request the engine cannot serve; the message names the limit."""
-
-
-def kv_cache_bytes(cfg: LlamaConfig, tokens: int) -> int:
-    """K and V of every layer for ``tokens`` positions (fp32)."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * tokens
-
-
-def run_context(cfg: LlamaConfig, needed: int) -> int:
-    """The KV cache length for a run of ``needed`` tokens (prompt + new tokens): rounded up to
-    ``CONTEXT_ROUND``, capped at the model's ``max_position_embeddings``."""
-    rounded = -(-max(needed, 1) // CONTEXT_ROUND) * CONTEXT_ROUND
-    return min(rounded, cfg.max_position_embeddings)
-
-
-def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context",
-                  available: int | None = None) -> None:
-    """Raise ``EngineError`` when a KV cache of ``tokens`` is longer than the model's context or
-    would not fit in the memory available now (``available`` bytes; psutil's by default)."""
-    if tokens > cfg.max_position_embeddings:
-        raise EngineError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
-                          "tokens (max_position_embeddings); lower it")
-    check_kv_memory(cfg, tokens, option=option, available=available)
-
-
-def check_kv_memory(cfg: LlamaConfig, tokens: int, *, option: str, available: int | None = None) -> None:
-    """Raise ``EngineError`` when a KV cache of ``tokens`` would not fit in the memory available
-    now (``available`` bytes; psutil's by default)."""
-    if tokens < 1:
-        raise EngineError(f"{option} {tokens} must be at least 1 token")
-    if available is None:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    need = kv_cache_bytes(cfg, tokens)
-    if need > available:
-        raise EngineError(f"a KV cache of {tokens} tokens needs {need / 2**30:.1f} GiB but only "
-                          f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
 
 
 def check_token_ids(cfg: LlamaConfig, prompt: Sequence[int]) -> None:
@@ -109,20 +72,98 @@ class Generation:
                 "switch_ms": round(self.switch_ms, 4), "tokens": self.tokens}
 
 
-class Engine:
+class EngineBase(ABC):
+    """What every engine shares (``interface.ServingEngine``): the run's sizes, the prompt checks
+    and the one-request ``generate`` loop over the model steps that a subclass runs."""
+
+    def __init__(self, compiled: CompiledModel, plan: ExecPlan, *, context: int | None = None,
+                 prefill_chunk: int = 2048, page_size: int = 16, max_batch: int = 1,
+                 kv_tokens: int | None = None) -> None:
+        self._limits(compiled, plan, context, prefill_chunk, page_size, max_batch, kv_tokens)
+
+    def _limits(self, compiled: CompiledModel, plan: ExecPlan, context: int | None, prefill_chunk: int,
+                page_size: int, max_batch: int, kv_tokens: int | None) -> None:
+        """The run's sizes (a ``RunSpec``'s, checked when it was resolved)."""
+        cfg = compiled.config
+        self.cfg, self.plan, self.compiled = cfg, plan, compiled
+        # the run spec checked these against the model and the memory (spec.check_context)
+        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
+        self.kv_tokens = max(kv_tokens or self.context, self.context)
+        self.prefill_chunk = min(prefill_chunk, self.context)
+        self.page_size, self.max_batch = page_size, max_batch
+        self.phase: str | None = None
+        self.switches: list[float] = []
+
+    @abstractmethod
+    def use(self, phase: str) -> float: ...
+
+    @abstractmethod
+    def start(self, seq_id: int = 0) -> None: ...
+
+    @abstractmethod
+    def stop(self, seq_id: int = 0) -> None: ...
+
+    @abstractmethod
+    def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray: ...
+
+    @abstractmethod
+    def decode(self, token: int, seq_id: int = 0) -> np.ndarray: ...
+
+    def check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if max_new_tokens < 0:
+            raise EngineError(f"max_new_tokens is {max_new_tokens}; ask for 0 (prefill only) or more")
+        check_token_ids(self.cfg, prompt)
+        check_length(self.cfg, len(prompt), max_new_tokens, self.context)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,
+                 on_token: Callable[[int], None] | None = None, logits_out: list | None = None,
+                 sample: Callable[[np.ndarray], int] | None = None) -> Generation:
+        """One request: prefill plan for the prompt, then the decode plan. Greedy unless
+        ``sample`` (logits -> token, e.g. a ``Sampler``'s) is given.
+        ``max_new_tokens=0`` runs the prefill only (``ttft_ms`` is its time, no tokens)."""
+        pick = sample or (lambda logits: int(np.argmax(logits)))
+        self.check_prompt(prompt, max_new_tokens)
+        gen = Generation(len(prompt))
+        self.start()
+        try:
+            self.use("prefill")
+            t0 = time.perf_counter()
+            logits = self.prefill(prompt)
+            token = pick(logits)
+            gen.ttft_ms = (time.perf_counter() - t0) * 1e3
+            while max_new_tokens > 0:
+                gen.tokens.append(token)
+                if logits_out is not None:
+                    logits_out.append(logits)
+                if on_token:
+                    on_token(token)
+                if len(gen.tokens) >= max_new_tokens or (stop and token in stop):
+                    break
+                gen.switch_ms += self.use("decode")
+                t0 = time.perf_counter()
+                logits = self.decode(token)
+                token = pick(logits)
+                gen.decode_ms.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            self.stop()
+        return gen
+
+
+class Engine(EngineBase):
     """Runs a compiled model under an execution plan. ``params`` are numpy arrays (ideally in
     huge pages); they are wrapped zero-copy and shared by every function and phase.
 
     ``context`` is the longest sequence (prompt + output) in tokens: capped at the model's
     context; by default ``DEFAULT_CONTEXT``. ``kv_tokens`` is the paged KV cache's size, shared by
     up to ``max_batch`` sequences (default: ``context``). The cache is allocated up front, so
-    size it to the run (``run_context``).
+    size it to the run (``spec.run_context``).
     """
 
     def __init__(self, compiled: CompiledModel, params: Sequence[np.ndarray], plan: ExecPlan, *,
                  context: int | None = None, prefill_chunk: int = 2048, page_size: int = 16,
                  max_batch: int = 1, kv_tokens: int | None = None):
-        self._limits(compiled, plan, context, prefill_chunk, page_size, max_batch, kv_tokens)
+        super().__init__(compiled, plan, context=context, prefill_chunk=prefill_chunk, page_size=page_size,
+                         max_batch=max_batch, kv_tokens=kv_tokens)
         pool = int(os.environ.get("TVM_NUM_THREADS", "1"))
         if max(plan.prefill_threads, plan.decode_threads) > pool:
             raise EngineError(f"the plan needs {max(plan.prefill_threads, plan.decode_threads)} threads "
@@ -145,21 +186,6 @@ class Engine:
         self._batch_prefill, self._batch_decode = self.vm["batch_prefill"], self.vm["batch_decode"]
         self.total_pages = self.available_pages()
         self.huge_page_share = huge_page_share(params)  # of the weights' resident memory
-
-    def _limits(self, compiled: CompiledModel, plan: ExecPlan, context: int | None, prefill_chunk: int,
-                page_size: int, max_batch: int, kv_tokens: int | None) -> None:
-        """The run's sizes, checked against the model's context and the memory available."""
-        cfg = compiled.config
-        self.cfg, self.plan, self.compiled = cfg, plan, compiled
-        self.context = min(DEFAULT_CONTEXT if context is None else context, cfg.max_position_embeddings)
-        check_context(cfg, self.context)
-        self.kv_tokens = max(kv_tokens or self.context, self.context)
-        if self.kv_tokens > self.context:
-            check_kv_memory(cfg, self.kv_tokens, option="--kv-cache-tokens")
-        self.prefill_chunk = min(prefill_chunk, self.context)
-        self.page_size, self.max_batch = page_size, max_batch
-        self.phase: str | None = None
-        self.switches: list[float] = []
 
     def close(self) -> None:
         """Release what the engine holds besides memory (a tensor-parallel engine's processes)."""
@@ -233,42 +259,3 @@ class Engine:
 
     def decode(self, token: int, seq_id: int = 0) -> np.ndarray:
         return self._step(self._decode, np.array([[token]], dtype=np.int32), seq_id)
-
-    def check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
-        if max_new_tokens < 0:
-            raise EngineError(f"max_new_tokens is {max_new_tokens}; ask for 0 (prefill only) or more")
-        check_token_ids(self.cfg, prompt)
-        check_length(self.cfg, len(prompt), max_new_tokens, self.context)
-
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, stop: set[int] | None = None,
-                 on_token: Callable[[int], None] | None = None, logits_out: list | None = None,
-                 sample: Callable[[np.ndarray], int] | None = None) -> Generation:
-        """One request: prefill plan for the prompt, then the decode plan. Greedy unless
-        ``sample`` (logits -> token, e.g. a ``Sampler``'s) is given.
-        ``max_new_tokens=0`` runs the prefill only (``ttft_ms`` is its time, no tokens)."""
-        pick = sample or (lambda logits: int(np.argmax(logits)))
-        self.check_prompt(prompt, max_new_tokens)
-        gen = Generation(len(prompt))
-        self.start()
-        try:
-            self.use("prefill")
-            t0 = time.perf_counter()
-            logits = self.prefill(prompt)
-            token = pick(logits)
-            gen.ttft_ms = (time.perf_counter() - t0) * 1e3
-            while max_new_tokens > 0:
-                gen.tokens.append(token)
-                if logits_out is not None:
-                    logits_out.append(logits)
-                if on_token:
-                    on_token(token)
-                if len(gen.tokens) >= max_new_tokens or (stop and token in stop):
-                    break
-                gen.switch_ms += self.use("decode")
-                t0 = time.perf_counter()
-                logits = self.decode(token)
-                token = pick(logits)
-                gen.decode_ms.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            self.stop()
-        return gen

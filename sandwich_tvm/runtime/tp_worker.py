@@ -1,40 +1,121 @@
-"""One rank of a tensor-parallel engine: a Disco worker that holds its shard of the weights,
-its part of the KV cache and an ``Engine`` on its own CPUs.
+"""One rank of a tensor-parallel engine: its shard of the weights, its part of the KV cache and
+an ``Engine`` on its own CPUs, driven over Disco (``runtime.disco_group``).
 
 Disco starts ``python -m sandwich_tvm.runtime.tp_worker`` for ranks 1..P-1; rank 0 is a thread
 of the controller (``runtime.tp``), which imports this module too, so every rank registers:
 
-- ``sandwich.tp_init(json)``: attach the process group's shared memory, load this rank's shard
-  (first touched by the rank's own cores) and open its engine (``sandwich.tp_attach(json)``:
-  only the shared memory, for sessions that use just the collectives);
-- ``sandwich.tp_call(method, json)``: run one ``Engine`` method (prefill, decode, use, ...);
-  rank 0's result is read by the controller in-process (``result()``);
-- the collectives the sharded model calls (``model.parallel``): ``sandwich.tp_allreduce``,
-  ``sandwich.tp_allreduce_add`` (the residual add fused in) and ``sandwich.tp_gather_last``,
-  and Disco's own CPU all-reduce (``runtime.disco..allreduce``,
-  which ``Session.allreduce`` and ``nn.op.ccl_allreduce`` reach on CPU workers).
-
-An exception must not leave a registered function (Disco aborts the process): it is kept
-(``error()``), printed, and the group is told (``ShmGroup.abort``) so peers waiting on this
-rank raise at once instead of timing out.
+- ``INIT(spec_json)``: join the process group's shared memory, load this rank's shard (first
+  touched by the rank's own cores) and open its engine; returns the rank's ``Rank``, which
+  Disco holds for the calls below (``ATTACH``: only the shared memory, for sessions that use
+  just the collectives);
+- one rank function per engine operation, with typed arguments (token ids as shapes);
+- when a rank joins its group, the collectives the sharded model calls (``model.parallel``:
+  all-reduce, all-reduce with the residual add, the gather of the last axis) and Disco's own
+  CPU all-reduce (``runtime.disco..allreduce``), each bound to that group.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import traceback
-from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import tvm_ffi
 
+from ..collective.shm import ShmGroup
 from ..model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER
+from .disco_group import Failure, RankState, rank_function, start_rank
+from .engine import Engine
 
-_STATE: dict = {}  # this rank's group, engine, last result and last error
+ENTRYPOINT = "sandwich_tvm.runtime.tp_worker"
+INIT = "sandwich.tp.init"  # (spec json) -> Rank
+ATTACH = "sandwich.tp.attach"  # (shm name, world, slot, timeout_s) -> Rank, with no engine
+USE = "sandwich.tp.use"  # (phase) -> the slowest rank's switch time (ms)
+AVAILABLE_PAGES = "sandwich.tp.available_pages"  # () -> free pages of the KV cache
+START, STOP = "sandwich.tp.start", "sandwich.tp.stop"  # (seq_id)
+CLEAR = "sandwich.tp.clear"  # ()
+PREFILL = "sandwich.tp.prefill"  # (seq_id, tokens) -> logits [vocab]
+DECODE = "sandwich.tp.decode"  # (seq_id, token) -> logits [vocab]
+BATCH_PREFILL = "sandwich.tp.batch_prefill"  # (slots, lengths, tokens) -> logits [len(slots), vocab]
+BATCH_DECODE = "sandwich.tp.batch_decode"  # (slots, tokens) -> logits [len(slots), vocab]
 
 REDUCE_SUM, REDUCE_AVG = 0, 4  # Disco's ReduceKind values this collective supports
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs (sent as one JSON string): the process group's segment, the
+    compiled model, and the run spec (``RunSpec.to_json``: plan, context, KV cache, batch)."""
+
+    shm: str  # the process group's segment
+    slot: int
+    timeout_s: float
+    artifact: str  # the compiled model's directory
+    run: str  # RunSpec.to_json()
+    page_size: int = 16
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+
+class Rank(RankState):
+    """This rank's view of the process group and its engine."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self._group: ShmGroup | None = None
+        self._engine: Engine | None = None
+
+    @property
+    def group(self) -> ShmGroup:
+        if self._group is None:
+            raise RuntimeError("this rank has not joined a process group")
+        return self._group
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this rank has no engine (its init failed or was not called)")
+        return self._engine
+
+    def abort(self) -> None:
+        if self._group is not None:
+            self._group.abort()
+
+    def join(self, shm: str, world: int, slot: int, timeout_s: float) -> None:
+        """Attach the group's segment and bind the collectives to it."""
+        self._group = ShmGroup.attach(shm, self.rank, world, slot, timeout_s)
+        _register_collectives(self._group)
+
+    def load(self, spec: RankSpec) -> None:
+        """Join the group, load this rank's shard on its cores and open its engine; returns when
+        every rank has (or raises when a peer failed)."""
+        from ..compiler.artifact import CompiledModel
+        from ..model.weights import load_params
+        from ..spec import RunSpec
+        from ..topology.hwloc import bind_memory, numa_node_count
+
+        run = RunSpec.from_json(spec.run)
+        plan = run.plan
+        mine = plan.rank(self.rank)
+        os.sched_setaffinity(0, set(mine.prefill_cpus))  # this rank's cores touch its weights first
+        if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
+            bind_memory(list(mine.numa[0]))
+        self.join(spec.shm, plan.tp, spec.slot, spec.timeout_s)
+        compiled = CompiledModel.load(spec.artifact)
+        isa, dtype = compiled.weight_layout
+        params = load_params(run.model, compiled.config, compiled.params, isa, seed=run.seed, dtype=dtype,
+                             layouts=compiled.layouts, shards=compiled.shards, rank=self.rank, tp=plan.tp)
+        self._engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
+                              page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
+        ready = self.group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises
+        if int(ready[0]) != plan.tp:
+            raise RuntimeError(f"only {int(ready[0])} of {plan.tp} ranks started")
 
 
 def worker_id() -> int:
@@ -43,124 +124,106 @@ def worker_id() -> int:
     return int(tvm.get_global_func("runtime.disco.worker_id")()[0])
 
 
-def error() -> str | None:
-    """The last call's error on this rank (the controller reads rank 0's)."""
-    return _STATE.get("error")
+def _register_collectives(group: ShmGroup) -> None:
+    """The model's collectives and Disco's CPU all-reduce, over ``group`` (a VM looks them up
+    when it is created, so each engine keeps the group its rank joined)."""
+
+    def allreduce(x, out) -> None:
+        group.allreduce(x, out)
+
+    def allreduce_add(x, residual, out) -> None:
+        group.allreduce(x, out, residual)
+
+    def gather_last(x, out) -> None:
+        """Rank r's ``x[..., w]`` into ``out[..., r * w : (r + 1) * w]`` (cut at ``out``'s width)."""
+        group.allgather(x, out)
+
+    def disco_allreduce(send, kind: int, in_group: bool, recv) -> None:
+        """Disco's collective for CPU workers (whose CCL name is empty): sum or average."""
+        if kind not in (REDUCE_SUM, REDUCE_AVG):
+            raise ValueError(f"the shared-memory all-reduce sums (ReduceKind 0) or averages (4), not {kind}")
+        group.allreduce(send, recv)
+        if kind == REDUCE_AVG:
+            view = np.from_dlpack(recv)
+            view /= group.world
+
+    for name, fn in ((ALLREDUCE, allreduce), (ALLREDUCE_ADD, allreduce_add), (GATHER, gather_last),
+                     ("runtime.disco..allreduce", disco_allreduce)):
+        tvm_ffi.register_global_func(name, fn, override=True)
 
 
-def result():
-    """The last ``tp_call``'s result on this rank."""
-    return _STATE.get("result")
+# ---------------------------------------------------------------------- init
+@tvm_ffi.register_global_func(INIT, override=True)
+def _init(spec_json: str) -> Rank | Failure:
+    rank = Rank(worker_id())
+    return start_rank(rank, lambda: rank.load(RankSpec.from_json(spec_json)))
 
 
-def _guarded(fn: Callable) -> Callable:
-    def run(*args):
-        _STATE["error"] = None
-        try:
-            _STATE["result"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 -- Disco would abort the process
-            _STATE["error"] = f"{type(err).__name__}: {err}"
-            print(f"sandwich tensor-parallel rank {_STATE.get('rank', '?')} failed:", file=sys.stderr)
-            traceback.print_exc()
-            group = _STATE.get("group")
-            if group is not None:
-                group.abort()
-
-    run.__name__ = fn.__name__
-    return run
+@tvm_ffi.register_global_func(ATTACH, override=True)
+def _attach(shm: str, world: int, slot: int, timeout_s: float) -> Rank | Failure:
+    """A rank with the group's segment and no model: for Disco sessions that only use the
+    collectives (``Session.allreduce`` on CPU workers)."""
+    rank = Rank(worker_id())
+    return start_rank(rank, rank.join, shm, world, slot, timeout_s)
 
 
-@tvm_ffi.register_global_func("sandwich.tp_init", override=True)
-@_guarded
-def _init(spec_json: str) -> None:
-    from ..collective.shm import ShmGroup
-    from ..compiler.artifact import CompiledModel
-    from ..model.weights import load_params
-    from ..topology.hwloc import bind_memory, numa_node_count
-    from ..topology.plan import ExecPlan
-    from .engine import Engine
-
-    spec = json.loads(spec_json)
-    rank = worker_id()
-    _STATE["rank"] = rank
-    plan = ExecPlan.processes([(tuple(p), tuple(d)) for p, d in spec["ranks"]], spec["source"],
-                              numa=spec["numa"])
-    mine = plan.rank(rank)
-    os.sched_setaffinity(0, set(mine.prefill_cpus))  # this rank's cores touch its weights first
-    if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
-        bind_memory(list(mine.numa[0]))
-    group = ShmGroup.attach(spec["shm"], rank, plan.tp, spec["slot"], spec["timeout_s"])
-    _STATE["group"] = group
-    compiled = CompiledModel.load(spec["artifact"])
-    isa, dtype = compiled.weight_layout
-    params = load_params(spec["model"], compiled.config, compiled.params, isa, seed=spec["seed"], dtype=dtype,
-                         layouts=compiled.layouts, shards=compiled.shards, rank=rank, tp=plan.tp)
-    _STATE["engine"] = Engine(compiled, params, mine, **spec["engine"])
-    ready = group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises
-    if int(ready[0]) != plan.tp:
-        raise RuntimeError(f"only {int(ready[0])} of {plan.tp} ranks started")
+# ---------------------------------------------------------------------- engine operations
+@rank_function(USE)
+def _use(rank: Rank, phase: str) -> float:
+    ms = rank.engine.use(phase)  # every rank switches: it took as long as the slowest one
+    return float(rank.group.allgather(np.array([ms], np.float32)).max())
 
 
-@tvm_ffi.register_global_func("sandwich.tp_attach", override=True)
-@_guarded
-def _attach(spec_json: str) -> None:
-    """Join a process group's segment without a model (``{"shm", "slot", "world", "timeout_s"}``):
-    for Disco sessions that only use the collectives (``Session.allreduce`` on CPU workers)."""
-    from ..collective.shm import ShmGroup
-
-    spec = json.loads(spec_json)
-    rank = worker_id()
-    _STATE["rank"] = rank
-    _STATE["group"] = ShmGroup.attach(spec["shm"], rank, spec["world"], spec["slot"],
-                                      spec.get("timeout_s", 60.0))
+@rank_function(AVAILABLE_PAGES)
+def _available_pages(rank: Rank) -> int:
+    return rank.engine.available_pages()
 
 
-@tvm_ffi.register_global_func("sandwich.tp_call", override=True)
-@_guarded
-def _call(method: str, args_json: str):
-    engine = _STATE.get("engine")
-    if engine is None:
-        raise RuntimeError("this rank has no engine (sandwich.tp_init failed or was not called)")
-    result = getattr(engine, method)(*json.loads(args_json))
-    if method == "use":  # every rank switched its plan: the switch took as long as the slowest one
-        result = float(_STATE["group"].allgather(np.array([result], np.float32)).max())
-    return result
+@rank_function(START)
+def _start(rank: Rank, seq_id: int) -> None:
+    rank.engine.start(seq_id)
 
 
-@tvm_ffi.register_global_func(ALLREDUCE, override=True)
-def _allreduce(x, out) -> None:
-    _STATE["group"].allreduce(x, out)
+@rank_function(STOP)
+def _stop(rank: Rank, seq_id: int) -> None:
+    rank.engine.stop(seq_id)
 
 
-@tvm_ffi.register_global_func(ALLREDUCE_ADD, override=True)
-def _allreduce_add(x, residual, out) -> None:
-    _STATE["group"].allreduce(x, out, residual)
+@rank_function(CLEAR)
+def _clear(rank: Rank) -> None:
+    rank.engine.clear()
 
 
-@tvm_ffi.register_global_func(GATHER, override=True)
-def _gather_last(x, out) -> None:
-    """Rank r's ``x[..., w]`` into ``out[..., r * w : (r + 1) * w]`` (cut at ``out``'s width) on
-    every rank: the shared-memory all-gather."""
-    _STATE["group"].allgather(x, out)
+@rank_function(PREFILL)
+def _prefill(rank: Rank, seq_id: int, tokens) -> np.ndarray:
+    return rank.engine.prefill(list(tokens), seq_id)
 
 
-@tvm_ffi.register_global_func("runtime.disco..allreduce", override=True)
-def _disco_allreduce(send, kind: int, in_group: bool, recv) -> None:
-    """Disco's collective for CPU workers (whose CCL name is empty): sum or average."""
-    if kind not in (REDUCE_SUM, REDUCE_AVG):
-        raise ValueError(f"the shared-memory all-reduce sums (ReduceKind 0) or averages (4), not kind {kind}")
-    group = _STATE["group"]
-    group.allreduce(send, recv)
-    if kind == REDUCE_AVG:
-        view = np.from_dlpack(recv)
-        view /= group.world
+@rank_function(DECODE)
+def _decode(rank: Rank, seq_id: int, token: int) -> np.ndarray:
+    return rank.engine.decode(token, seq_id)
 
 
-if __name__ == "__main__":
+@rank_function(BATCH_PREFILL)
+def _batch_prefill(rank: Rank, slots, lengths, tokens) -> np.ndarray:
+    chunks = np.split(np.asarray(list(tokens), np.int32), np.cumsum(list(lengths))[:-1])
+    return rank.engine.batch_prefill(list(slots), chunks)
+
+
+@rank_function(BATCH_DECODE)
+def _batch_decode(rank: Rank, slots, tokens) -> np.ndarray:
+    return rank.engine.batch_decode(list(slots), list(tokens))
+
+
+def main() -> None:
+    """A Disco worker process: this module's functions are registered; serve commands."""
     from tvm.exec import disco_worker
 
     from ..host import enable_amx
 
     enable_amx()  # the tile permission is per process: this worker runs AMX kernels too
-
     disco_worker.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -77,7 +77,7 @@ class Server:
 
     async def _encode(self, text: str) -> list[int]:
         if self.tok is None:
-            raise ApiError(400, "this model has no tokenizer.json: send the prompt as a list of token ids")
+            raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids")
         return await asyncio.to_thread(self.tok.encode, text)
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -95,7 +95,7 @@ class Server:
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         self._check_common(req)
         if self.tok is None:
-            raise ApiError(400, "this model has no tokenizer.json, so it has no chat template; use "
+            raise ApiError(400, "this model has no tokenizer, so it has no chat template; use "
                                 "/v1/completions with token ids")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:

@@ -1,10 +1,12 @@
 """The execution plan the runtime follows: how many processes, and which cores each one's
 prefill and decode run on.
 
-It comes from the plan stage (``out/plans.json``, the best-ranked Sandwich plan) or, without
-one, one process on every CPU this process may use for both phases. A plan of P processes is
-run as P tensor-parallel ranks (``runtime.tp``); rank 0's CPUs are ``prefill_cpus`` and
-``decode_cpus``, every rank's are in ``ranks``.
+It comes from the plan search in-process (``RankedPlan.exec_plan``), from a plans.json the
+user names (``--plan``; ``save_plans`` writes it, ``ExecPlan.from_file`` reads it: this module
+owns the schema, ``PLANS_VERSION``), or, without one, one process on every CPU this process
+may use for both phases. A plan of P processes is run as P tensor-parallel ranks
+(``runtime.tp``); rank 0's CPUs are ``prefill_cpus`` and ``decode_cpus``, every rank's are in
+``ranks``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..tvm_compat import PROCESS_CPUS
+from ..host import PROCESS_CPUS, save_atomic
 
 REPLAN = "re-run `python -m sandwich_tvm.tune plan`"
-DEFAULT_PLAN = Path("out/plans.json")
+PLANS_VERSION = 2  # 1: the same fields without "version" (hand-written files)
 
 
 class PlanError(ValueError):
@@ -97,6 +99,18 @@ class ExecPlan:
         cpus = tuple(sorted(PROCESS_CPUS))
         return cls(cpus, cpus)
 
+    def to_dict(self) -> dict:
+        """The plans.json entry ``from_dict`` reads back (predictions and NUMA nodes when known)."""
+        d: dict = {"tp": self.tp, "prefill_cpus": [list(p) for p, _ in self.ranks],
+                   "decode_cpus": [list(dec) for _, dec in self.ranks], "source": self.source}
+        if self.numa:
+            d["numa"] = [list(n) for n in self.numa]
+        if self.predicted_ttft_ms is not None:
+            d["predicted_ttft_ms"] = self.predicted_ttft_ms
+        if self.predicted_tpot_ms is not None:
+            d["predicted_tpot_ms"] = self.predicted_tpot_ms
+        return d
+
     @classmethod
     def from_dict(cls, d: dict, source: str) -> ExecPlan:
         if not isinstance(d, dict):
@@ -146,6 +160,10 @@ class ExecPlan:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise PlanError(f"{path} is not a plans.json written by `tune plan` (invalid JSON: {err}); "
                             f"{REPLAN}") from None
+        version = data.get("version", 1) if isinstance(data, dict) else None
+        if isinstance(version, int) and version > PLANS_VERSION:
+            raise PlanError(f"{path} was written by a newer sandwich-tvm (plans.json version {version}; this "
+                            f"one reads up to {PLANS_VERSION}); upgrade, or {REPLAN}")
         plans = data.get("plans") if isinstance(data, dict) else None
         if not isinstance(plans, list):
             raise PlanError(f"{path} is not a plans.json written by `tune plan` (it has no \"plans\" list); "
@@ -174,19 +192,13 @@ def _cpu_lists(d: dict, key: str, source: str) -> list[Cpus]:
     return [tuple(cpus) for cpus in lists]
 
 
-def resolve_plan(path: Path | None) -> ExecPlan:
-    """``--plan FILE``, else ``out/plans.json`` when present, else every CPU for both phases.
-
-    A default file that exists but cannot be followed is an error, not a silent fallback.
-    """
-    if path is not None:
-        return ExecPlan.from_file(path)
-    if not DEFAULT_PLAN.exists():
-        return ExecPlan.all_cpus()
-    try:
-        return ExecPlan.from_file(DEFAULT_PLAN)
-    except PlanError as err:
-        detail = str(err).removesuffix(f"; {REPLAN}").rstrip(".")
-        raise PlanError(f"{detail} -- {DEFAULT_PLAN} is read when --plan is not given: "
-                        f"re-run `python -m sandwich_tvm.tune plan`, delete {DEFAULT_PLAN} to use every "
-                        "CPU, or pass --plan FILE") from None
+def save_plans(path: Path, plans: list[ExecPlan], details: list[dict] | None = None,
+               **about: object) -> Path:
+    """Write the ranked ``plans`` (best first) as a plans.json that ``ExecPlan.from_file`` reads,
+    atomically. ``details`` (one dict per plan: how the search described it) and ``about`` (the
+    machine, the model, the profile) ride along for people; the reader needs neither."""
+    extras = details or [{} for _ in plans]
+    entries = [extra | p.to_dict() for p, extra in zip(plans, extras, strict=True)]
+    doc = {"version": PLANS_VERSION, **about, "plans": entries}
+    save_atomic(Path(path), json.dumps(doc, indent=2))
+    return Path(path)

@@ -51,8 +51,12 @@ class Prediction:
 class LatencySimulator:
     """Predicts TTFT/TPOT for configurations on one machine, model and trace."""
 
-    def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace):
+    def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace, *,
+                 weight_bytes: int = 4, kv_bytes: int = 4):
+        """``weight_bytes`` / ``kv_bytes``: bytes per weight and per cached K/V element (the run
+        spec's weight and KV dtypes)."""
         self.profile, self.model, self.trace = profile, model, trace
+        self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
         self._instance = {r.name: _instances(tree, r) for r in profile.resources}
         core_depth = tree.depth_of("Core")
         self._core_of = _by_node(tree, core_depth) if core_depth is not None else {}
@@ -92,7 +96,7 @@ class LatencySimulator:
                 local = 1 / len(domains)
                 bw /= local + (1 - local) / self.profile.remote_factor
             worst = min(worst, bw)
-        weights = self.model.num_params() * self.model.dtype_bytes / config.tp
+        weights = self.model.num_params() * self.weight_bytes / config.tp
         if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
@@ -116,7 +120,7 @@ class LatencySimulator:
     # ---- phases ---------------------------------------------------------------------
     def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
         """Prefill time of prompts of the given lengths."""
-        m, tp, b = self.model, config.tp, self.model.dtype_bytes
+        m, tp, b = self.model, config.tp, self.weight_bytes
         s = np.asarray(prompt, dtype=float)
         peak = self.compute_gflops(config) * 1e6  # FLOP per ms
         gemm, attn = peak * self.profile.gemm_efficiency, peak * self.profile.attention_efficiency
@@ -131,11 +135,11 @@ class LatencySimulator:
 
     def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
         """Time of one decode step at the given context lengths (batch 1)."""
-        m, tp, b = self.model, config.tp, self.model.dtype_bytes
+        m, tp, b = self.model, config.tp, self.weight_bytes
         ctx = np.asarray(context, dtype=float)
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
         bw = self.bandwidth_gbs(config) * 1e6
-        kv = 2 * ctx * m.num_key_value_heads * m.head_dim * b / tp
+        kv = 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
         flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
         layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)

@@ -19,6 +19,10 @@ def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
                        "--plot", str(plot)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weights"] == "cold" and plot.is_file() and out["weight_copies"] > 1
+    cold = out["cold_check"]  # checked in the run against a streaming read of at least 1 GiB
+    assert cold["copies"] == out["weight_copies"] and cold["attempts"] and cold["read_bytes"] >= 1 << 30
+    assert cold["rotation_bytes"]["sandwich"] == cold["copies"] * cold["weight_bytes"]["sandwich"]
+    assert [a["copies"] for a in cold["attempts"]][-1] == cold["copies"]
     assert out["fma_peak_gflops"] > 0 and all(0 < r["fma_peak_fraction"] < 2 for r in out["rows"])
     assert [r["m"] for r in out["rows"]] == [1, 3]
     for r in out["rows"]:

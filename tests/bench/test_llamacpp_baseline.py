@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sandwich_tvm.model.checkpoint import read_checkpoint
 from sandwich_tvm.model.config import load_config
-from sandwich_tvm.model.weights import read_checkpoint
 
 from ..model.hf_models import write_hf_model
 

@@ -73,6 +73,14 @@ def test_command_fixes_threads_slots_and_splits_context():
                     "--host": "127.0.0.1", "--port": "8123"}
 
 
+def test_locked_command_adds_mlock_and_no_mmap_only():
+    kw = {"threads": 2, "slots": 1, "context_per_slot": 64, "port": 1}
+    plain = llama_server_command("llama-server", "x.gguf", **kw)
+    locked = llama_server_command("llama-server", "x.gguf", locked=True, **kw)
+    assert "--mlock" not in plain and "--no-mmap" not in plain
+    assert locked == [*plain, "--mlock", "--no-mmap"]
+
+
 def test_command_rejects_empty_shapes():
     with pytest.raises(ValueError, match="slots"):
         llama_server_command("llama-server", "x.gguf", threads=2, slots=0, context_per_slot=64, port=1)
@@ -176,8 +184,8 @@ def test_llama_server_streams_greedy_hf_tokens_one_per_chunk(tmp_path):
     pytest.importorskip("gguf")
     torch = pytest.importorskip("torch")
     from sandwich_tvm.bench.baselines.llamacpp import write_gguf
+    from sandwich_tvm.model.checkpoint import read_checkpoint
     from sandwich_tvm.model.config import load_config
-    from sandwich_tvm.model.weights import read_checkpoint
 
     from .model.hf_models import write_hf_model
 

@@ -204,11 +204,12 @@ def test_the_simulator_sizes_allreduces_as_fp32_activations():
     config = ServiceConfig(((tree.pus[0],), (tree.pus[-1],)), ((tree.domains[0],), (tree.domains[-1],)))
     trace = Trace(prompt=np.array([64.0]), output=np.array([8.0]))
     added = {}
-    for dtype in ("float32", "bfloat16"):
-        cfg = dataclasses.replace(PRESETS["llama-160m"], dtype=dtype)
+    cfg = PRESETS["llama-160m"]
+    for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):  # the weights' bytes
         times = []
         for gbs in (10.0, 0.1):
-            sim = LatencySimulator(tree, dataclasses.replace(profile, allreduce_gbs=gbs), cfg, trace)
+            sim = LatencySimulator(tree, dataclasses.replace(profile, allreduce_gbs=gbs), cfg, trace,
+                                   weight_bytes=nbytes, kv_bytes=nbytes)
             p = trace.prompt
             times.append(np.array([sim.ttft_ms(config, p)[0], sim.tpot_ms(config, p)[0]]))
         added[dtype] = times[1] - times[0]
@@ -219,21 +220,15 @@ def test_the_simulator_sizes_allreduces_as_fp32_activations():
 def test_disco_sessions_reduce_through_the_shared_memory():
     """The same all-reduce is Disco's collective for CPU workers: ``Session.allreduce`` (sum and
     average) on a two-worker ``ProcessSession`` whose workers run sandwich's entrypoint."""
-    import json
-
-    import tvm.runtime.disco as di
-    import tvm_ffi
-
     from sandwich_tvm.runtime import tp_worker
+    from sandwich_tvm.runtime.disco_group import DiscoGroup
 
-    tvm_ffi.init_ffi_api("runtime.disco", "tvm.runtime.disco._ffi_api")
     with ShmGroup.create(2, 4096, timeout_s=30) as group:
-        sess = di.ProcessSession(num_workers=2, entrypoint="sandwich_tvm.runtime.tp_worker")
+        disco = DiscoGroup(2, tp_worker.ENTRYPOINT)
         try:
-            sess.get_global_func("sandwich.tp_attach")(json.dumps(
-                {"shm": group.name, "slot": group.slot, "world": 2, "timeout_s": 30}))
-            sess._sync_worker(0)
-            assert tp_worker.error() is None
+            rank0 = disco.start(tp_worker.ATTACH, group.name, 2, group.slot, 30.0)
+            assert isinstance(rank0, tp_worker.Rank) and rank0.group.name == group.name
+            sess = disco.session
             parts = [message(r, 1000) for r in range(2)]
             for op, want in (("sum", parts[0] + parts[1]), ("avg", (parts[0] + parts[1]) / 2)):
                 src, dst = sess.empty((1000,), "float32"), sess.empty((1000,), "float32")
@@ -243,5 +238,4 @@ def test_disco_sessions_reduce_through_the_shared_memory():
                 for r in range(2):
                     np.testing.assert_allclose(dst.debug_get_from_remote(r).numpy(), want, rtol=1e-6)
         finally:
-            tp_worker._STATE.pop("group").close()
-            sess.shutdown()
+            disco.close()

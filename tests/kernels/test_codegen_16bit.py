@@ -13,7 +13,7 @@ from sandwich_tvm.kernels.defaults import default_buckets
 from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel, kernel_isa, microkernels
 from sandwich_tvm.kernels.packing import WeightLayout, numpy_dtype, to_bfloat16
 from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
-from sandwich_tvm.model.linear import resolve_dtype
+from sandwich_tvm.spec import resolve_weight_dtype as resolve_dtype
 from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
 
 from ..isas import ALL_ISAS, HALF_CASES, VECTOR_REGISTER, assembly, require_runnable

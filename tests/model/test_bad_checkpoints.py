@@ -14,10 +14,11 @@ import pytest
 
 from sandwich_tvm.cli import generate as generate_cli
 from sandwich_tvm.compiler.artifact import export_module
+from sandwich_tvm.model.checkpoint import ModelLoadError, check_checkpoint, read_checkpoint
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.linear import KernelSet
-from sandwich_tvm.model.weights import ModelLoadError, check_checkpoint, load_params, read_checkpoint
-from sandwich_tvm.runtime.engine import EngineError, check_context, kv_cache_bytes, run_context
+from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.spec import SpecError, check_context, kv_cache_bytes, run_context
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from .hf_models import byte_level_tokenizer, write_hf_model
@@ -118,10 +119,11 @@ def test_kv_cache_is_sized_to_the_run(small):
     assert run_context(huge, 20) == 256 and run_context(huge, 300) == 512
     assert run_context(cfg, 300) == 128  # capped at the model's context
     assert kv_cache_bytes(cfg, 100) == 2 * 2 * 2 * 16 * 4 * 100
-    with pytest.raises(EngineError, match="--context 2000000000 exceeds the model's context of 1000000000"):
+    assert kv_cache_bytes(cfg, 100, "float16") == 2 * 2 * 2 * 16 * 2 * 100  # the cache's own dtype
+    with pytest.raises(SpecError, match="--context 2000000000 exceeds the model's context of 1000000000"):
         check_context(huge, 2 * 10**9)
     need = "KV cache of 1000000000 tokens needs 476.8 GiB but only 1.0 GiB"
-    with pytest.raises(EngineError, match=f"{need} of memory is available; lower --context"):
+    with pytest.raises(SpecError, match=f"{need} of memory is available; lower --context"):
         check_context(huge, 10**9, available=2**30)
     check_context(huge, 256, available=2**30)
 

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.bench.agreement import greedy_agreement
-from sandwich_tvm.cli.generate import synthetic_prompt
+from sandwich_tvm.cli.options import synthetic_prompt
 from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.host import can_run, cpu_flags, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
@@ -37,7 +38,7 @@ EXACT_TOL = 3e-2 if PAIRS else 1e-3
 
 
 def open_bf16(model, cfg, kv_dtype="float32") -> Engine:
-    compiled = compile_model(cfg, PLAN, dtype="bfloat16", kv_dtype=kv_dtype)
+    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, weight_dtype="bfloat16", kv_dtype=kv_dtype))
     isa, dtype = compiled.weight_layout
     assert (dtype, isa) == ("bfloat16", kernel_isa(host_isa(), "bfloat16", cpu_flags()))
     layouts = compiled.layouts  # the parameters' own layouts, through the artifact
@@ -89,7 +90,7 @@ def test_bf16_greedy_agrees_with_fp32_on_the_preset():
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 32)]
 
     def fp32() -> Engine:
-        compiled = compile_model(cfg, PLAN, kv_dtype="float32")
+        compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, kv_dtype="float32"))
         isa, _ = compiled.weight_layout
         return Engine(compiled, load_params("llama-160m", cfg, compiled.params, isa), PLAN)
 

@@ -11,6 +11,7 @@ from sandwich_tvm.compiler.artifact import CompiledModel, compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.engine import Engine, EngineError
+from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
@@ -40,7 +41,7 @@ def _run(model_dir, compiled: CompiledModel, prompt: list[int]):
 def test_prefill_and_decode_match_hf(hf_case, stock):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    compiled = compile_model(cfg, PLAN, stock=stock, kv_dtype="float32")
+    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype="float32"))
     assert compiled.meta["unscheduled"] == []  # every operator got a schedule
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
     engine, params, gen, ours = _run(model_dir, compiled, prompt)
@@ -57,7 +58,7 @@ def test_prefill_and_decode_match_hf(hf_case, stock):
     os.sched_setaffinity(0, CPUS)
 
     # The artifact reloads without recompiling.
-    again = compile_model(cfg, PLAN, stock=stock, kv_dtype="float32")
+    again = compile_model(RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype="float32"))
     assert again.path == compiled.path and again.meta["seconds"] == compiled.meta["seconds"]
 
     # A prompt longer than the context is refused with the limit named.
@@ -77,7 +78,7 @@ def test_chunked_prefill_matches_hf(hf_case, kv_dtype):
     with the in-chunk (ragged) attention through its log-sum-exp; with a 16-bit KV cache too."""
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    compiled = compile_model(cfg, PLAN, kv_dtype=kv_dtype)
+    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, kv_dtype=kv_dtype))
     assert compiled.meta["kv_dtype"] == kv_dtype
     params = load_params(model_dir, cfg, compiled.params, host_isa())
     engine = Engine(compiled, params, PLAN, prefill_chunk=16)

@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandwich_tvm.cli.generate import synthetic_prompt
+from sandwich_tvm.cli.options import synthetic_prompt
 from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
 from sandwich_tvm.runtime.engine import EngineError
 from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.spec import RunSpec, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
@@ -62,10 +63,11 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
     plan = ExecPlan.processes([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
-    compiled = compile_model(cfg, plan, kv_dtype="float32", dtype="float32")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32", weight_dtype="float32"))
     assert compiled.tp == 2
     assert compiled.shards["model.layers.0.mlp.down_proj.weight"] == Shard(1, (cfg.intermediate_size,))
-    engine, _, _ = open_engine(model_dir, plan, context=256, max_batch=1, kv_dtype="float32", dtype="float32")
+    engine, _ = open_engine(resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1,
+                                             kv_dtype="float32", dtype="float32"))
     try:
         prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
         logits: list[np.ndarray] = []
@@ -79,8 +81,8 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
 
         # TP-1 on the same weights and CPUs: the same greedy tokens, logits within 1e-4
         one = ExecPlan.processes([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
-        single, _, _ = open_engine(model_dir, one, context=256, max_batch=1, kv_dtype="float32",
-                                   dtype="float32")
+        single, _ = open_engine(resolve_run_spec(model_dir, plan=one, context=256, max_batch=1,
+                                                 kv_dtype="float32", dtype="float32"))
         tp1_logits: list[np.ndarray] = []
         tp1 = single.generate(prompt, DECODE_STEPS + 1, logits_out=tp1_logits)
         del single
@@ -104,7 +106,7 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
         with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
             engine.generate(prompt, 100, on_token=kill_at_five)
         assert time.monotonic() - start < 20  # not the collective's 60 s deadline
-        assert len(streamed) == 5 and engine.session is None
+        assert len(streamed) == 5 and engine.disco is None
         assert not segment.exists() and not Path(f"/proc/{worker}").exists()
         with pytest.raises(EngineError, match="shut down"):
             engine.generate(prompt, 2)

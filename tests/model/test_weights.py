@@ -12,9 +12,10 @@ import pytest
 from sandwich_tvm.compiler.artifact import export_module
 from sandwich_tvm.kernels.codegen import pack_weight
 from sandwich_tvm.memory import aligned_empty
+from sandwich_tvm.model.checkpoint import ModelLoadError, read_checkpoint
 from sandwich_tvm.model.config import ModelConfigError, load_config
 from sandwich_tvm.model.linear import KernelSet
-from sandwich_tvm.model.weights import ModelLoadError, load_params, read_checkpoint
+from sandwich_tvm.model.weights import load_params
 
 from ..isas import ALL_ISAS as VECTOR_ISAS
 from .hf_models import write_hf_model

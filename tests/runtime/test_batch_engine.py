@@ -13,6 +13,7 @@ from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine, EngineError
 from sandwich_tvm.runtime.sampling import SamplingParams
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
@@ -28,7 +29,7 @@ def model(tmp_path_factory):
     write_hf_model("mha-untied", out)
     cfg = load_config(out)
     plan = ExecPlan.all_cpus()
-    compiled = compile_model(cfg, plan, max_batch=8, kv_dtype="float32")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, max_batch=8, kv_dtype="float32"))
     return compiled, load_params(out, cfg, compiled.params, host_isa()), plan
 
 

@@ -20,6 +20,7 @@ from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.metrics import ServingMetrics
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
@@ -69,7 +70,7 @@ def served(tmp_path_factory):
     hf = write_checkpoint(out)
     cfg = load_config(out)
     plan = ExecPlan.all_cpus()
-    compiled = compile_model(cfg, plan, max_batch=POLICY.max_batch, kv_dtype="float32")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, max_batch=POLICY.max_batch, kv_dtype="float32"))
     params = load_params(out, cfg, compiled.params, host_isa())
     engine = Engine(compiled, params, plan, context=CONTEXT, max_batch=POLICY.max_batch,
                     prefill_chunk=POLICY.prefill_budget)

@@ -1,5 +1,6 @@
-"""llama.cpp as a baseline: the same weights written as an F32 GGUF (``gguf`` package) and timed
-through ``llama-cpp-python`` (built from source: ``pip install -e .[llamacpp]``, minutes).
+"""llama.cpp as a baseline: the same weights written as a GGUF in the same dtype (F32, F16 or
+BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from source:
+``pip install -e .[llamacpp]``, minutes).
 
 The GGUF follows llama.cpp's own HF conversion: q/k rows permuted back to the interleaved
 RoPE layout, Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
@@ -21,10 +22,6 @@ from ...model.config import LlamaConfig
 from ...model.rope import inv_freq
 
 
-class LlamaCppUnavailable(RuntimeError):
-    """llama-cpp-python or gguf is not installed."""
-
-
 def available() -> str | None:
     """None when usable, else why not."""
     try:
@@ -40,6 +37,7 @@ GGUF_VERSION = 2  # of what write_gguf writes; part of the cache name (2: no BYT
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """HF's rotate-half row order -> llama.cpp's interleaved pairs (inverse of HF's conversion)."""
+    w = np.asarray(w)  # a GGUF checkpoint's tensors may be lazy (model.gguf.LazyTensor)
     rows, cols = w.shape
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
@@ -124,8 +122,9 @@ def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
     for ``model_spec`` (a preset's random weights drawn with ``seed``, or a checkpoint
     directory), written once under ``cache_dir()/gguf/``."""
     from ...host import cache_dir
+    from ...model.checkpoint import random_checkpoint, read_checkpoint
     from ...model.config import PRESETS
-    from ...model.weights import checkpoint_key, random_checkpoint, read_checkpoint
+    from ...model.weights import checkpoint_key
 
     preset = model_spec in PRESETS
     key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
@@ -140,15 +139,35 @@ def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
     return path
 
 
-class LlamaCpp:
-    """Greedy prefill/decode timing through llama-cpp-python on ``threads`` threads."""
+def llama_kwargs(threads: int, context: int, locked: bool = False) -> dict:
+    """``llama_cpp.Llama``'s arguments: its defaults but the threads and the context, and with
+    ``locked`` the weights read into locked memory (``use_mlock``, ``use_mmap=False``) instead
+    of mapped from the GGUF (the page cache's 4 KiB pages)."""
+    kw = {"n_ctx": context, "n_threads": threads, "n_threads_batch": threads, "n_batch": min(context, 2048),
+          "n_ubatch": min(context, 512), "logits_all": False, "verbose": False}
+    return kw | ({"use_mlock": True, "use_mmap": False} if locked else {})
 
-    def __init__(self, gguf_path: Path, threads: int, context: int):
+
+def raise_memlock_limit() -> int | None:
+    """Raise this process's soft ``RLIMIT_MEMLOCK`` to its hard limit (an unprivileged default,
+    often 8 MiB, makes ``mlock`` of the weights fail with only a warning); the limit in bytes,
+    None when unlimited."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    return None if hard == resource.RLIM_INFINITY else hard
+
+
+class LlamaCpp:
+    """Greedy prefill/decode timing through llama-cpp-python on ``threads`` threads; ``locked``:
+    the weights in locked memory (``llama_kwargs``)."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int, locked: bool = False):
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(str(gguf_path), n_ctx=context, n_threads=threads,
-                                   n_threads_batch=threads, n_batch=min(context, 2048),
-                                   n_ubatch=min(context, 512), logits_all=False, verbose=False)
+        self.memlock_limit = raise_memlock_limit() if locked else None
+        self.llm = llama_cpp.Llama(str(gguf_path), **llama_kwargs(threads, context, locked))
         self.n_vocab = self.llm.n_vocab()
 
     def logits(self) -> np.ndarray:

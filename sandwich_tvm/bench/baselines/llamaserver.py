@@ -1,5 +1,6 @@
-"""llama.cpp's own ``llama-server`` as the serving benchmark's baseline: the same weights as an
-F32 GGUF, the same thread count, ``slots`` parallel sequences under continuous batching.
+"""llama.cpp's own ``llama-server`` as the serving benchmark's baseline: the same weights as a
+GGUF in the same dtype (F32, F16 or BF16), the same thread count, ``slots`` parallel sequences
+under continuous batching.
 
 The binary is built from source by ``bash scripts/build_llama_server.sh`` (minutes) into
 ``.venv/bin/llama-server``. Start it with :class:`~.server_process.ServerProcess` and the
@@ -48,8 +49,12 @@ def unavailable() -> str | None:
 
 
 def llama_server_command(binary: Path | str, gguf: Path | str, *, threads: int, slots: int,
-                         context_per_slot: int, port: int, host: str = "127.0.0.1") -> list[str]:
+                         context_per_slot: int, port: int, host: str = "127.0.0.1",
+                         locked: bool = False) -> list[str]:
     """The llama-server command line: its defaults except what the comparison fixes.
+
+    ``locked``: ``--mlock --no-mmap``, the weights read into memory llama.cpp allocates and
+    locks instead of mapped from the GGUF (the default: page-cache pages, 4 KiB).
 
     ``-c`` is the whole KV cache, which llama-server splits evenly across the ``-np`` slots:
     with ``-np`` given, ``kv_unified`` stays off (only the automatic slot count turns it on,
@@ -66,4 +71,4 @@ def llama_server_command(binary: Path | str, gguf: Path | str, *, threads: int, 
     return [str(binary), "-m", str(gguf),
             "-t", str(threads), "-tb", str(threads),
             "-np", str(slots), "-c", str(slots * context_per_slot),
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), *(["--mlock", "--no-mmap"] if locked else [])]

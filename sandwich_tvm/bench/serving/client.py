@@ -53,12 +53,14 @@ class RequestRecord:
 
 @dataclass
 class RunResult:
-    """The records of one run, in request order, and its wall time (first send to last end)."""
+    """The records of one run, in request order, its wall time (first send to last end) and the
+    benchmark round it ran in."""
 
     mode: str
     rate: float | None
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    round: int = 0
 
 
 def make_client(timeout_s: float) -> httpx.AsyncClient:

@@ -3,7 +3,9 @@
 A request attains the SLO when it succeeded with TTFT <= the TTFT SLO and TPOT <= the TPOT
 SLO; attainment is over the requests sent (failures are misses). Goodput is the highest tested
 request rate whose attainment reaches the 90% goal (Zhong et al., as the paper). The SLO-scale
-sweep (Fig. 9) multiplies both SLOs by a scale: lower is more stringent.
+sweep (Fig. 9) multiplies both SLOs by a scale: lower is more stringent. A rate run in several
+rounds is reported over all its rounds' requests, each round listed too; ``paired`` gives each
+system's P90 latencies over the first system's, round by round, and their medians.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def scale_key(scale: float) -> str:
 
 @dataclass
 class SystemRuns:
-    """One system's part of the benchmark: how it went and its runs, one per rate."""
+    """One system's part of the benchmark: how it went and its runs, one per rate and round."""
 
     name: str
     status: str = "pending"  # pending | running | ok | skipped | failed
@@ -125,6 +127,62 @@ def summarize_run(run: RunResult, slo: Slo, scales: Sequence[float], with_reques
     return out
 
 
+def by_rate(runs: Sequence[RunResult]) -> list[list[RunResult]]:
+    """The runs grouped by rate, in the order the rates first ran; each group in run order."""
+    groups: dict[float | None, list[RunResult]] = {}
+    for r in runs:
+        groups.setdefault(r.rate, []).append(r)
+    return list(groups.values())
+
+
+def pooled(rounds: Sequence[RunResult]) -> RunResult:
+    """One rate's rounds as one run: all their records, their wall times summed."""
+    return RunResult(rounds[0].mode, rounds[0].rate, [x for r in rounds for x in r.records],
+                     sum(r.wall_s for r in rounds), rounds[0].round)
+
+
+def summarize_rate(rounds: Sequence[RunResult], slo: Slo, scales: Sequence[float],
+                   with_requests: bool = True) -> dict:
+    """``summarize_run`` over all the rounds of one rate, with each round's own summary."""
+    out = summarize_run(pooled(rounds), slo, scales, with_requests=False)
+    out["rounds"] = [{"round": r.round, **summarize_run(r, slo, scales, with_requests=False)} for r in rounds]
+    if with_requests:
+        out["requests"] = [{**x.to_json(), "round": r.round} for r in rounds for x in r.records]
+    return out
+
+
+def _p90_ms(run: RunResult, key: str) -> float | None:
+    ok = [r for r in run.records if r.sent and r.ok]
+    return percentiles((getattr(r, f"{key}_s") * 1e3 for r in ok if getattr(r, f"{key}_s") is not None),
+                       (90,))["p90"]
+
+
+def paired_ratios(systems: Sequence[SystemRuns]) -> dict | None:
+    """Each system's P90 TTFT and TPOT over the first system's at every rate, one ratio per
+    round both ran it in (minutes apart), and their medians; None without two systems' runs."""
+    ran = [s for s in systems if s.runs]
+    if len(ran) < 2:
+        return None
+    base = ran[0]
+    out: dict = {"base": base.name, "systems": {}}
+    for s in ran[1:]:
+        rows = []
+        for group in by_rate(s.runs):
+            pairs = [(b, o) for o in group for b in base.runs if (b.rate, b.round) == (o.rate, o.round)]
+            if not pairs:
+                continue
+            row: dict = {"rate": group[0].rate, "rounds": [o.round for _, o in pairs]}
+            for key in ("ttft", "tpot"):
+                ratios = [None if a is None or not b else a / b
+                          for a, b in ((_p90_ms(o, key), _p90_ms(b, key)) for b, o in pairs)]
+                known = [x for x in ratios if x is not None]
+                row[f"p90_{key}_ratio"] = float(np.median(known)) if known else None
+                row[f"p90_{key}_ratio_by_round"] = ratios
+            rows.append(row)
+        out["systems"][s.name] = rows
+    return out
+
+
 def scale_sweep(runs: Sequence[RunResult], slo: Slo, scales: Sequence[float]) -> dict:
     """Attainment per scale and rate, goodput per scale, and the smallest scale at which some
     rate reaches the goal (None if no scale does)."""
@@ -141,12 +199,15 @@ def build_report(meta: dict, systems: Sequence[SystemRuns], slo: Slo, slo_source
            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": slo_source},
            "slo_goal": GOAL, "slo_scales": list(scales), "systems": {}, "goodput": {}}
     for s in systems:
-        sweep = scale_sweep(s.runs, slo, scales)
+        groups = by_rate(s.runs)
+        rates = [pooled(g) for g in groups]
+        sweep = scale_sweep(rates, slo, scales)
         doc["systems"][s.name] = {
             "status": s.status, "reason": s.reason, "command": s.command,
-            "goodput": goodput((r.rate, attainment(r.records, slo)) for r in s.runs),
-            **sweep, "runs": [summarize_run(r, slo, scales, with_requests) for r in s.runs]}
+            "goodput": goodput((r.rate, attainment(r.records, slo)) for r in rates),
+            **sweep, "runs": [summarize_rate(g, slo, scales, with_requests) for g in groups]}
         doc["goodput"][s.name] = sweep["goodput_by_scale"]
+    doc["paired"] = paired_ratios(systems)
     return doc
 
 
@@ -211,6 +272,12 @@ def render(doc: dict, console: Console) -> None:
             console.print(f"{name}: {s['status']}: {s['reason']}", soft_wrap=True, markup=False)
         elif not single:
             console.print(f"{name}: goodput {_fmt(s['goodput'], 'g')} req/s at SLO scale 1", markup=False)
+    paired = doc.get("paired")
+    for name, rows in (paired or {}).get("systems", {}).items():
+        for r in rows:
+            ttft, tpot = _fmt(r["p90_ttft_ratio"], ".2f"), _fmt(r["p90_tpot_ratio"], ".2f")
+            console.print(f"{name} / {paired['base']} at {_rate(r['rate'])}: P90 TTFT {ttft}x, P90 TPOT "
+                          f"{tpot}x (median over {len(r['rounds'])} paired rounds)", markup=False)
 
 
 def _pct(v: float | None) -> str:

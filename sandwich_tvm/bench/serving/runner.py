@@ -1,9 +1,13 @@
-"""Drive the serving benchmark: for each system in turn, start its server, warm it up, run every
-request rate through the same client, stop it; save the report after every rate.
+"""Drive the serving benchmark in rounds: in each round every system in turn starts its server,
+warms it up, runs every request rate through the same client and stops; the report is saved
+after every rate.
 
-Systems never run concurrently (they would share the cores). A system that cannot run (no
-``llama-server`` binary, a server that does not start) is reported with the reason and the
-others go on.
+Systems never run concurrently (they would share the cores and the memory). They take turns
+round by round, the order reversed every other round (A B, B A, A B, ...), so both systems'
+runs of a rate are spread over the same minutes and neither always goes first: the host's
+drift falls on both alike, and each round's runs pair up (``paired`` in the report). The report
+records the run order (``order``). A system that cannot run (no ``llama-server`` binary, a server
+that does not start) is reported with the reason and the others go on.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from .report import (
 )
 from .workload import Request, fixed_requests, sharegpt_requests
 
-SYSTEMS = ("sandwich", "llamacpp")
+# llamacpp: llama-server as its users start it (weights mmap-ed from the GGUF, in the page
+# cache's 4 KiB pages); llamacpp-mlock: the same with --mlock --no-mmap (weights read into
+# memory it allocates and locks), so what the page size is worth shows as a second row.
+SYSTEMS = ("sandwich", "llamacpp", "llamacpp-mlock")
+LLAMA_SERVER_SYSTEMS = {"llamacpp": False, "llamacpp-mlock": True}  # name -> weights locked
 Log = Callable[[str], None]
 # (system, command, port, environment, log file) -> a context manager yielding the base URL
 Launcher = Callable[[str, list[str], int, dict[str, str], Path], AbstractContextManager[str]]
@@ -65,6 +73,7 @@ class ServeBenchConfig:
     plan: Path | None = None
     context: int = 2048  # tokens of one sequence (prompt + output)
     seed: int = 0
+    rounds: int = 2  # whole sweeps per system, the systems taking turns (see the module docstring)
     kv_dtype: str = "float16"  # Sandwich's KV cache (llama-server's default is f16 too)
     dtype: str = "float32"  # the weights of both systems (llama-server: an F16/BF16 GGUF)
     prefill_budget: int = 512  # Sandwich's SchedulerPolicy
@@ -102,21 +111,21 @@ def resolve_cpus(systems: tuple[str, ...], plan: Path | None,
                  threads: int | None) -> tuple[Cpus, Path | None]:
     """The CPUs every server gets, and the plan file Sandwich follows (None: all its CPUs).
 
-    With a plan file (``--plan``, or the ``out/plans.json`` the server reads by default) the
-    comparison runs on the plan's CPUs, both phases together; else on the first ``threads``
+    With a plan file (``--plan``, which the server is given too) the comparison runs on the
+    plan's CPUs, both phases together; else on the first ``threads``
     CPUs this process may use. ValueError when ``threads`` contradicts the plan.
     """
     from ...host import PROCESS_CPUS
 
     usable = tuple(sorted(PROCESS_CPUS))
     if "sandwich" in systems:
-        from ...topology.plan import PlanError, resolve_plan
+        from ...topology.plan import ExecPlan, PlanError
 
         try:
-            found = resolve_plan(plan)
+            found = ExecPlan.from_file(plan) if plan is not None else None
         except PlanError as err:
             raise ValueError(str(err)) from None
-        if found.source != "all CPUs":
+        if found is not None:
             cpus = tuple(sorted(set(found.prefill_cpus) | set(found.decode_cpus)))
             if threads is not None and threads != len(cpus):
                 raise ValueError(f"--threads {threads} contradicts the plan {found.source}, which runs on "
@@ -137,6 +146,30 @@ def pinned(cmd: list[str], cpus: tuple[int, ...]) -> list[str]:
     if set(cpus) == set(PROCESS_CPUS):
         return cmd
     return [sys.executable, "-c", _PIN, ",".join(map(str, cpus)), *cmd]
+
+
+# Raises the locked-memory limit to its hard limit, then runs the command (an unprivileged
+# process's default soft limit, often 8 MiB, would make --mlock fail with only a warning).
+_MEMLOCK = ("import os, resource, sys; _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK); "
+            "resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard)); os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def with_memlock_limit(cmd: list[str]) -> list[str]:
+    """``cmd`` run with the soft ``RLIMIT_MEMLOCK`` raised to the hard one."""
+    return [sys.executable, "-c", _MEMLOCK, *cmd]
+
+
+def memlock_limit() -> dict[str, int | None]:
+    """This process's locked-memory limits in bytes (None: unlimited)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return {k: None if v == resource.RLIM_INFINITY else v for k, v in (("soft", soft), ("hard", hard))}
+
+
+def turn_order(systems: tuple[str, ...], rounds: int) -> list[tuple[int, str]]:
+    """``(round, system)`` in run order: the systems in turn, reversed every other round."""
+    return [(r, name) for r in range(rounds) for name in (systems if r % 2 == 0 else systems[::-1])]
 
 
 def _slug(text: str) -> str:
@@ -188,7 +221,7 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
-    if system == "llamacpp":
+    if system in LLAMA_SERVER_SYSTEMS:
         from ..baselines import llamaserver
 
         why = llamaserver.unavailable()
@@ -200,9 +233,10 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
         except ImportError as err:
             raise SystemUnavailable(f"writing the GGUF needs the {err.name} package "
                                     "(pip install -e '.[llamacpp]')") from None
+        locked = LLAMA_SERVER_SYSTEMS[system]
         cmd = llamaserver.llama_server_command(binary, gguf, threads=cfg.threads, slots=cfg.max_batch,
-                                               context_per_slot=cfg.context, port=port)
-        return pinned(cmd, cfg.cpus), env
+                                               context_per_slot=cfg.context, port=port, locked=locked)
+        return pinned(with_memlock_limit(cmd) if locked else cmd, cfg.cpus), env
     raise SystemUnavailable(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
@@ -245,30 +279,38 @@ class _Benchmark:
     def __init__(self, cfg: ServeBenchConfig, model: LlamaConfig, log: Log, launcher: Launcher):
         self.cfg, self.model, self.log, self.launcher = cfg, model, log, launcher
         self.slo, self.slo_source = cfg.slo(model)
-        # Each rate gets its own requests, so no system serves a prompt it has cached in an
-        # earlier rate (llama-server caches prompts per slot by default).
-        sets = 1 if cfg.mode == "single" else len(cfg.rates)
+        self.rates: list[float | None] = [None] if cfg.mode == "single" else list(cfg.rates)
+        # Each (round, rate) gets its own requests, so no system serves a prompt it has cached
+        # earlier (llama-server caches prompts per slot by default); every system gets the same.
+        sets = len(self.rates) * cfg.rounds
         reqs, workload = build_requests(replace(cfg, num_prompts=cfg.num_prompts * sets), model, log)
         per = len(reqs) // sets
         self.request_sets = [reqs[i * per:(i + 1) * per] for i in range(sets)]
         self.requests = self.request_sets[0]
         self.warm_prompt = list(fixed_requests([(8, 4)], 1, model.vocab_size, cfg.seed + 1)[0].prompt_ids)
-        self.rates: list[float | None] = [None] if cfg.mode == "single" else list(cfg.rates)
         self.json_path = cfg.out / f"{cfg.stem(model)}.json"
         self.png_path = cfg.out / f"{cfg.stem(model)}.png"
-        self.kv = {"sandwich": cfg.kv_tokens(), "llamacpp": cfg.kv_tokens()}
+        self.turns = turn_order(cfg.systems, cfg.rounds)
         self.meta = {
             "model": cfg.model, "model_name": model.name, "num_params": model.num_params(), "mode": cfg.mode,
             "rates": self.rates, "duration_s": cfg.duration_s, "threads": cfg.threads, "cpus": list(cfg.cpus),
             "max_batch": cfg.max_batch, "context": cfg.context, "kv_dtype": cfg.kv_dtype, "dtype": cfg.dtype,
             "scheduler": {"prefill_budget": cfg.prefill_budget, "priority": cfg.priority},
-            "kv_cache_tokens": {k: v for k, v in self.kv.items() if k in cfg.systems},
+            "kv_cache_tokens": {k: cfg.kv_tokens() for k in cfg.systems},
             "plan": None if cfg.plan is None else str(cfg.plan), "seed": cfg.seed, "timeout_s": cfg.timeout_s,
+            "rounds": cfg.rounds,
+            "interleaving": (f"{cfg.rounds} rounds; in each, every system in turn runs every rate on a "
+                             "freshly started server; the turn order is reversed every other round"),
+            "turns": [{"round": r, "system": name} for r, name in self.turns],
+            "order": [],  # (round, system, rate) of every run, as it started
             "workload": workload, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        self.systems: list[SystemRuns] = []
+        if any(LLAMA_SERVER_SYSTEMS.get(name) for name in cfg.systems):
+            self.meta["memlock_limit_bytes"] = memlock_limit()  # --mlock raises soft to hard
+        self.systems = {name: SystemRuns(name) for name in cfg.systems}
 
     def save(self, plot: bool = False) -> dict:
-        doc = build_report(self.meta, self.systems, self.slo, self.slo_source, self.cfg.slo_scales)
+        doc = build_report(self.meta, list(self.systems.values()), self.slo, self.slo_source,
+                           self.cfg.slo_scales)
         save_report(doc, self.json_path)
         if plot:
             plot_report(doc, self.png_path)
@@ -277,22 +319,24 @@ class _Benchmark:
     def run(self) -> dict:
         cfg, w = self.cfg, self.meta["workload"]
         self.log(f"SLO: TTFT {self.slo.ttft_ms:g} ms, TPOT {self.slo.tpot_ms:g} ms ({self.slo_source}); "
-                 f"{len(self.requests)} requests per rate, mean {w['mean_prompt_tokens']:.0f} prompt / "
-                 f"{w['mean_output_tokens']:.0f} output tokens; {cfg.threads} threads on CPUs "
-                 f"{list(cfg.cpus)}; results in {self.json_path}")
-        for name in cfg.systems:
-            s = SystemRuns(name)
-            self.systems.append(s)
+                 f"{len(self.requests)} requests per rate and round, mean {w['mean_prompt_tokens']:.0f} "
+                 f"prompt / {w['mean_output_tokens']:.0f} output tokens; {cfg.threads} threads on CPUs "
+                 f"{list(cfg.cpus)}; {cfg.rounds} rounds; results in {self.json_path}")
+        for k, name in self.turns:
+            s = self.systems[name]
+            if s.status in ("skipped", "failed"):
+                continue
             try:
-                self.run_system(s)
+                self.run_turn(s, k)
             finally:
                 if s.status == "running":
                     s.status, s.reason = "failed", "interrupted"
                 self.save(plot=True)
         return self.save(plot=True)
 
-    def run_system(self, s: SystemRuns) -> None:
-        """Start the system's server, warm it up, run every rate, stop it; failures end up in ``s``."""
+    def run_turn(self, s: SystemRuns, k: int) -> None:
+        """Round ``k`` of one system: start its server, warm it up, run every rate, stop it;
+        failures end up in ``s`` (and end its later rounds)."""
         cfg, port = self.cfg, free_port()
         try:
             cmd, env = server_command(s.name, cfg, self.model, port, self.log)
@@ -304,29 +348,31 @@ class _Benchmark:
             s.status, s.reason = "failed", f"{type(err).__name__}: {err}"
             self.log(f"{s.name}: failed to prepare: {s.reason}")
             return
-        s.command, s.status = cmd, "running"
-        log_path = cfg.out / "logs" / f"{cfg.stem(self.model)}_{s.name}.log"
-        self.log(f"{s.name}: starting the server (log {log_path})")
+        s.command, s.status = s.command or cmd, "running"
+        tag = "" if cfg.rounds == 1 else f"_round{k + 1}"
+        log_path = cfg.out / "logs" / f"{cfg.stem(self.model)}_{s.name}{tag}.log"
+        self.log(f"{s.name}: round {k + 1}/{cfg.rounds}: starting the server (log {log_path})")
         try:
             with self.launcher(s.name, cmd, port, env, log_path) as base_url:
                 warm = asyncio.run(warm_up(base_url, cfg.model, self.warm_prompt, timeout_s=cfg.timeout_s))
                 if not warm.ok:
                     raise RuntimeError(f"the warm-up request failed: {warm.error}")
-                for rate in self.rates:
-                    self.run_rate(s, base_url, rate)
+                for i, rate in enumerate(self.rates):
+                    self.run_rate(s, base_url, k, i, rate)
             s.status = "ok"
         except (ServerStartError, OSError, RuntimeError) as err:
-            s.status, s.reason = "failed", str(err)
+            s.status, s.reason = "failed", f"round {k + 1}: {err}" if cfg.rounds > 1 else str(err)
             self.log(f"{s.name}: failed: {err} (server log: {log_path})")
 
-    def run_rate(self, s: SystemRuns, base_url: str, rate: float | None) -> None:
+    def run_rate(self, s: SystemRuns, base_url: str, k: int, i: int, rate: float | None) -> None:
         cfg = self.cfg
-        label = f"{s.name} @ {'single' if rate is None else f'{rate:g} req/s'}"
-        reqs = self.request_sets[len(s.runs) % len(self.request_sets)]
+        label = f"{s.name} @ {'single' if rate is None else f'{rate:g} req/s'}, round {k + 1}"
+        reqs = self.request_sets[k * len(self.rates) + i]
+        self.meta["order"].append({"round": k, "system": s.name, "rate": rate})
         run = asyncio.run(run_requests(base_url, cfg.model, reqs, mode=cfg.mode, rate=rate,
-                                       seed=cfg.seed, duration_s=cfg.duration_s, timeout_s=cfg.timeout_s,
+                                       seed=cfg.seed + k, duration_s=cfg.duration_s, timeout_s=cfg.timeout_s,
                                        progress=_Progress(self.log, label)))
-        s.runs.append(run)
+        s.runs.append(replace(run, round=k))
         self.save()
         self.log(_run_line(s.name, run, self.slo))
         if all(not r.ok for r in run.records if r.sent):  # the server is gone: stop its sweep
@@ -336,8 +382,9 @@ class _Benchmark:
 
 def run_benchmark(cfg: ServeBenchConfig, model: LlamaConfig, log: Log,
                   launcher: Launcher | None = None) -> dict:
-    """Run every system over every rate; returns the report (also saved under ``cfg.out`` after
-    every rate, with a PNG after every system). ``launcher`` replaces ``ServerProcess`` in tests."""
+    """Run every system over every rate, ``cfg.rounds`` times, the systems taking turns; returns
+    the report (also saved under ``cfg.out`` after every rate, with a PNG after every turn).
+    ``launcher`` replaces ``ServerProcess`` in tests."""
     if launcher is None:
         def launcher(system, cmd, port, env, log_path):
             return launch_server(system, cmd, port, env, log_path, cfg.ready_timeout_s)

@@ -34,7 +34,7 @@ def fake_launcher(state: FakeState, started: list[str], fail: tuple[str, ...] = 
 def config(tmp_path, **kw) -> ServeBenchConfig:
     base = {"model": "llama-160m", "systems": ("sandwich",), "mode": "poisson", "rates": (5.0, 40.0),
             "num_prompts": 6, "lengths": ((8, 4), (16, 3)), "context": 64, "cpus": (0,), "out": tmp_path,
-            "slo_scales": (0.5, 1, 4)}
+            "slo_scales": (0.5, 1, 4), "rounds": 1}
     return ServeBenchConfig(**(base | kw))
 
 

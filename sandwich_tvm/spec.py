@@ -1,0 +1,172 @@
+"""The run spec: what one run is built for, resolved once from the user's options and the host.
+
+``resolve_run_spec`` is the one place where ``--dtype auto`` becomes a dtype
+(``resolve_weight_dtype``), where the context and the KV cache are checked against the model
+and the memory (``check_context``), and where the plan is read (only from a file the user
+names). The frozen ``RunSpec`` it returns flows down to compile, the engine, the
+tensor-parallel ranks, the simulator and tune; nothing below re-resolves it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .host import cpu_flags, isa_of
+from .kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
+from .kernels.microkernel import DTYPES, kernel_isa
+from .model.config import LlamaConfig, load_config
+from .model.llama import ACT_DTYPE
+from .topology.plan import ExecPlan
+
+WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
+DEFAULT_DTYPE = "auto"  # bfloat16 on every CPU (resolve_weight_dtype), as vLLM's --dtype auto serves 16 bits
+DEFAULT_CONTEXT = 4096  # a server's longest request when the user does not say (capped at the model's)
+CONTEXT_ROUND = 256  # a one-shot run's context is rounded up to this many tokens
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class SpecError(ValueError):
+    """Options that do not make a run on this model and host; the message names the option."""
+
+
+def resolve_weight_dtype(choice: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """``(dtype, why)`` for a ``--dtype`` value. ``auto`` is bfloat16 on every CPU: computed on
+    the bf16 unit where there is one (AMX, AVX512-BF16, Arm's BF16), else widened to fp32 as it
+    is loaded, which still halves the bytes decode streams per token."""
+    if choice != "auto":
+        if choice not in WEIGHT_DTYPES:
+            raise SpecError(f"weight dtype {choice!r} is not supported; use one of "
+                            f"{', '.join(WEIGHT_DTYPES)} (or auto)")
+        return choice, "as asked"
+    flags = cpu_flags() if flags is None else flags
+    isa = kernel_isa(isa_of(flags), "bfloat16", flags)
+    if isa == "amx":
+        return "bfloat16", ("this CPU has AMX: bf16 prefill GEMMs run on tdpbf16ps tiles, decode-sized "
+                            "ones on AVX512-BF16's vdpbf16ps")
+    if isa == "avx512bf16":
+        return "bfloat16", "this CPU has AVX512-BF16: bf16 weights run on vdpbf16ps"
+    if isa == "neonbf16":
+        return "bfloat16", "this CPU has Arm's BF16 extension: bf16 weights run on bfdot"
+    return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
+                        f"widened to fp32 on {isa} (half the weight bytes of fp32)")
+
+
+def kv_cache_bytes(cfg: LlamaConfig, tokens: int, kv_dtype: str = "float32") -> int:
+    """K and V of every layer for ``tokens`` positions, stored as ``kv_dtype``."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype] * tokens
+
+
+def run_context(cfg: LlamaConfig, needed: int) -> int:
+    """The KV cache length for a one-shot run of ``needed`` tokens (prompt + new tokens): rounded
+    up to ``CONTEXT_ROUND``, capped at the model's ``max_position_embeddings``."""
+    rounded = -(-max(needed, 1) // CONTEXT_ROUND) * CONTEXT_ROUND
+    return min(rounded, cfg.max_position_embeddings)
+
+
+def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", kv_dtype: str = "float32",
+                  available: int | None = None) -> None:
+    """Raise ``SpecError`` when a KV cache of ``tokens`` is empty, longer than the model's context
+    (for ``--context``) or would not fit in the memory available now (``available`` bytes;
+    psutil's by default)."""
+    if tokens < 1:
+        raise SpecError(f"{option} {tokens} must be at least 1 token")
+    if option == "--context" and tokens > cfg.max_position_embeddings:
+        raise SpecError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
+                        "tokens (max_position_embeddings); lower it")
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    need = kv_cache_bytes(cfg, tokens, kv_dtype)
+    if need > available:
+        raise SpecError(f"a KV cache of {tokens} tokens needs {need / 2**30:.1f} GiB but only "
+                        f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run is compiled and served for. ``model`` is what weights load from (a preset
+    name or a checkpoint directory); ``config`` describes that checkpoint only."""
+
+    model: str
+    config: LlamaConfig
+    plan: ExecPlan
+    weight_dtype: str = "float32"
+    kv_dtype: str = DEFAULT_KV_DTYPE
+    act_dtype: str = ACT_DTYPE
+    context: int = 2048  # the longest sequence, prompt + output
+    kv_tokens: int = 2048  # the paged KV cache, shared by up to max_batch sequences
+    max_batch: int = 8  # sequences at once; the decode kernels' largest m
+    prefill_chunk: int = 2048  # the most tokens one prefill call takes
+    records: Path | None = None  # None: the user's records directory, then the shipped ones
+    stock: bool = False  # TVM's own build (nn.Linear, its pipeline): the baseline
+    seed: int = 0  # a preset's random weights
+    dtype_note: str = ""  # why --dtype auto chose weight_dtype
+
+    def describe(self) -> str:
+        build = "TVM stock build" if self.stock else f"{self.weight_dtype} weights, {self.kv_dtype} KV cache"
+        return (f"{self.config.name}: {build}, context {self.context}, KV cache {self.kv_tokens} tokens, "
+                f"batch {self.max_batch}; {self.plan.describe()}")
+
+    def with_plan(self, plan: ExecPlan) -> RunSpec:
+        return replace(self, plan=plan)
+
+    def to_json(self) -> str:
+        """For the tensor-parallel ranks: everything but the config, which they reload from ``model``."""
+        d = asdict(self)
+        d.pop("config")
+        d["plan"] = self.plan.to_dict()
+        d["records"] = None if self.records is None else str(self.records)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        d = json.loads(text)
+        d["plan"] = ExecPlan.from_dict(d["plan"], d["plan"].get("source", "run spec"))
+        d["records"] = None if d["records"] is None else Path(d["records"])
+        return cls(config=load_config(d["model"]), **d)
+
+
+def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype: str = DEFAULT_KV_DTYPE,
+                     plan: ExecPlan | Path | None = None, context: int | None = None,
+                     needed_tokens: int | None = None, kv_tokens: int | None = None,
+                     shared_kv: bool = False, max_batch: int = 8, prefill_chunk: int = 2048,
+                     records: Path | None = None, stock: bool = False, seed: int = 0,
+                     log: Callable[[str], None] = lambda _m: None) -> RunSpec:
+    """The run spec of these options on this host, checked before anything is compiled or loaded.
+
+    ``plan``: an ``ExecPlan``, a plans.json the user named, or None for every CPU. ``context``:
+    the user's ``--context`` (checked against the model); without it, ``needed_tokens`` (a
+    one-shot run's prompt + new tokens, rounded up) or ``DEFAULT_CONTEXT``, capped at the
+    model's. ``kv_tokens``: the cache's size; default ``context``, or with ``shared_kv`` (a
+    server) half of ``context x max_batch``. TVM's stock build runs fp32 weights and cache."""
+    cfg = load_config(model)
+    if kv_dtype not in KV_DTYPES:
+        raise SpecError(f"KV cache dtype {kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
+    if stock:
+        weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
+    else:
+        weight_dtype, note = resolve_weight_dtype(dtype)
+    if plan is None:
+        plan = ExecPlan.all_cpus()
+    elif not isinstance(plan, ExecPlan):
+        plan = ExecPlan.from_file(Path(plan))
+    if context is not None:
+        check_context(cfg, context, kv_dtype=kv_dtype)
+    elif needed_tokens is not None:
+        context = run_context(cfg, needed_tokens)
+    else:
+        context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    default_kv = max(context * max_batch // 2, context) if shared_kv else context
+    kv = max(kv_tokens or default_kv, context)
+    check_context(cfg, kv, option="--kv-cache-tokens" if kv_tokens or shared_kv else "--context",
+                  kv_dtype=kv_dtype)
+    if dtype == "auto" and not stock:  # once every option checked out: an error stays one line
+        log(f"weights: {weight_dtype} ({note})")
+    return RunSpec(model=str(model), config=cfg, plan=plan, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                   context=context, kv_tokens=kv, max_batch=max_batch,
+                   prefill_chunk=min(prefill_chunk, context), records=records, stock=stock, seed=seed,
+                   dtype_note=note)

@@ -1,0 +1,143 @@
+"""Tiny random Llamas written as GGUF files the way llama.cpp's HF conversion writes them (q/k
+rows permuted for its RoPE, tied embeddings as ``token_embd`` only), with any tensor types and
+a trained byte-level BPE (``gpt2``) vocabulary in the metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from sandwich_tvm.bench.baselines.llamacpp import _permute
+from sandwich_tvm.model.config import LlamaConfig
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b  # adds two numbers\n",
+    "Numbers like 12345 and 2024 appear in text; so do émigrés, naïve cafés and 東京.",
+    "Please explain how a transformer language model generates text, one token at a time.",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 360):
+    """A byte-level BPE (GPT-2's split, ByteLevel decoder) trained on ``CORPUS``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return tok
+
+
+def tiny_config(vocab_size: int, tied: bool = True, name: str = "tiny") -> LlamaConfig:
+    return LlamaConfig(name, 64, 2, 4, 2, 96, vocab_size, max_position_embeddings=256, rope_theta=50000.0,
+                       tie_word_embeddings=tied)
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qtype: str = "F32",
+               tokenizer=None, arch: str = "llama", meta: dict | None = None, drop: tuple[str, ...] = (),
+               extra: dict[str, np.ndarray] | None = None) -> Path:
+    """``state`` (HF names) as a GGUF: matrices stored as ``qtype`` (the embedding as Q8_0 when
+    ``qtype`` is a 4-bit type, as llama.cpp's Q4 files do), 1-D tensors as F32. ``meta``
+    overrides metadata values (``None`` leaves a key out); ``drop`` leaves GGUF tensors out."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    fields = {"general.name": cfg.name, f"{arch}.context_length": cfg.max_position_embeddings,
+              f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
+              f"{arch}.feed_forward_length": cfg.intermediate_size,
+              f"{arch}.attention.head_count": cfg.num_attention_heads,
+              f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+              f"{arch}.rope.dimension_count": cfg.head_dim, f"{arch}.rope.freq_base": cfg.rope_theta,
+              f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+              f"{arch}.vocab_size": cfg.vocab_size} | (meta or {})
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    if tokenizer is not None:
+        add_gpt2_tokenizer(w, tokenizer)
+    for hf, arr in state.items():
+        name = gguf_name(hf)
+        if name in drop:
+            continue
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
+            arr = _permute(arr, heads)
+        kind = qtype if arr.ndim == 2 else "F32"
+        if name == "token_embd.weight" and kind.startswith("Q4"):
+            kind = "Q8_0"
+        add_tensor(w, name, arr, kind)
+    for name, arr in (extra or {}).items():
+        add_tensor(w, name, arr, "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def add_tensor(w, name: str, arr: np.ndarray, kind: str) -> None:
+    import gguf
+
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if kind == "F32":
+        w.add_tensor(name, arr)
+    elif kind == "F16":
+        w.add_tensor(name, arr.astype(np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def add_gpt2_tokenizer(w, tok, pre: str = "default") -> None:
+    """llama.cpp's ``gpt2`` vocabulary keys for a ``tokenizers`` byte-level BPE."""
+    import gguf
+
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def quantized(arr: np.ndarray, kind: str) -> np.ndarray:
+    """``arr`` after a round trip through GGUF type ``kind`` (what the loader must return)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), qtype)

