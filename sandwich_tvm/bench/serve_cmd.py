@@ -25,7 +25,7 @@ from rich.console import Console
 from ..cli.args import non_negative_int, positive_int, threads_beyond_cpus
 from ..cli.common import print_error
 from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
-from ..model.config import DEFAULT_PRESET, ModelConfigError, load_config
+from ..model.config import DEFAULT_MODEL, ModelConfigError, load_config
 from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_weight_dtype
 from .serving.report import DEFAULT_SCALES, render, without_requests
 from .serving.runner import SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
@@ -49,8 +49,9 @@ def positive_float(text: str) -> float:
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serving benchmark over the OpenAI API: SLO attainment, goodput",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--model", default=DEFAULT_PRESET, metavar="PRESET|DIR",
-                   help=f"preset (random weights) or HF model directory (default {DEFAULT_PRESET})")
+    s.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help=f"a packaged model (default {DEFAULT_MODEL}), a preset of random weights, an HF "
+                        "model directory or a .gguf file")
     s.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated systems, taking turns (default {','.join(SYSTEMS)}; "
                         "llamacpp-mlock is llama-server with --mlock --no-mmap; both are skipped with "

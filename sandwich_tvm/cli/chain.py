@@ -10,9 +10,23 @@ from rich.console import Console
 from rich.table import Table
 
 from ..host import save_atomic
+from ..model.config import PRESETS
+from ..model.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..runtime.loader import open_engine
 from ..spec import RunSpec
 from .options import synthetic_prompt
+
+DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def chain_prompt(args: argparse.Namespace, spec: RunSpec) -> tuple[list[int], ModelTokenizer | None]:
+    """The main job's prompt: ``--prompt`` as one chat turn for a model with a real tokenizer,
+    else ``--prompt-len`` synthetic ids (a random-weight preset has nothing to say)."""
+    tok = None if spec.model in PRESETS else load_model_tokenizer(spec.model)
+    if tok is None:
+        return synthetic_prompt(args.prompt_len, spec.config.vocab_size), None
+    text = tok.render_chat([{"role": "user", "content": args.prompt}])
+    return tok.encode(text), tok
 
 
 def build_dtypes(run: RunSpec, meta: dict) -> dict[str, str]:
@@ -21,10 +35,13 @@ def build_dtypes(run: RunSpec, meta: dict) -> dict[str, str]:
             "kv_dtype": meta.get("kv_dtype", run.kv_dtype), "act_dtype": run.act_dtype}
 
 
-def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console) -> int:
-    """Generate with ``spec`` and with TVM's stock build of the same model on the same CPUs."""
+def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console,
+                       prompt: list[int] | None = None, tok: ModelTokenizer | None = None) -> int:
+    """Generate from ``prompt`` (default ``--prompt-len`` synthetic ids) with ``spec`` and with
+    TVM's stock build of the same model on the same CPUs; with ``tok``, print the answers."""
     cfg, plan = spec.config, spec.plan
-    prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size)
+    prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size) if prompt is None else prompt
+    stop = set(tok.eos_ids) if tok is not None else set()
     results = {}
     for stock in ([False] if args.no_stock else [False, True]):
         name = "tvm-stock" if stock else "sandwich"
@@ -32,15 +49,18 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
                if stock else spec)
         engine, compiled = open_engine(run, log=lambda m: console.print(f"[dim]{m}[/]"))
         engine.generate(prompt[:4], 2)  # warm-up
-        gen = engine.generate(prompt, args.max_new_tokens)
+        gen = engine.generate(prompt, args.max_new_tokens, stop=stop)
         engine.close()
         results[name] = (gen.to_json() | build_dtypes(run, compiled.meta)
                          | {"kernels": compiled.meta["kernels"]})
+        if tok is not None:
+            results[name]["text"] = tok.decode(gen.tokens)
+            console.print(f"{name} answers: {results[name]['text']!r}", markup=False, highlight=False)
         tpot = "n/a" if results[name]["tpot_ms"] is None else f"{gen.tpot_ms:.2f} ms"
         r = results[name]
         console.print(f"{name} ({r['weight_dtype']} weights, {r['kv_dtype']} KV cache): TTFT "
                       f"{gen.ttft_ms:.1f} ms, TPOT {tpot}, tokens {gen.tokens[:8]}...")
-    table = Table(title=f"{cfg.name}: prompt {args.prompt_len} tokens, {args.max_new_tokens} new "
+    table = Table(title=f"{cfg.name}: prompt {len(prompt)} tokens, up to {args.max_new_tokens} new "
                         f"({plan.describe()})")
     for col in ("build", "weights", "KV cache", "TTFT ms", "TPOT ms", "TTFT speed-up", "TPOT speed-up"):
         table.add_column(col, justify="right")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..model.config import DEFAULT_PRESET, LlamaConfig, ModelConfigError, load_config
+from ..model.config import DEFAULT_MODEL, LlamaConfig, ModelConfigError, load_config
 from ..topology import load_tree
 from ..topology.hwobj import TopologyError
 from ..topology.microbench import measure_profile
@@ -54,8 +54,9 @@ def add_machine_args(parser: argparse.ArgumentParser) -> None:
                              "(default: microbenchmark this machine, or match a shipped one)")
     parser.add_argument("--refresh-profile", action="store_true",
                         help="re-run the microbenchmarks instead of using the cached profile")
-    parser.add_argument("--model", default=DEFAULT_PRESET, metavar="PRESET|DIR",
-                        help=f"model preset or HF model directory (default {DEFAULT_PRESET})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+                        help=f"a packaged model (default {DEFAULT_MODEL}), a preset of random weights, an HF "
+                             "model directory or a .gguf file")
     parser.add_argument("--lengths", metavar="P:O,...",
                         help="request lengths PROMPT:OUTPUT tokens (default: ShareGPT sample)")
     parser.add_argument("--requests", type=positive_int, default=64,

