@@ -93,7 +93,7 @@ def test_pinned_command_runs_on_the_cpus():
     (["--lengths", ""], "names no PROMPT:OUTPUT pair"),
     (["--slo-scales", ""], "names no value"),
     (["--model", "no-such-model"], "neither a preset"),
-    (["--context", "99999"], "exceeds the 2048 positions"),
+    (["--context", "99999"], "exceeds the 8192 positions of smollm2-135m"),  # the default model
 ])
 def test_bad_input_is_one_line(capsys, argv, message):
     assert bench.main(["serve", *argv]) == 2
