@@ -17,6 +17,7 @@ from pathlib import Path
 from .host import cpu_flags, isa_of
 from .kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from .kernels.microkernel import DTYPES, kernel_isa
+from .kernels.quant import BLOCK, QTYPES
 from .model.config import LlamaConfig, load_config
 from .model.llama import ACT_DTYPE
 from .topology.plan import ExecPlan
@@ -25,7 +26,8 @@ WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
 DEFAULT_DTYPE = "auto"  # bfloat16 on every CPU (resolve_weight_dtype), as vLLM's --dtype auto serves 16 bits
 DEFAULT_CONTEXT = 4096  # a server's longest request when the user does not say (capped at the model's)
 CONTEXT_ROUND = 256  # a one-shot run's context is rounded up to this many tokens
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2,  # bytes a value (quantized: with the block's d, m)
+               **{name: q.block_bytes / BLOCK for name, q in QTYPES.items()}}
 
 
 class SpecError(ValueError):
@@ -52,6 +54,30 @@ def resolve_weight_dtype(choice: str, flags: frozenset[str] | None = None) -> tu
         return "bfloat16", "this CPU has Arm's BF16 extension: bf16 weights run on bfdot"
     return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
                         f"widened to fp32 on {isa} (half the weight bytes of fp32)")
+
+
+def _gguf_quant_type(model: str | Path) -> str | None:
+    """A GGUF's quantized weight type where the kernels read it natively (``--dtype auto`` keeps it)."""
+    from .model.config import model_path
+    from .model.gguf import linear_type
+
+    path = model_path(model)
+    if path.suffix != ".gguf":
+        return None
+    kind = linear_type(path)
+    return kind if kind in QTYPES else None
+
+
+def _check_blocks(cfg: LlamaConfig, dtype: str) -> None:
+    """Quantized weights need every Linear's k (hidden, attention and MLP widths) in blocks of 32."""
+    if dtype not in QTYPES:
+        return
+    widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_attention_heads x head_dim": cfg.num_attention_heads * cfg.head_dim}
+    for field, k in widths.items():
+        if k % BLOCK:
+            raise SpecError(f"--dtype {dtype} stores weights in blocks of {BLOCK} along k, but this model's "
+                            f"{field} is {k}; use --dtype bfloat16")
 
 
 def kv_cache_bytes(cfg: LlamaConfig, tokens: int, kv_dtype: str = "float32") -> int:
@@ -150,6 +176,10 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
     else:
         weight_dtype, note = resolve_weight_dtype(dtype)
+        own = _gguf_quant_type(model) if dtype == "auto" else None
+        if own is not None:
+            weight_dtype, note = own, f"the GGUF's own {own} blocks, loaded as they are"
+        _check_blocks(cfg, weight_dtype)
     if plan is None:
         plan = ExecPlan.all_cpus()
     elif not isinstance(plan, ExecPlan):

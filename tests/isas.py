@@ -6,12 +6,16 @@ import pytest
 
 from sandwich_tvm.host import can_run, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS
+from sandwich_tvm.kernels.quant import QTYPES
 
 ALL_ISAS = sorted(isa for isa, spec in ISAS.items() if "float32" in spec.dtypes)  # vector ISAs
 every_isa = pytest.mark.parametrize("isa", ALL_ISAS)
 # Every (micro-kernel ISA, weight dtype) with 16-bit weights: widened on the vector ISAs, bf16
 # pairs on avx512bf16 and neonbf16, bf16 tiles on amx.
-HALF_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes if dt != "float32"]
+HALF_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes
+              if dt in ("bfloat16", "float16")]
+# Every (vector ISA, block-quantized weight type): dequantized in registers.
+QUANT_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes if dt in QTYPES]
 
 # What a vector register looks like in each ISA's assembly.
 VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "neon": ".4s", "neonbf16": ".4s",

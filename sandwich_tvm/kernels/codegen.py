@@ -42,6 +42,7 @@ from ..tvm_compat import parse_tvmscript, tvm
 from .amx import amx, tile_config, tile_kloop
 from .microkernel import ISAS, STACK_BYTES
 from .packing import KernelError, WeightLayout
+from .quant import BLOCK, qtype
 from .schedule import EPILOGUES, GemmSchedule, GemmShape, cdiv
 from .vecmath import bf16_bits, bf16_pair_of_word, silu_mul
 
@@ -125,6 +126,8 @@ def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
         raise KernelError(f"slice {s} is not a whole number of {mk.mr}x{mk.nr} tiles")
     if mk.nr % mk.lanes:
         raise KernelError(f"NR={mk.nr} is not a multiple of {mk.lanes} lanes")
+    if s.kc % mk.kc_align:
+        raise KernelError(f"KC={s.kc} is not a multiple of {mk.kc_align} for {mk.name}")
     if ISAS[mk.isa].tile_rows and s.kc % ISAS[mk.isa].k_align:
         raise KernelError(f"KC={s.kc} is not a whole number of {ISAS[mk.isa].k_align}-pair AMX tiles")
 
@@ -150,17 +153,22 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
         raise KernelError(f"silu_mul needs n = 2 x intermediate a multiple of {2 * lanes}, not {n}")
     n_out = n // 2 if epilogue == "silu_mul" else n
     layout = WeightLayout(isa.name, shape.dtype)
-    panels, k_red, _ = layout.shape(n, k)
+    panels, k_red, width = layout.shape(n, k)  # width: lanes, or a panel's bytes per block
     extra_param = {"residual": "var_R: T.handle, ",
                    "bias": f'B: T.Buffer(({n},), "float32"), '}.get(epilogue, "")
     extra_buffer = ""
     if epilogue == "residual":
         extra_buffer = f'\n        R = T.match_buffer(var_R, (m, {n}), "float32")'
+    if layout.quant is not None:  # the blocks' fp16 d (and m) and, for q8_0, their int8 values
+        layout.quant.check_k(k)
+        view = "T.decl_buffer(({}, {}, {}), {!r}, data=Wp.data)"
+        extra_buffer += (f"\n        Wh = {view.format(panels, k_red, width // 2, 'float16')}"
+                         f"\n        Wi = {view.format(panels, k_red, width, 'int8')}")
     if any(_reads_pair_words(b.schedule, k) for b in buckets):  # A's fp32 pairs as uint64 words
         extra_buffer += f'\n        A2 = T.decl_buffer((m, {k // 2}), "uint64", data=A.data)'
     head = f'''
     @D.prim_func(s_tir=True)
-    def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k_red}, {lanes}), "{layout.storage}"),
+    def {name}(var_A: T.handle, Wp: T.Buffer(({panels}, {k_red}, {width}), "{layout.storage}"),
              {extra_param}var_Y: T.handle):
         T.func_attr({{"global_symbol": "{name}", "tir.noalias": True, "tirx.is_scheduled": True}})
         m = T.int64()
@@ -230,6 +238,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     nv = nr // lanes
     pairs_k = mk.k_pack == 2  # k counts bf16 pairs (one vdpbf16ps each)
     tiles = ISAS[mk.isa].tile_rows > 0  # an AMX tile grid
+    quant = qtype(mk.dtype)  # block-quantized weights (kernels.quant)
     tm, tn = mk.tiles
     # AMX walks the padded k (16 pairs per tile; A and W are zero there)
     k = WeightLayout(mk.isa, mk.dtype).reduction(k_full) if tiles else cdiv(k_full, mk.k_pack)
@@ -297,6 +306,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     tile = acc.alloc()
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
+    if quant is not None:  # the current block's d and offset per vector column
+        tile.append(f'qs = T.sblock_alloc_buffer(({nv}, 2, {lanes}), "float32", scope="global")')
     if not tiles:
         tile += [f"for u, ii in T.grid({ku}, {mr}):"]
         for var, width, _, elem in acc.columns("ii"):
@@ -318,7 +329,49 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         # A[ii] is broadcast once, then NR/lanes FMAs
         return [f"for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, column), 1)]
 
+    def qkloop(length: int) -> list[str]:
+        """The k loop over quantized blocks: per block, each vector column's d (and its offset:
+        m, or -8 d) to registers, then the values widened, scaled and FMA'd (q4: the low and
+        the high nibble of one byte are elements j and j + 16)."""
+        blk, head = f"({pc} * {kc // BLOCK} + kb)", 2 * quant.header * lanes
+
+        def panel(q: str) -> str:
+            return f"{jt} * {nv} + {q}"
+
+        def scales(q: str) -> list[str]:
+            out = [f"for w in T.vectorized({lanes}):",
+                   f'    qs[{q}, 0, w] = T.Cast("float32", Wh[{panel(q)}, {blk}, w])']
+            if quant.has_min:
+                out.append(f'    qs[{q}, 1, w] = T.Cast("float32", Wh[{panel(q)}, {blk}, {lanes} + w])')
+            elif quant.bits == 4:
+                out.append(f"    qs[{q}, 1, w] = qs[{q}, 0, w] * T.float32(-8)")
+            return out
+
+        def column(q: str) -> list[str]:
+            cell, j = acc.vec("u", "ii", q, "w"), f"kq * {ku} + u"
+            kidx = f"{pc} * {kc} + kb * {BLOCK} + {j}"
+            if quant.bits == 8:
+                value = f'T.Cast("float32", Wi[{panel(q)}, {blk}, {head} + ({j}) * {lanes} + w])'
+                return [f"for w in T.vectorized({lanes}):",
+                        f"    {cell} = {cell} + {ap}[{it}, {kidx}, ii] * ({value} * qs[{q}, 0, w])"]
+            byte = f"Wp[{panel(q)}, {blk}, {head} + ({j}) * {lanes} + w]"
+            lo, hi = (f'(T.Cast("float32", {nib}) * qs[{q}, 0, w] + qs[{q}, 1, w])'
+                      for nib in (f"{byte} & T.uint8(15)", f"{byte} >> T.uint8(4)"))
+            return [f"for w in T.vectorized({lanes}):",
+                    f"    {cell} = {cell} + {ap}[{it}, {kidx}, ii] * {lo}"
+                    f" + {ap}[{it}, {kidx} + 16, ii] * {hi}"]
+
+        steps = BLOCK if quant.bits == 8 else BLOCK // 2  # values (q8_0) or bytes (q4) per block
+        return [f"for kb in range({length // BLOCK}):",
+                *_indent(acc.vectors(nv, scales), 1),
+                f"    for kq in range({steps // ku}):",
+                f"        for u in T.unroll({ku}):",
+                f"            for ii in T.unroll({mr}):",
+                *_indent(acc.vectors(nv, column), 4)]
+
     def kloop(length: int) -> list[str]:
+        if quant is not None:
+            return qkloop(length)
         if tiles:  # A tile (it, kb) and the B tile of 16 pairs of panel jt * tn + j, from kq
             def b_tile(j: int, q: str = "kq", r: int = 0) -> str:
                 return f"Wp[{jt} * {nv} + {j}, {pc} * {kc} + {q} * 16 + {r}, 0]"

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..host import BF16_UNITS
+from .quant import BLOCK, QTYPES
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Isa:
     registers: int  # architectural vector registers
     cache_line: int = 64  # bytes
     default_tiles: tuple[tuple[int, int, int], ...] = ()
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # weight dtypes it computes
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", *QTYPES)  # weight dtypes it computes
     k_pack: int = 1  # k steps one instruction reduces (2: bf16 pairs)
     needs: tuple[str, ...] = ()  # CPU flags beyond the base ISA's
     tile_rows: int = 0  # rows per tile register (AMX: 16); 0 for a vector ISA
@@ -82,7 +83,7 @@ ISAS: dict[str, Isa] = {
                dtypes=("bfloat16",), k_pack=2, needs=("amx_bf16", "amx_tile", "avx512_bf16"),
                tile_rows=16, k_align=16, extends=("avx512bf16",), peak_ratio=8.0),
 }
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 
 
 def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset()) -> str:
@@ -130,7 +131,15 @@ class MicroKernel:
         if ISAS[self.isa].tile_rows:  # accumulator tiles + A tiles + B tiles
             tm, tn = self.tiles
             return tm * tn + tm + tn
-        return self.mr * vectors + vectors + 1
+        scales = vectors * QTYPES[self.dtype].header if self.dtype in QTYPES else 0  # d (and m) per column
+        return self.mr * vectors + vectors + 1 + scales
+
+    @property
+    def kc_align(self) -> int:
+        """KC is a whole number of cache lines of fp32 values, and of 32-k blocks for a
+        block-quantized weight."""
+        align = ISAS[self.isa].kc_align
+        return max(align, BLOCK) if self.dtype in QTYPES else align
 
     @property
     def k_partials(self) -> int:
@@ -162,7 +171,7 @@ class MicroKernel:
 
 
 def _short(dtype: str) -> str:
-    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)  # q8_0 as itself
 
 
 STACK_BYTES = 1024  # TVM's kMaxStackAlloca: larger block buffers become heap workspaces

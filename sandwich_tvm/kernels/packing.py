@@ -8,7 +8,8 @@ and k + 1 sit next to each other in one 32-bit word, and the panel is stored as 
 A gate_up weight for the ``silu_mul`` epilogue is interleaved first (gate and up rows
 alternating every ``lanes`` rows). AMX reads 16 k-pairs of a panel as one B tile, so its
 layout pads k (zeros) to a multiple of 32 (``k_align`` pairs); otherwise it is the
-``avx512bf16`` layout.
+``avx512bf16`` layout. A block-quantized weight (``q8_0``, ``q4_0``, ``q4_1``: ``quant``) is
+stored as ``uint8`` panels of GGUF blocks, ``Wp[panels, k / 32, lanes * block_bytes]``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .microkernel import ISAS, microkernels
+from .quant import BLOCK, QuantBlocks, qtype
 from .schedule import cdiv
 
 
@@ -66,8 +68,16 @@ class WeightLayout:
 
     @property
     def storage(self) -> str:
-        """The parameter's dtype: the weight's, or ``uint32`` words of bf16 k-pairs."""
+        """The parameter's dtype: the weight's, ``uint32`` words of bf16 k-pairs, or the bytes of
+        quantized blocks."""
+        if self.quant is not None:
+            return "uint8"
         return "uint32" if self.k_pack == 2 else self.dtype
+
+    @property
+    def quant(self):
+        """The block type of a quantized weight (``kernels.quant.QType``), else None."""
+        return qtype(self.dtype)
 
     def panels(self, n: int) -> int:
         """n padded so the last column tile of every NR is in bounds (a 24-wide tile over
@@ -81,18 +91,31 @@ class WeightLayout:
         return cdiv(cdiv(k, self.k_pack), align) * align
 
     def shape(self, n: int, k: int) -> tuple[int, int, int]:
-        """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``."""
+        """Shape of the packed ``W[n, k]``: ``(panels, k / k_pack, lanes)``; quantized:
+        ``(panels, k / 32, lanes * block_bytes)``."""
+        q = self.quant
+        if q is not None:
+            q.check_k(k)
+            return self.panels(n), k // BLOCK, q.panel_block_bytes(self.lanes)
         return self.panels(n), self.reduction(k), self.lanes
 
     def pack(self, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """``W[n, k]`` (any float dtype) -> the packed array; written into ``out`` (e.g. a
-        huge-page buffer) when given, saving a copy of the whole weight."""
+        """``W[n, k]`` (any float dtype, or ``QuantBlocks`` of this layout's type) -> the packed
+        array; written into ``out`` (e.g. a huge-page buffer) when given, saving a copy of the
+        whole weight."""
         if w.ndim != 2:
             raise KernelError(f"a Linear weight is 2-D, not {list(w.shape)}")
-        if self.interleave:
-            w = interleave_gate_up(w, self.lanes)
         n, k = w.shape
         panels, kp, lanes = self.shape(n, k)
+        q = self.quant
+        if q is not None:  # GGUF blocks as they are, or quantized by gguf's reference code
+            raw = w.raw if isinstance(w, QuantBlocks) and w.qtype == q else q.quantize(np.asarray(w))
+            if self.interleave:
+                raw = interleave_gate_up(raw, self.lanes)
+            return q.to_panels(raw, panels, self.lanes, out)
+        w = np.asarray(w)
+        if self.interleave:
+            w = interleave_gate_up(w, self.lanes)
         if self.dtype == "bfloat16":
             w = to_bfloat16(w)
         padded = np.zeros((panels * lanes, kp * self.k_pack), dtype=numpy_dtype(self.dtype))
@@ -110,9 +133,12 @@ class WeightLayout:
     def element(self, wp, n, k):
         """The fp32 value of ``W[n, k]`` in a packed buffer ``wp`` (a TE/TIR expression): a 16-bit
         value widened, or the half of a k-pair word shifted into an fp32's high bits (exact)."""
+        from tvm import tirx
+
+        if self.quant is not None:
+            return _quant_element(self.quant, self.lanes, wp, n, k)
         if self.k_pack == 1:
             return wp[n // self.lanes, k, n % self.lanes].astype("float32")
-        from tvm import tirx
 
         word = wp[n // self.lanes, k // 2, n % self.lanes]
         half = (word >> ((k % 2) * 16).astype("uint32")) << tirx.const(16, "uint32")
@@ -128,7 +154,9 @@ class WeightLayout:
     def unpack(self, wp: np.ndarray, n: int, k: int) -> np.ndarray:
         """The float32 ``W[n, k]`` a packed array holds (tests, debugging)."""
         panels, kp, lanes = wp.shape
-        if self.k_pack == 1:
+        if self.quant is not None:
+            full = self.quant.dequantize(self.quant.from_panels(wp, panels * self.lanes))
+        elif self.k_pack == 1:
             full = wp.transpose(0, 2, 1).reshape(panels * lanes, kp).astype(np.float32)
         else:
             halves = wp.view(np.uint16).reshape(panels, kp, lanes, 2).transpose(0, 2, 1, 3)
@@ -138,6 +166,28 @@ class WeightLayout:
         if self.interleave:
             w = deinterleave_gate_up(w, self.lanes)
         return w
+
+
+def _quant_element(q, lanes: int, wp, n, k):
+    """``W[n, k]`` of quantized panels as an fp32 TE/TIR expression (the embedding gather,
+    MetaSchedule's workload): the block's fp16 d (and m) from their two bytes, times the value."""
+    from tvm import tirx
+
+    p, w, b, r = n // lanes, n % lanes, k // BLOCK, k % BLOCK
+
+    def half(i: int):
+        lo, hi = (wp[p, b, 2 * (i * lanes + w) + j].astype("uint16") for j in (0, 1))
+        return tirx.reinterpret("float16", lo | (hi << tirx.const(8, "uint16"))).astype("float32")
+
+    head = 2 * q.header * lanes
+    if q.bits == 8:
+        value = tirx.reinterpret("int8", wp[p, b, head + r * lanes + w]).astype("float32")
+        return value * half(0)
+    byte = wp[p, b, head + (r % 16) * lanes + w]
+    nibble = ((byte >> ((r // 16) * 4).astype("uint8")) & tirx.const(15, "uint8")).astype("float32")
+    if q.has_min:
+        return nibble * half(0) + half(1)
+    return (nibble - tirx.const(8, "float32")) * half(0)
 
 
 def interleave_gate_up(w: np.ndarray, lanes: int) -> np.ndarray:

@@ -39,7 +39,7 @@ def caps(p: Problem, mk: MicroKernel, poly: Polymerization) -> Slice:
     """Largest slice that still leaves every thread of ``poly`` a block (the paper's cap)."""
     mc = max(mk.mr, cdiv(cdiv(p.m, poly.pm), mk.mr) * mk.mr)
     nc = max(mk.nr, cdiv(cdiv(p.n, poly.pn), mk.nr) * mk.nr)
-    align = ISAS[mk.isa].kc_align
+    align = mk.kc_align
     kc = max(align, cdiv(cdiv(p.k, poly.pk), align) * align)
     return Slice(mc, nc, kc)
 
@@ -59,7 +59,7 @@ def _grow(s: Slice, dim: str, step: int, cap: Slice) -> Slice | None:
 
 
 def _tile(mk: MicroKernel, dim: str) -> int:
-    return {"mc": mk.mr, "nc": mk.nr, "kc": ISAS[mk.isa].kc_align}[dim]
+    return {"mc": mk.mr, "nc": mk.nr, "kc": mk.kc_align}[dim]
 
 
 def fast_start(p: Problem, mk: MicroKernel, poly: Polymerization,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.packing import numpy_dtype
+from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
 from .config import LlamaConfig, ModelConfigError, shape_problems
 
@@ -239,6 +240,8 @@ def _tensor(t) -> np.ndarray | LazyTensor:
         return t.data.reshape(shape)
     if kind == "BF16":
         return t.data.view(numpy_dtype("bfloat16")).reshape(shape)
+    if kind.lower() in QTYPES and len(shape) == 2:  # the blocks as they are (kernels.quant)
+        return QuantBlocks(t.data.reshape(shape[0], -1), QTYPES[kind.lower()], shape[1])
 
     def load() -> np.ndarray:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
@@ -276,6 +279,20 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
                              "layers the metadata describes; the file is incomplete: re-convert it")
 
 
+def linear_type(path: Path) -> str | None:
+    """The weight type a GGUF's layers hold in most of their matrices, as ``--dtype`` names it
+    (``q4_1``, ``bfloat16``, ...), or None for a type the kernels do not read natively."""
+    from collections import Counter
+
+    kinds = Counter(t.tensor_type.name for t in open_gguf(path).tensors
+                    if t.name.startswith("blk.") and len(t.shape) == 2)
+    if not kinds:
+        return None
+    kind = kinds.most_common(1)[0][0]
+    floats = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    return floats.get(kind, kind.lower() if kind.lower() in QTYPES else None)
+
+
 def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     """Every tensor of a GGUF under HF's names (checked against the file's metadata by
     ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""
@@ -288,6 +305,9 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
         arr = _tensor(t)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            if isinstance(arr, QuantBlocks):  # whole rows of blocks move
+                state[name] = QuantBlocks(_unpermute(arr.raw, heads), arr.qtype, arr.k)
+                continue
             arr = LazyTensor(arr.shape, arr.dtype, lambda a=arr, h=heads: _unpermute(np.asarray(a), h))
         state[name] = arr
     noted = sorted({t.tensor_type.name for t in reader.tensors} & set(NOTED_TYPES))

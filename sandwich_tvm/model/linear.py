@@ -18,6 +18,7 @@ from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
 from ..kernels.microkernel import kernel_isa
 from ..kernels.packing import WeightLayout
+from ..kernels.quant import head_dtype
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import tvm
 
@@ -50,15 +51,24 @@ class KernelSet:
     def kernel_isa(self) -> str:
         """The micro-kernels' ISA: ``isa``, or its bf16 extension where ``cpu`` (this host by
         default, when ``isa`` is its ISA) has it."""
+        return self.kernel_isa_for(self.dtype)
+
+    @property
+    def head_dtype(self) -> str:
+        """The lm_head's weight type (``kernels.quant.head_dtype``: q8_0 under 4-bit weights)."""
+        return head_dtype(self.dtype)
+
+    def kernel_isa_for(self, dtype: str) -> str:
         if self.cpu is not None:
             flags = frozenset(self.cpu.features or ())
         else:
             flags = cpu_flags() if self.isa == host_isa() else frozenset()
-        return kernel_isa(self.isa, self.dtype, flags)
+        return kernel_isa(self.isa, dtype, flags)
 
-    def layout(self, interleave: bool = False) -> WeightLayout:
-        """How a Linear weight of this kernel set is packed."""
-        return WeightLayout(self.kernel_isa, self.dtype, interleave)
+    def layout(self, interleave: bool = False, dtype: str | None = None) -> WeightLayout:
+        """How a Linear weight of this kernel set (of ``dtype``: default the set's) is packed."""
+        dtype = dtype or self.dtype
+        return WeightLayout(self.kernel_isa_for(dtype), dtype, interleave)
 
     def threads(self, phase_name: str) -> int:
         return self.prefill_threads if phase_name == "prefill" else self.decode_threads
@@ -89,7 +99,8 @@ class KernelSet:
                     out.append(Bucket(m_max, b.schedule))
                     covered = m_max
         if max_m is None or max_m > covered:  # beyond the tuned range: the default schedules
-            out += [b for b in default_buckets(shape, threads, max_m, self.kernel_isa) if b.m_max > covered]
+            out += [b for b in default_buckets(shape, threads, max_m, self.kernel_isa_for(shape.dtype))
+                    if b.m_max > covered]
         out[-1] = Bucket(1 << 62, out[-1].schedule)
         return out
 
@@ -125,17 +136,19 @@ class PackedLinear(nn.Module):
     (``WeightLayout``). The residual add is fused into the kernel's store; ``silu_mul`` (an
     ``interleave``d gate_up weight, see ``kernels.codegen``) returns ``silu(gate) * up``."""
 
-    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, interleave: bool = False):
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, interleave: bool = False,
+                 dtype: str | None = None):
         self.in_features, self.out_features = in_features, out_features
-        self.kernels = kernels
-        self.weight = packed_parameter(out_features, in_features, kernels.layout(interleave))
+        self.kernels, self.dtype = kernels, dtype or kernels.dtype
+        self.weight = packed_parameter(out_features, in_features, kernels.layout(interleave, self.dtype))
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
-        return packed_matmul(x, self.weight, self.out_features, self.kernels, residual, silu_mul)
+        return packed_matmul(x, self.weight, self.out_features, self.kernels, residual, silu_mul, self.dtype)
 
 
 def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
-                  residual: nn.Tensor | None = None, silu_mul: bool = False) -> nn.Tensor:
+                  residual: nn.Tensor | None = None, silu_mul: bool = False, dtype: str | None = None
+                  ) -> nn.Tensor:
     """``x[..., k] @ W.T (+ residual[..., n])`` through the prefill kernel for (n, k) (the decode
     functions get the decode kernel from ``compiler.phases``); ``weight`` is packed. With
     ``silu_mul`` the result is ``silu(gate) * up``, ``[..., n / 2]``."""
@@ -148,7 +161,7 @@ def packed_matmul(x: nn.Tensor, weight: nn.Tensor, n: int, kernels: KernelSet,
     x2 = rows(x, k)
     args = [x2, weight] + ([] if residual is None else [rows(residual, n)])
     epilogue = "silu_mul" if silu_mul else "none" if residual is None else "residual"
-    name, func = kernels.primfunc(GemmShape(n, k, kernels.dtype), "prefill", epilogue)
+    name, func = kernels.primfunc(GemmShape(n, k, dtype or kernels.dtype), "prefill", epilogue)
     n_out = n // 2 if silu_mul else n
     y = op.tensor_ir_op(func, name, args=args, out=nn.Tensor.placeholder((x2.shape[0], n_out), x.dtype))
     return op.reshape(y, (*lead, n_out)) if len(lead) != 1 else y

@@ -28,10 +28,11 @@ ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; wei
 
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
-            interleave: bool = False, shard: Shard | None = None) -> nn.Module:
-    """``Y = X @ W.T`` with ``W[n, k]`` (this rank's part of a weight split as ``shard``)."""
+            interleave: bool = False, shard: Shard | None = None, head: bool = False) -> nn.Module:
+    """``Y = X @ W.T`` with ``W[n, k]`` (this rank's part of a weight split as ``shard``); the
+    ``head`` in the kernel set's head dtype."""
     linear = (nn.Linear(k, n, bias=False, dtype=ACT_DTYPE) if kernels is None
-              else PackedLinear(k, n, kernels, interleave))
+              else PackedLinear(k, n, kernels, interleave, kernels.head_dtype if head else None))
     shard_hint(linear.weight, shard)
     return linear
 
@@ -142,7 +143,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
         # tied and unsharded: the embedding is read from the packed lm_head (one copy)
         tied = cfg.tie_word_embeddings and kernels is not None and tp == 1
-        self.embed_tokens = Embedding(cfg, kernels.layout() if tied else None)
+        self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
         layers = [DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(cfg.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = _norm(cfg, kernels)
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             vocab = Shard(0, (cfg.vocab_size,)) if tp > 1 else None
             rows = vocab.local(tp) if vocab else cfg.vocab_size
-            self.lm_head = _linear(cfg, cfg.hidden_size, rows, kernels, shard=vocab)
+            self.lm_head = _linear(cfg, cfg.hidden_size, rows, kernels, shard=vocab, head=True)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
         if self.tp > 1:
@@ -181,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight
         if self.kernels is None:
             return op.matmul(h, op.permute_dims(w))
-        return packed_matmul(h, w, self.cfg.vocab_size, self.kernels)  # the tied weight, packed
+        return packed_matmul(h, w, self.cfg.vocab_size, self.kernels,  # the tied weight, packed
+                             dtype=self.kernels.head_dtype)
 
     def _forward(self, ids: nn.Tensor, kv: PagedKVCache, positions: nn.Tensor | None) -> nn.Tensor:
         h = self.model(ids, kv)

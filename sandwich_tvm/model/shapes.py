@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..host import cpu_flags
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.microkernel import kernel_isa
+from ..kernels.quant import head_dtype
 from ..kernels.schedule import GemmShape
 from ..tvm_compat import host_isa
 from .config import LlamaConfig
@@ -30,5 +31,5 @@ def linear_shapes(cfg: LlamaConfig, dtype: str = "float32", tp: int = 1,
         "o": GemmShape(h, q, dtype, residual),
         "gate_up": GemmShape(2 * inter, h, dtype, "silu_mul" if fuses_silu_mul(inter, isa) else "none"),
         "down": GemmShape(h, inter, dtype, residual),
-        "lm_head": GemmShape(-(-cfg.vocab_size // tp), h, dtype),
+        "lm_head": GemmShape(-(-cfg.vocab_size // tp), h, head_dtype(dtype)),
     }

@@ -19,6 +19,7 @@ import numpy as np
 from ..host import cache_dir
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout, numpy_dtype
+from ..kernels.quant import QuantBlocks, head_dtype
 from ..memory import aligned_empty
 from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, random_checkpoint, read_checkpoint
 from .config import LlamaConfig, model_path
@@ -34,21 +35,26 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 
-def _hf_tensor(state: dict[str, np.ndarray], name: str, cfg: LlamaConfig, where: str) -> np.ndarray:
+def _hf_tensor(state: dict[str, np.ndarray], name: str, cfg: LlamaConfig,
+               where: str) -> np.ndarray | QuantBlocks:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         name = "model.embed_tokens.weight"
     for ours, parts in _FUSED.items():
         if name.endswith(ours):
             prefix = name[: -len(ours)]
-            return np.concatenate([_get(state, prefix + p, where) for p in parts], axis=0)
+            tensors = [_get(state, prefix + p, where) for p in parts]
+            if all(isinstance(t, QuantBlocks) and t.qtype == tensors[0].qtype for t in tensors):
+                return QuantBlocks.concat(tensors)  # a GGUF's blocks stay blocks
+            return np.concatenate([np.asarray(t) for t in tensors], axis=0)
     return _get(state, name, where)
 
 
-def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
+def _get(state: dict[str, np.ndarray], name: str, where: str) -> np.ndarray | QuantBlocks:
     if name not in state:
         raise ModelLoadError(f"{where}: tensor {name!r} is missing; is this a Llama checkpoint "
                              "matching its config.json?")
-    return np.asarray(state[name])  # a GGUF's quantized tensors are dequantized here, one at a time
+    t = state[name]  # a GGUF's quantized tensors stay GGUF blocks until a layout takes or dequantizes them
+    return t if isinstance(t, QuantBlocks) else np.asarray(t)
 
 
 def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[str, tuple[int, ...]]],
@@ -66,12 +72,13 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
         if tp > 1 and name in (shards or {}):
-            hf = shards[name].take(np.asarray(hf), rank, tp)
+            hf = shards[name].take(np.asarray(hf), rank, tp)  # quantized blocks: dequantized first
         if len(shape) == 3:  # packed panels of W[n, k]
             layout = (layouts or {}).get(name)
             if layout is None:  # gate_up is interleaved for the silu_mul epilogue
                 gate_up = name.endswith("mlp.gate_up_proj.weight")
-                layout = WeightLayout(isa, dtype, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
+                own = head_dtype(dtype) if name in ("lm_head.weight", "model.embed_tokens.weight") else dtype
+                layout = WeightLayout(isa, own, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
             if hf.ndim != 2 or layout.shape(*hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{name}: the model was built for panels {list(shape)}, but "
                                      f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
@@ -83,7 +90,7 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
                                      f"implies {list(shape)}")
             arr = aligned_empty(shape)
-            arr[...] = hf
+            arr[...] = np.asarray(hf)
         out.append(arr)
         if progress:
             progress(i + 1, len(params))

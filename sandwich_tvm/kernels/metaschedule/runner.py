@@ -87,7 +87,11 @@ class InProcessRunner(ms.runner.PyRunner):
 
 
 def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Normal values in ``dtype``; ``uint32`` (bf16 k-pairs) as the bits of two bf16 normals."""
+    """Normal values in ``dtype``; ``uint32`` (bf16 k-pairs) as the bits of two bf16 normals;
+    ``uint8`` (quantized blocks) as bytes in 0x10..0x3b, so every fp16 d and m two of them make
+    is a normal number below 1 (no NaN or subnormal to slow the timing)."""
+    if dtype == "uint8":
+        return rng.integers(0x10, 0x3C, size=shape, dtype=np.uint8)
     if dtype == "uint32":
         halves = rng.standard_normal((*shape, 2)).astype(numpy_dtype("bfloat16"))
         return np.ascontiguousarray(halves).view(np.uint32).reshape(shape)

@@ -51,7 +51,7 @@ def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32",
 
         y = te.compute((m, n // 2), gate_times_up, name="epilogue")
     func = te.create_prim_func([*params, y]).with_attr(
-        {"global_symbol": "main", "tir.noalias": True, "sandwich.epilogue": epilogue})
+        {"global_symbol": "main", "tir.noalias": True, "sandwich.epilogue": epilogue, "sandwich.dtype": dtype})
     return tvm.IRModule({"main": func})
 
 
@@ -62,7 +62,10 @@ def workload_shape(mod: tvm.IRModule) -> tuple[int, GemmShape]:
     epilogue = str(func.attrs["sandwich.epilogue"]) if "sandwich.epilogue" in func.attrs else "none"
     m, k = (int(d) for d in a.shape)
     n = int(y.shape[1]) * (2 if epilogue == "silu_mul" else 1)
-    dtype = "bfloat16" if str(wp.dtype) == "uint32" else str(wp.dtype)
+    if "sandwich.dtype" in func.attrs:  # quantized weights are bytes
+        dtype = str(func.attrs["sandwich.dtype"])
+    else:
+        dtype = "bfloat16" if str(wp.dtype) == "uint32" else str(wp.dtype)
     return m, GemmShape(n, k, dtype, epilogue)
 
 

@@ -1,0 +1,157 @@
+"""Block-quantized weight types as llama.cpp names them, bit-compatible with GGUF's blocks.
+
+A block holds 32 consecutive k of one row (one output column of ``Y = X @ W.T``):
+
+- ``q8_0``: an fp16 scale d and 32 int8 q; w = q * d (8.5 bits a weight);
+- ``q4_0``: d and 32 4-bit q (two a byte); w = (q - 8) * d (4.5 bits);
+- ``q4_1``: d, an fp16 minimum m and 32 4-bit q; w = q * d + m (5 bits).
+
+GGUF stores a row as consecutive blocks (``d [m] qs``; a q4 byte j holds element j in its
+low nibble and element j + 16 in its high one). The kernels read them regrouped per
+``lanes`` columns (``to_panels``): for every panel of ``lanes`` rows and every block of k,
+the lanes' d values, then their m values (q4_1), then the values as ``[byte][lane]``, so that
+one vector load holds the same k of ``lanes`` columns. The bytes are the GGUF ones, moved:
+a GGUF file loads without re-quantizing, and an HF checkpoint is quantized with ``gguf``'s
+own reference code (``gguf.quants``), so both give llama.cpp's values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 32  # k per block
+
+
+@dataclass(frozen=True)
+class QType:
+    """One block-quantized weight type."""
+
+    name: str
+    gguf: str  # GGMLQuantizationType member name
+    bits: int  # bits per value: 8 or 4
+    has_min: bool  # q4_1's per-block minimum
+
+    @property
+    def header(self) -> int:
+        """fp16 values (d, and m) before a block's values, per column."""
+        return 2 if self.has_min else 1
+
+    @property
+    def value_bytes(self) -> int:
+        return BLOCK * self.bits // 8
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one column's block: the GGUF block size (34, 18, 20)."""
+        return 2 * self.header + self.value_bytes
+
+    def panel_block_bytes(self, lanes: int) -> int:
+        return lanes * self.block_bytes
+
+    def check_k(self, k: int) -> None:
+        if k % BLOCK:
+            from .packing import KernelError
+
+            raise KernelError(f"{self.name} weights come in blocks of {BLOCK} along k, and k = {k} is "
+                              f"not a multiple of {BLOCK}; use --dtype bfloat16 for this model")
+
+    def quantize(self, w: np.ndarray) -> np.ndarray:
+        """``W[n, k]`` (float) -> GGUF blocks ``[n, k / 32 * block_bytes]`` (uint8), by gguf's
+        reference quantizer (llama.cpp's rounding)."""
+        import gguf
+
+        self.check_k(w.shape[1])
+        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), self._gguf_type)
+
+    def dequantize(self, raw: np.ndarray) -> np.ndarray:
+        """GGUF blocks ``[n, bytes]`` -> float32 ``W[n, k]``."""
+        import gguf
+
+        return gguf.quants.dequantize(np.ascontiguousarray(raw), self._gguf_type)
+
+    @property
+    def _gguf_type(self):
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.gguf]
+
+    def to_panels(self, raw: np.ndarray, panels: int, lanes: int,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """GGUF blocks of ``n <= panels * lanes`` rows -> ``[panels, k / 32, lanes * block_bytes]``
+        uint8 (rows past n are zero blocks: d = 0)."""
+        n, nbytes = raw.shape
+        kb = nbytes // self.block_bytes
+        rows = np.zeros((panels * lanes, kb, self.block_bytes), np.uint8)
+        rows[:n] = raw.reshape(n, kb, self.block_bytes)
+        # [panel, lane, block, byte] -> [panel, block, byte, lane]: header halves and values lane-minor
+        grid = rows.reshape(panels, lanes, kb, self.block_bytes).transpose(0, 2, 3, 1)
+        head = 2 * self.header
+        halves = grid[:, :, :head].reshape(panels, kb, self.header, 2, lanes).transpose(0, 1, 2, 4, 3)
+        packed = np.concatenate([halves.reshape(panels, kb, head * lanes),
+                                 grid[:, :, head:].reshape(panels, kb, self.value_bytes * lanes)], axis=2)
+        if out is None:
+            return np.ascontiguousarray(packed)
+        out[...] = packed
+        return out
+
+    def from_panels(self, packed: np.ndarray, n: int) -> np.ndarray:
+        """The inverse of ``to_panels``: GGUF blocks of the first ``n`` rows."""
+        panels, kb, pbb = packed.shape
+        lanes = pbb // self.block_bytes
+        head = 2 * self.header
+        halves = packed[:, :, :head * lanes].reshape(panels, kb, self.header, lanes, 2)
+        halves = halves.transpose(0, 1, 2, 4, 3)
+        values = packed[:, :, head * lanes:].reshape(panels, kb, self.value_bytes, lanes)
+        grid = np.concatenate([halves.reshape(panels, kb, head, lanes), values], axis=2)
+        rows = grid.transpose(0, 3, 1, 2).reshape(panels * lanes, kb * self.block_bytes)
+        return np.ascontiguousarray(rows[:n])
+
+
+QTYPES: dict[str, QType] = {
+    "q8_0": QType("q8_0", "Q8_0", 8, False),
+    "q4_0": QType("q4_0", "Q4_0", 4, False),
+    "q4_1": QType("q4_1", "Q4_1", 4, True),
+}
+
+
+def head_dtype(dtype: str) -> str:
+    """The lm_head's (and tied embedding's) weight type for a model in ``dtype``: q8_0 under the
+    4-bit types, as llama.cpp's quantizer keeps the output layer at higher precision (SmolLM2's
+    Q4_1 GGUF holds its tied embedding as Q8_0); otherwise ``dtype``."""
+    return "q8_0" if dtype in ("q4_0", "q4_1") else dtype
+
+
+def qtype(dtype: str) -> QType | None:
+    """The block type of a weight dtype name, None for a float dtype."""
+    return QTYPES.get(dtype)
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A weight held as GGUF blocks (``raw[n, k / 32 * block_bytes]``), not as floats: what a
+    quantized GGUF tensor gives the loader so that it is packed without re-quantizing."""
+
+    raw: np.ndarray
+    qtype: QType
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.k)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def rows(self, index) -> QuantBlocks:
+        return QuantBlocks(self.raw[index], self.qtype, self.k)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        w = self.qtype.dequantize(self.raw)
+        return w if dtype is None else w.astype(dtype)
+
+    @staticmethod
+    def concat(parts: list[QuantBlocks]) -> QuantBlocks:
+        return QuantBlocks(np.concatenate([p.raw for p in parts], axis=0), parts[0].qtype, parts[0].k)

@@ -1,0 +1,149 @@
+"""Block-quantized weights (q8_0, q4_0, q4_1): GGUF's blocks packed and read back bit for bit,
+and the generated kernels, which dequantize in registers, against numpy on the dequantized
+weight for m from 1 to 300, odd n, an odd number of k blocks, every epilogue and split-K; every
+(ISA, type) kernel is built and its assembly checked; it runs where this CPU can run it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc
+from sandwich_tvm.kernels.defaults import default_buckets
+from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel, microkernels
+from sandwich_tvm.kernels.packing import WeightLayout
+from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks, head_dtype
+from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
+from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
+
+from ..isas import QUANT_CASES, VECTOR_REGISTER, assembly, require_runnable
+
+quant_cases = pytest.mark.parametrize(("isa", "dtype"), QUANT_CASES)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[: n // 3] *= 0.01  # rows of small and large scales
+    w[:, :32] += 0.5  # a block with an offset (q4_1's minimum)
+    return w
+
+
+@pytest.mark.parametrize("dtype", sorted(QTYPES))
+@pytest.mark.parametrize("interleave", [False, True])
+def test_gguf_blocks_pack_and_unpack_bit_for_bit(dtype, interleave):
+    q = QTYPES[dtype]
+    n, k = 96, 160
+    raw = q.quantize(_weight(n, k))
+    assert raw.shape == (n, k // 32 * q.block_bytes)
+    layout = WeightLayout("avx512", dtype, interleave)
+    packed = layout.pack(QuantBlocks(raw, q, k))
+    assert packed.dtype == np.uint8 and packed.shape == layout.shape(n, k)
+    assert packed.shape[2] == 16 * q.block_bytes  # 8.5, 4.5, 5 bits a weight, as in GGUF
+    np.testing.assert_array_equal(layout.unpack(packed, n, k), q.dequantize(raw))
+    if not interleave:
+        np.testing.assert_array_equal(q.from_panels(packed, n), raw)  # the GGUF bytes, moved
+    # a float weight is quantized by gguf's reference code (llama.cpp's rounding): the same bytes
+    np.testing.assert_array_equal(layout.pack(_weight(n, k)), packed)
+
+
+@pytest.mark.parametrize("dtype", sorted(QTYPES))
+def test_element_expression_reads_the_packed_value(dtype):
+    """``WeightLayout.element`` (the tied embedding's gather, MetaSchedule's workload) gives the
+    dequantized value of every (n, k)."""
+    from tvm import te
+
+    n, k = 40, 96
+    layout = WeightLayout("avx2", dtype)
+    packed = layout.pack(_weight(n, k, 2))
+    wp = te.placeholder(packed.shape, "uint8", name="wp")
+    out = te.compute((n, k), lambda i, j: layout.element(wp, i, j), name="w")
+    fn = tvm.compile(te.create_prim_func([wp, out]), target=host_target(1))
+    y = tvm.runtime.empty((n, k), "float32", tvm.cpu())
+    fn(tvm.runtime.tensor(packed), y)
+    np.testing.assert_array_equal(y.numpy(), layout.unpack(packed, n, k))
+
+
+def test_k_not_in_blocks_of_32_is_refused():
+    with pytest.raises(KernelError, match="multiple of 32"):
+        WeightLayout("avx2", "q4_0").shape(64, 100)
+    with pytest.raises(KernelError, match="multiple of 32"):
+        buckets = default_buckets(GemmShape(64, 96, "q8_0"), 2, None, "avx2")
+        linear_primfunc(GemmShape(64, 100, "q8_0"), buckets)
+
+
+def test_head_stays_at_8_bits_under_4_bit_weights():
+    assert head_dtype("q4_1") == head_dtype("q4_0") == "q8_0"
+    assert head_dtype("q8_0") == "q8_0" and head_dtype("bfloat16") == "bfloat16"
+
+
+def _sch(isa, dtype, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
+    lanes = ISAS[isa].lanes
+    return GemmSchedule(MicroKernel(isa, mr, vectors * lanes, dtype), Slice(mc, nc_vectors * lanes, kc),
+                        Polymerization(pm, pn, pk))
+
+
+def _build(shape: GemmShape, buckets, epilogue=None):
+    func = linear_primfunc(shape, buckets, epilogue=epilogue)
+    return tvm.compile(tvm.IRModule({"linear": func}), target=host_target(2)).mod["linear"]
+
+
+@quant_cases
+def test_every_m_with_tails_epilogues_and_split_k(isa, dtype):
+    require_runnable(isa)
+    rng = np.random.default_rng(0)
+    lanes = ISAS[isa].lanes
+    n, k = 6 * lanes + 5, 160  # odd n, 5 blocks of k (KC = 64: a tail block of 32)
+    shape = GemmShape(n, k, dtype)
+    layout = WeightLayout(isa, dtype)
+    wp = layout.pack(_weight(n, k, 1))
+    w = layout.unpack(wp, n, k)
+    buckets = [Bucket(1, _sch(isa, dtype, 1, 2, 1, 4, 64)),
+               Bucket(5, _sch(isa, dtype, 2, 3, 4, 6, 32, pm=2, pn=1)),
+               Bucket(40, _sch(isa, dtype, 4, 2, 8, 4, 64, pm=1, pn=1, pk=2)),  # split-K
+               Bucket(1 << 62, _sch(isa, dtype, 6, 1, 12, 4, 96, pm=2, pn=1))]
+    fn = _build(shape, buckets)
+    res_fn = _build(GemmShape(n, k, dtype, "residual"), buckets)
+    wt = tvm.runtime.tensor(wp)
+    for m in [*range(1, 9), 17, 40, 41, 64, 127, 300]:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        y = tvm.runtime.empty((m, n), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wt, y)
+        np.testing.assert_allclose(y.numpy(), a @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=f"m={m}")
+        r = rng.standard_normal((m, n)).astype(np.float32)
+        res_fn(tvm.runtime.tensor(a), wt, tvm.runtime.tensor(r), y)
+        np.testing.assert_allclose(y.numpy(), a @ w.T + r, rtol=1e-4, atol=1e-4 * np.sqrt(k),
+                                   err_msg=f"m={m}")
+
+
+@quant_cases
+def test_silu_mul_on_an_interleaved_quantized_gate_up(isa, dtype):
+    require_runnable(isa)
+    lanes, k = ISAS[isa].lanes, 96
+    n = 2 * 3 * lanes
+    shape = GemmShape(n, k, dtype, "silu_mul")
+    layout = WeightLayout(isa, dtype, interleave=True)
+    gate_up = _weight(n, k, 3)
+    wp = layout.pack(gate_up)
+    w = layout.unpack(wp, n, k)  # de-interleaved: cat(gate, up)
+    fn = _build(shape, default_buckets(shape, 2, None, isa))
+    rng = np.random.default_rng(4)
+    for m in (1, 3, 33, 200):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        g, u = np.split(a @ w.T, 2, axis=1)
+        y = tvm.runtime.empty((m, n // 2), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), tvm.runtime.tensor(wp), y)
+        np.testing.assert_allclose(y.numpy(), g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-3,
+                                   err_msg=f"m={m}")
+
+
+@quant_cases
+def test_default_kernel_builds_for_every_isa_and_type(isa, dtype):
+    """Built (not run) for every ISA: its registers in the assembly, and micro-kernels enumerated."""
+    assert microkernels(isa, dtype) and all(mk.kc_align % 32 == 0 for mk in microkernels(isa, dtype))
+    shape = GemmShape(8 * ISAS[isa].lanes, 128, dtype)
+    func = linear_primfunc(shape, default_buckets(shape, 2, None, isa))
+    asm = assembly(tvm.compile(tvm.IRModule({"linear": func}), target=isa_target(isa, 2)))
+    assert VECTOR_REGISTER[isa] in asm
+    if isa == "avx2":
+        assert "%zmm" not in asm
