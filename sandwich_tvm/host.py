@@ -106,9 +106,12 @@ def host_isa() -> str:
 
 _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
               "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"},
-              "amx": {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"}}
+              "amx": {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"},
+              "avx512vnni": {"avx512f", "avx2", "fma", "avx512_vnni"}}
 # vector ISA -> the bf16 units a CPU of it may have, best first
 BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amx", "avx512bf16"), "neon": ("neonbf16",)}
+# vector ISA -> the int8 dot-product units a CPU of it may have (block-quantized weights)
+INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512vnni",)}
 
 
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .host import cpu_flags, isa_of
 from .kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
-from .kernels.microkernel import DTYPES, kernel_isa
+from .kernels.microkernel import DTYPES, ISAS, kernel_isa
 from .kernels.quant import BLOCK, QTYPES
 from .model.config import LlamaConfig, load_config
 from .model.llama import ACT_DTYPE
@@ -54,6 +54,29 @@ def resolve_weight_dtype(choice: str, flags: frozenset[str] | None = None) -> tu
         return "bfloat16", "this CPU has Arm's BF16 extension: bf16 weights run on bfdot"
     return "bfloat16", (f"this CPU has no bf16 dot-product unit the kernels use: bf16 weights are "
                         f"widened to fp32 on {isa} (half the weight bytes of fp32)")
+
+
+ACTIVATIONS = ("auto", "int8", "float32")
+
+
+def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether quantized weights meet int8 activations (``--activations``): ``auto`` does where the
+    CPU has an int8 dot-product unit (AVX512-VNNI), as llama.cpp does on every CPU; ``float32``
+    keeps the fp32 activations and dequantizes the weights in registers (the weights' exact
+    values: what HF transformers computes on the dequantized GGUF)."""
+    if choice not in ACTIVATIONS:
+        raise SpecError(f"--activations {choice!r} is not one of {', '.join(ACTIVATIONS)}")
+    if weight_dtype not in QTYPES:
+        if choice == "int8":
+            raise SpecError(f"--activations int8 goes with quantized weights ({', '.join(QTYPES)}), not "
+                            f"{weight_dtype}")
+        return False
+    flags = cpu_flags() if flags is None else flags
+    unit = ISAS[kernel_isa(isa_of(flags), weight_dtype, flags)].int8_dot
+    if choice == "int8" and not unit:
+        raise SpecError("--activations int8 needs an int8 dot-product unit (AVX512-VNNI) this CPU does not "
+                        "have; use --activations auto")
+    return unit and choice != "float32"
 
 
 def _gguf_quant_type(model: str | Path) -> str | None:
@@ -131,9 +154,12 @@ class RunSpec:
     stock: bool = False  # TVM's own build (nn.Linear, its pipeline): the baseline
     seed: int = 0  # a preset's random weights
     dtype_note: str = ""  # why --dtype auto chose weight_dtype
+    int8_activations: bool = False  # quantized weights times int8 activations (llama.cpp's way)
 
     def describe(self) -> str:
-        build = "TVM stock build" if self.stock else f"{self.weight_dtype} weights, {self.kv_dtype} KV cache"
+        acts = ", int8 activations" if self.int8_activations else ""
+        build = ("TVM stock build" if self.stock
+                 else f"{self.weight_dtype} weights{acts}, {self.kv_dtype} KV cache")
         return (f"{self.config.name}: {build}, context {self.context}, KV cache {self.kv_tokens} tokens, "
                 f"batch {self.max_batch}; {self.plan.describe()}")
 
@@ -157,6 +183,7 @@ class RunSpec:
 
 
 def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype: str = DEFAULT_KV_DTYPE,
+                     activations: str = "auto",
                      plan: ExecPlan | Path | None = None, context: int | None = None,
                      needed_tokens: int | None = None, kv_tokens: int | None = None,
                      shared_kv: bool = False, max_batch: int = 8, prefill_chunk: int = 2048,
@@ -180,6 +207,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         if own is not None:
             weight_dtype, note = own, f"the GGUF's own {own} blocks, loaded as they are"
         _check_blocks(cfg, weight_dtype)
+    int8_acts = False if stock else resolve_activations(activations, weight_dtype)
     if plan is None:
         plan = ExecPlan.all_cpus()
     elif not isinstance(plan, ExecPlan):
@@ -199,4 +227,4 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     return RunSpec(model=str(model), config=cfg, plan=plan, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                    context=context, kv_tokens=kv, max_batch=max_batch,
                    prefill_chunk=min(prefill_chunk, context), records=records, stock=stock, seed=seed,
-                   dtype_note=note)
+                   dtype_note=note, int8_activations=int8_acts)

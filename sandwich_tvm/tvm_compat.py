@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from .host import (
     BF16_UNITS,
+    INT8_UNITS,
     PROCESS_CPUS,
     can_run,
     cpu_flags,
@@ -129,6 +130,7 @@ _ISA_TARGETS = {
     "avx512bf16": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512bf16"]},
     "amx": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
             "mattr": ["+avx512bf16", "+amx-tile", "+amx-bf16"]},
+    "avx512vnni": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512vnni"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
     "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},
 }
@@ -137,7 +139,8 @@ _ISA_TARGETS = {
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
     """The host target when ``isa`` is this CPU's (or its bf16 dot-product extension and this
     CPU has it), else a generic target of that ISA."""
-    if isa == host_isa() or (isa in BF16_UNITS.get(host_isa(), ()) and can_run(isa)):
+    units = BF16_UNITS.get(host_isa(), ()) + INT8_UNITS.get(host_isa(), ())
+    if isa == host_isa() or (isa in units and can_run(isa)):
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:
         raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")

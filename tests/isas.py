@@ -18,8 +18,8 @@ HALF_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dty
 QUANT_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes if dt in QTYPES]
 
 # What a vector register looks like in each ISA's assembly.
-VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "neon": ".4s", "neonbf16": ".4s",
-                   "amx": "%tmm"}
+VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "avx512vnni": "%zmm",
+                   "neon": ".4s", "neonbf16": ".4s", "amx": "%tmm"}
 
 
 def require_runnable(isa: str) -> None:

@@ -14,7 +14,7 @@ from ..model.config import DEFAULT_MODEL, PRESETS, ModelConfigError
 from ..model.parallel import ShardError
 from ..runtime.engine import EngineError
 from ..runtime.sampling import SamplingError
-from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, RunSpec, SpecError, resolve_run_spec
+from ..spec import ACTIVATIONS, DEFAULT_DTYPE, WEIGHT_DTYPES, RunSpec, SpecError, resolve_run_spec
 from ..topology.plan import PlanError
 from .args import non_negative_int, positive_int
 
@@ -50,13 +50,19 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
                         help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
                              "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
-                             "loaded). Activations, norms, RoPE, softmax and accumulation stay fp32")
+                             "loaded; a GGUF: its own q8_0/q4_0/q4_1 blocks). Activations, norms, RoPE, "
+                             "softmax and accumulation stay fp32")
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="auto",
+                        help="what quantized weights multiply (default auto: int8, quantized per row and "
+                             "block of 32, on AVX512-VNNI where the CPU has it, as llama.cpp does; float32: "
+                             "the weights dequantized in registers, exactly their values)")
 
 
 def spec_from_args(args: argparse.Namespace, log: Callable[[str], None], **overrides) -> RunSpec:
     """The run spec of ``add_model_args``' options (plus ``context``, ``kv_tokens`` and the like
     given as ``overrides``), resolved once (``spec.resolve_run_spec``)."""
-    options = {"dtype": args.dtype, "kv_dtype": args.kv_dtype, "plan": args.plan, "max_batch": args.max_batch,
+    options = {"dtype": args.dtype, "activations": args.activations, "kv_dtype": args.kv_dtype,
+               "plan": args.plan, "max_batch": args.max_batch,
                "records": args.records, "stock": args.stock, "seed": args.seed} | overrides
     return resolve_run_spec(args.model, log=log, **options)
 

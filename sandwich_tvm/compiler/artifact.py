@@ -122,7 +122,8 @@ def build_key(spec: RunSpec) -> str:
     cfg, plan = spec.config, spec.plan
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
-                                   spec.weight_dtype, spec.act_dtype, plan.tp, host_signature().to_json(),
+                                   spec.weight_dtype, spec.act_dtype, spec.int8_activations, plan.tp,
+                                   host_signature().to_json(),
                                    str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
@@ -183,7 +184,7 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
         raise CompileError(f"the stock TVM build runs one process; the plan has {plan.tp} (tensor "
                            "parallelism is Sandwich's)")
     kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root,
-                                           dtype=dtype)
+                                           dtype=dtype, int8_activations=spec.int8_activations)
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))

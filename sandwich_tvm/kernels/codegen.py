@@ -163,7 +163,8 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
         layout.quant.check_k(k)
         view = "T.decl_buffer(({}, {}, {}), {!r}, data=Wp.data)"
         extra_buffer += (f"\n        Wh = {view.format(panels, k_red, width // 2, 'float16')}"
-                         f"\n        Wi = {view.format(panels, k_red, width, 'int8')}")
+                         f"\n        Wi = {view.format(panels, k_red, width, 'int8')}"
+                         f"\n        Ww = {view.format(panels, k_red, width // 4, 'int32')}")
     if any(_reads_pair_words(b.schedule, k) for b in buckets):  # A's fp32 pairs as uint64 words
         extra_buffer += f'\n        A2 = T.decl_buffer((m, {k // 2}), "uint64", data=A.data)'
     head = f'''
@@ -178,9 +179,9 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     '''
     lines = textwrap.dedent(head).strip("\n").split("\n")
     base = 3
-    dot = {b.schedule.mk.isa for b in buckets} & set(DPBF16_LL)
+    dot = {b.schedule.mk.isa for b in buckets} & set(DOT_LL)
     if dot:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
-        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DPBF16_LL[dot.pop()]!r}):")
+        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DOT_LL[dot.pop()]!r}):")
         base = 4
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
@@ -217,6 +218,20 @@ DPBF16_LL = {isa: _DPBF16_TEMPLATE.format(L=lanes, L2=2 * lanes, intrinsic=intri
                                            ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
 
 
+# ``vpdpbusd``: per int32 lane i, acc[i] + the dot product of the 4 unsigned bytes of a[i] and
+# the 4 signed bytes of b[i] (AVX512-VNNI); the same bitcast wrapper as the bf16 pairs'.
+DPBUSD_LL = """
+declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)
+define linkonce_odr <16 x i32> @sandwich_dpbusd(<16 x i32> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {
+  %ab = bitcast <16 x i32> %a to <64 x i8>
+  %bb = bitcast <16 x i32> %b to <64 x i8>
+  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %acc, <64 x i8> %ab, <64 x i8> %bb)
+  ret <16 x i32> %r
+}
+"""
+DOT_LL = {**DPBF16_LL, "avx512vnni": DPBUSD_LL}
+
+
 def _layout_isa(isas: set[str]) -> str:
     """The ISA whose weight layout the buckets read: theirs, or the one the others' extend (an
     AMX kernel's small-m buckets are avx512bf16 register tiles on the same packed weight)."""
@@ -239,6 +254,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     pairs_k = mk.k_pack == 2  # k counts bf16 pairs (one vdpbf16ps each)
     tiles = ISAS[mk.isa].tile_rows > 0  # an AMX tile grid
     quant = qtype(mk.dtype)  # block-quantized weights (kernels.quant)
+    int8 = ISAS[mk.isa].int8_dot  # ... times int8 activations (vpdpbusd)
     tm, tn = mk.tiles
     # AMX walks the padded k (16 pairs per tile; A and W are zero there)
     k = WeightLayout(mk.isa, mk.dtype).reduction(k_full) if tiles else cdiv(k_full, mk.k_pack)
@@ -272,6 +288,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     if tiles:  # A in 16 x 32-bf16 tiles, 1 KB each: Ap[row tile, k tile, row, k]
         out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 32), "uint16")')
         out.append(f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")')
+    elif int8:  # A as int8 quads, and per (row, block) its scale and scale x sum of values
+        out += [f'    {ap} = T.sblock_alloc_buffer(({mt}, {k // 4}, {mr}), "int32")',
+                f'    Ad{v} = T.sblock_alloc_buffer(({mt}, {k // BLOCK}, {mr}), "float32")',
+                f'    As{v} = T.sblock_alloc_buffer(({mt}, {k // BLOCK}, {mr}), "float32")']
     else:
         a_dtype = "uint32" if pairs_k else "float32"
         out.append(f'    {ap} = T.sblock_alloc_buffer(({mt}, {k}, {mr}), "{a_dtype}")')
@@ -287,9 +307,10 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             *_indent(tile_config(16, 64), 2),
         ]
     else:
+        pack = _pack_a_int8(v, mr, k_full) if int8 else _pack_a_panel(ap, sch, k_full)
         out += [
             f"    for it in T.parallel({mt}):",
-            *_indent(_pack_a_panel(ap, sch, k_full), 2),
+            *_indent(pack, 2),
             f"    for t in T.parallel({threads}):",
         ]
     out += [
@@ -308,6 +329,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
     if quant is not None:  # the current block's d and offset per vector column
         tile.append(f'qs = T.sblock_alloc_buffer(({nv}, 2, {lanes}), "float32", scope="global")')
+    if int8:  # the current block's int32 sums
+        tile.append(f'isum = T.sblock_alloc_buffer(({mr}, {nr}), "int32", scope="global")')
     if not tiles:
         tile += [f"for u, ii in T.grid({ku}, {mr}):"]
         for var, width, _, elem in acc.columns("ii"):
@@ -369,7 +392,58 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
                 f"            for ii in T.unroll({mr}):",
                 *_indent(acc.vectors(nv, column), 4)]
 
+    def ikloop(length: int) -> list[str]:
+        """The k loop of int8 dot products: per block, each column's d and offset to registers,
+        the int32 sums of 4-k quads (vpdpbusd: unsigned weight bytes x signed activation
+        bytes; q4: low nibbles are quad j, high nibbles quad j + 4), then into the fp32 tile as
+        sum x d x d_A + offset x d_A x sum(A) (offset: m, or -8 d / -128 d for the values stored
+        unsigned)."""
+        blk, head = f"({pc} * {kc // BLOCK} + kb)", 2 * quant.header * lanes // 4
+
+        def panel(q: str) -> str:
+            return f"{jt} * {nv} + {q}"
+
+        def scales(q: str) -> list[str]:
+            off = (f'T.Cast("float32", Wh[{panel(q)}, {blk}, {lanes} + w])' if quant.has_min
+                   else f"qs[{q}, 0, w] * T.float32({-(1 << (quant.bits - 1))})")
+            return [f"for w in T.vectorized({lanes}):",
+                    f'    qs[{q}, 0, w] = T.Cast("float32", Wh[{panel(q)}, {blk}, w])',
+                    f"    qs[{q}, 1, w] = {off}"]
+
+        def zero(q: str) -> list[str]:
+            return [f"for w in T.vectorized({lanes}):", f"    isum[ii, {q} * {lanes} + w] = 0"]
+
+        def dot(q: str) -> list[str]:
+            cell = f"isum[ii, T.ramp({q} * {lanes}, 1, {lanes})]"
+            word = f"Ww[{panel(q)}, {blk}, T.ramp({head} + j * {lanes}, 1, {lanes})]"
+
+            def step(w: str, quad: str) -> str:
+                a = f"T.Broadcast({ap}[{it}, {blk} * 8 + {quad}, ii], {lanes})"
+                return f'{cell} = T.call_pure_extern("int32x{lanes}", "sandwich_dpbusd", {cell}, {w}, {a})'
+
+            if quant.bits == 8:
+                return [step(word, "j")]
+            mask = f"T.Broadcast(T.int32({0x0F0F0F0F}), {lanes})"
+            return [step(f"{word} & {mask}", "j"),
+                    step(f"T.shift_right({word}, T.Broadcast(T.int32(4), {lanes})) & {mask}", "j + 4")]
+
+        def scale(q: str) -> list[str]:
+            cell = acc.vec("0", "ii", q, "w")
+            a = f"{{}}{v}[{it}, {blk}, ii]"
+            return [f"for w in T.vectorized({lanes}):",
+                    f'    {cell} = {cell} + T.Cast("float32", isum[ii, {q} * {lanes} + w]) * '
+                    f"(qs[{q}, 0, w] * {a.format('Ad')}) + qs[{q}, 1, w] * {a.format('As')}"]
+
+        return [f"for kb in range({length // BLOCK}):",
+                *_indent(acc.vectors(nv, scales), 1),
+                f"    for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, zero), 2),
+                f"    for j in T.unroll({quant.value_bytes // 4}):",
+                f"        for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, dot), 3),
+                f"    for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, scale), 2)]
+
     def kloop(length: int) -> list[str]:
+        if int8:
+            return ikloop(length)
         if quant is not None:
             return qkloop(length)
         if tiles:  # A tile (it, kb) and the B tile of 16 pairs of panel jt * tn + j, from kq
@@ -545,6 +619,36 @@ def _pack_a_panel(ap: str, sch: GemmSchedule, k: int) -> list[str]:
         out += [f"for kk, ii in T.grid({kp - blocks * lanes}, {mr}):",
                 f"    {ap}[it, {kk}, ii] = {_pack_a(mr, k, pairs, kk)}"]
     return out
+
+
+def _pack_a_int8(v: int, mr: int, k: int) -> list[str]:
+    """Row panel ``it`` of A quantized per row and block of 32 (llama.cpp's q8_0 activations):
+    d = max |a| / 127, q = round(a / d) as int8 quads ``Ap[it, k / 4, ii]``, with
+    ``Ad[it, block, ii] = d`` and ``As[it, block, ii] = d x sum(q)``; rows past m are zero."""
+    row = f"it * {mr} + ii"
+    quad = " | ".join(f'((T.Cast("int32", qa[4 * j + {b}]) & 255) << {8 * b})' for b in range(4))
+    return [
+        f"for b, ii in T.grid({k // BLOCK}, {mr}):",
+        '    with T.sblock("quantize_a"):',
+        f'        qa = T.sblock_alloc_buffer(({BLOCK},), "float32", scope="global")',
+        '        st = T.sblock_alloc_buffer((2,), "float32", scope="global")',
+        f"        for c in T.vectorized({BLOCK}):",
+        f"            qa[c] = T.if_then_else({row} < m, A[T.min({row}, m - T.int64(1)), b * {BLOCK} + c], "
+        "T.float32(0))",
+        "        st[0] = T.float32(0)",
+        f"        for c in range({BLOCK}):",
+        "            st[0] = T.max(st[0], T.max(qa[c], T.float32(0) - qa[c]))",
+        "        st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(127) / st[0], T.float32(0))",
+        f"        for c in T.vectorized({BLOCK}):",
+        "            qa[c] = T.round(qa[c] * st[1])",
+        f"        Ad{v}[it, b, ii] = st[0] / T.float32(127)",
+        "        st[1] = T.float32(0)",
+        f"        for c in range({BLOCK}):",
+        "            st[1] = st[1] + qa[c]",
+        f"        As{v}[it, b, ii] = Ad{v}[it, b, ii] * st[1]",
+        "        for j in range(8):",
+        f"            Ap{v}[it, b * 8 + j, ii] = {quad}",
+    ]
 
 
 def _pack_a_tiles(ap: str, k: int, blocks: int) -> list[str]:

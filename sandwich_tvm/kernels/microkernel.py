@@ -20,13 +20,21 @@ budget is tm * tn + tm + tn <= 8 tiles: 16x16 up to 32x32, oneDNN's 2x2). Its B 
 weight layout (both pad k to whole B tiles, ``k_align``) and an AMX CPU also serves its small
 m with the ``avx512bf16`` register tiles (``extends``): a tile of 16 rows wastes 15 of them on
 one decode row.
+
+Block-quantized weights (``q8_0``, ``q4_0``, ``q4_1``, ``kernels.quant``) are dequantized in
+registers on every vector ISA (the block's d times the widened value, then the fp32 FMA tile).
+``avx512vnni`` is their integer ISA: the activations are quantized per row and block of 32 to
+int8 as the kernel packs A (llama.cpp's q8_0 activations), ``vpdpbusd`` multiplies 4 unsigned
+weight bytes by 4 signed activation bytes per int32 lane, and each block's int32 sums are scaled
+into the fp32 tile. A tile keeps int32 block sums beside its fp32 accumulators, so it holds half
+the rows of an fp32 one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..host import BF16_UNITS
+from ..host import BF16_UNITS, INT8_UNITS
 from .quant import BLOCK, QTYPES
 
 
@@ -52,6 +60,7 @@ class Isa:
     k_align: int = 1  # the packed weight's k (in k_pack units) is padded to a multiple of this
     extends: tuple[str, ...] = ()  # ISAs whose micro-kernels also serve this one's layout
     peak_ratio: float = 1.0  # peak MACs per cycle over the vector ISA's (AMX bf16: 512 vs 64)
+    int8_dot: bool = False  # quantized weights times int8 activations (vpdpbusd)
 
     @property
     def max_nr(self) -> int:
@@ -77,6 +86,9 @@ ISAS: dict[str, Isa] = {
     "neonbf16": Isa("neonbf16", lanes=4, registers=32,
                     default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (_LARGE, 6, 4)),
                     dtypes=("bfloat16",), k_pack=2, needs=("bf16",)),
+    "avx512vnni": Isa("avx512vnni", lanes=16, registers=32,
+                      default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
+                      dtypes=tuple(QTYPES), needs=("avx512_vnni",), int8_dot=True, peak_ratio=2.0),
     # registers: tile registers; default tiles 16x32 and 32x32 (MR, NR in 16-column tiles)
     "amx": Isa("amx", lanes=16, registers=8,
                default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (15, 4, 4), (31, 16, 2), (_LARGE, 32, 2)),
@@ -86,15 +98,17 @@ ISAS: dict[str, Isa] = {
 DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 
 
-def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset()) -> str:
+def kernel_isa(isa: str, dtype: str, flags: frozenset[str] | set[str] = frozenset(),
+               int8: bool = True) -> str:
     """The micro-kernel ISA for weights of ``dtype`` on a CPU of vector ISA ``isa`` with ``flags``:
-    the bf16 dot-product unit where the CPU has it, else the vector ISA (widening loads)."""
+    the bf16 dot-product unit where the CPU has it, for quantized weights its int8 dot-product
+    unit (unless ``int8`` is off: fp32 activations), else the vector ISA (widening loads)."""
     if dtype not in DTYPES:
         raise ValueError(f"weight dtype {dtype!r} is not one of {DTYPES}")
-    if dtype == "bfloat16":
-        for unit in BF16_UNITS.get(isa, ()):
-            if set(ISAS[unit].needs) <= set(flags):
-                return unit
+    units = BF16_UNITS if dtype == "bfloat16" else INT8_UNITS if dtype in QTYPES and int8 else {}
+    for unit in units.get(isa, ()):
+        if set(ISAS[unit].needs) <= set(flags):
+            return unit
     return isa
 
 
@@ -131,6 +145,8 @@ class MicroKernel:
         if ISAS[self.isa].tile_rows:  # accumulator tiles + A tiles + B tiles
             tm, tn = self.tiles
             return tm * tn + tm + tn
+        if ISAS[self.isa].int8_dot:  # fp32 and int32 accumulators, B, d and offset, A
+            return 2 * self.mr * vectors + 3 * vectors + 1
         scales = vectors * QTYPES[self.dtype].header if self.dtype in QTYPES else 0  # d (and m) per column
         return self.mr * vectors + vectors + 1 + scales
 
@@ -149,7 +165,7 @@ class MicroKernel:
         accumulators to stay busy; a 1x16 tile has only 2, so it keeps 4 k-partials.
         """
         spec, vectors = ISAS[self.isa], self.nr // self.lanes
-        if spec.tile_rows:
+        if spec.tile_rows or spec.int8_dot:
             return 1
         ku = 1
         while ku * 2 * self.mr * vectors <= 8 and (ku * 2 * self.mr + 1) * vectors + 1 <= spec.registers:
@@ -199,7 +215,7 @@ def enumerate_microkernels(isa: str, dtype: str = "float32") -> tuple[MicroKerne
             mk = MicroKernel(isa, mr, nr, dtype)
             if mk.registers_used > spec.registers:
                 break
-            if mk.column_bytes < STACK_BYTES:
+            if mk.column_bytes < STACK_BYTES and (not spec.int8_dot or mr * nr * 4 < STACK_BYTES):
                 kernels.append(mk)
     return tuple(kernels)
 

@@ -75,6 +75,11 @@ class WeightLayout:
         return "uint32" if self.k_pack == 2 else self.dtype
 
     @property
+    def quads(self) -> bool:
+        """Quantized values in 4-k words for the int8 dot product (``kernels.quant``)."""
+        return ISAS[self.isa].int8_dot
+
+    @property
     def quant(self):
         """The block type of a quantized weight (``kernels.quant.QType``), else None."""
         return qtype(self.dtype)
@@ -112,7 +117,7 @@ class WeightLayout:
             raw = w.raw if isinstance(w, QuantBlocks) and w.qtype == q else q.quantize(np.asarray(w))
             if self.interleave:
                 raw = interleave_gate_up(raw, self.lanes)
-            return q.to_panels(raw, panels, self.lanes, out)
+            return q.to_panels(raw, panels, self.lanes, out, quads=self.quads)
         w = np.asarray(w)
         if self.interleave:
             w = interleave_gate_up(w, self.lanes)
@@ -136,7 +141,7 @@ class WeightLayout:
         from tvm import tirx
 
         if self.quant is not None:
-            return _quant_element(self.quant, self.lanes, wp, n, k)
+            return _quant_element(self.quant, self.lanes, wp, n, k, self.quads)
         if self.k_pack == 1:
             return wp[n // self.lanes, k, n % self.lanes].astype("float32")
 
@@ -155,7 +160,7 @@ class WeightLayout:
         """The float32 ``W[n, k]`` a packed array holds (tests, debugging)."""
         panels, kp, lanes = wp.shape
         if self.quant is not None:
-            full = self.quant.dequantize(self.quant.from_panels(wp, panels * self.lanes))
+            full = self.quant.dequantize(self.quant.from_panels(wp, panels * self.lanes, self.quads))
         elif self.k_pack == 1:
             full = wp.transpose(0, 2, 1).reshape(panels * lanes, kp).astype(np.float32)
         else:
@@ -168,7 +173,7 @@ class WeightLayout:
         return w
 
 
-def _quant_element(q, lanes: int, wp, n, k):
+def _quant_element(q, lanes: int, wp, n, k, quads: bool = False):
     """``W[n, k]`` of quantized panels as an fp32 TE/TIR expression (the embedding gather,
     MetaSchedule's workload): the block's fp16 d (and m) from their two bytes, times the value."""
     from tvm import tirx
@@ -180,10 +185,16 @@ def _quant_element(q, lanes: int, wp, n, k):
         return tirx.reinterpret("float16", lo | (hi << tirx.const(8, "uint16"))).astype("float32")
 
     head = 2 * q.header * lanes
+
+    def at(j):  # the byte of value byte j (q8_0: element j; q4: elements j and j + 16)
+        return head + (j // 4 * 4 * lanes + w * 4 + j % 4 if quads else j * lanes + w)
+
     if q.bits == 8:
-        value = tirx.reinterpret("int8", wp[p, b, head + r * lanes + w]).astype("float32")
-        return value * half(0)
-    byte = wp[p, b, head + (r % 16) * lanes + w]
+        byte = wp[p, b, at(r)]
+        if quads:  # stored as q + 128
+            byte = byte ^ tirx.const(0x80, "uint8")
+        return tirx.reinterpret("int8", byte).astype("float32") * half(0)
+    byte = wp[p, b, at(r % 16)]
     nibble = ((byte >> ((r // 16) * 4).astype("uint8")) & tirx.const(15, "uint8")).astype("float32")
     if q.has_min:
         return nibble * half(0) + half(1)

@@ -16,7 +16,7 @@ from ..host import CpuSignature, cpu_flags, host_isa, host_signature
 from ..kernels.codegen import Bucket, linear_primfunc
 from ..kernels.database import find_record
 from ..kernels.defaults import default_buckets
-from ..kernels.microkernel import kernel_isa
+from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.packing import WeightLayout
 from ..kernels.quant import head_dtype
 from ..kernels.schedule import GemmShape
@@ -42,6 +42,7 @@ class KernelSet:
     isa: str = field(default_factory=host_isa)
     cpu: CpuSignature | None = None
     dtype: str = "float32"
+    int8_activations: bool = True  # quantized weights: on the CPU's int8 dot-product unit where it has one
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
     # kernel name -> (shape, phase, epilogue), for the pass that picks the decode kernels
     calls: dict[str, tuple[GemmShape, str, str]] = field(default_factory=dict)
@@ -63,7 +64,7 @@ class KernelSet:
             flags = frozenset(self.cpu.features or ())
         else:
             flags = cpu_flags() if self.isa == host_isa() else frozenset()
-        return kernel_isa(self.isa, dtype, flags)
+        return kernel_isa(self.isa, dtype, flags, self.int8_activations)
 
     def layout(self, interleave: bool = False, dtype: str | None = None) -> WeightLayout:
         """How a Linear weight of this kernel set (of ``dtype``: default the set's) is packed."""
@@ -82,9 +83,12 @@ class KernelSet:
         cpu = self.cpu or host_signature()
         records = []
         if cpu.isa == self.isa:
+            own = self.kernel_isa_for(shape.dtype)  # a record of the other activation mode: another layout
+            readable = {own, *ISAS[own].extends}
             for candidate in dict.fromkeys((GemmShape(shape.n, shape.k, shape.dtype, epilogue), shape.plain)):
                 rec = find_record(candidate, threads, self.root, cpu)
-                if rec is not None and rec.shape == candidate:
+                if (rec is not None and rec.shape == candidate
+                        and all(b.schedule.mk.isa in readable for b in rec.buckets())):
                     records.append(rec)
         self.sources[(phase_name, shape.name)] = "tuned" if records else "default"
         out: list[Bucket] = []

@@ -1,7 +1,9 @@
 """Block-quantized weights (q8_0, q4_0, q4_1): GGUF's blocks packed and read back bit for bit,
-and the generated kernels, which dequantize in registers, against numpy on the dequantized
-weight for m from 1 to 300, odd n, an odd number of k blocks, every epilogue and split-K; every
-(ISA, type) kernel is built and its assembly checked; it runs where this CPU can run it."""
+and the generated kernels against numpy on the dequantized weight for m from 1 to 300, odd n,
+an odd number of k blocks, every epilogue and split-K: dequantized in registers on the vector
+ISAs, and on AVX512-VNNI int8 dot products with A quantized per row and block of 32 (the
+reference quantizes A the same way). Every (ISA, type) kernel is built and its assembly
+checked; it runs where this CPU can run it."""
 
 from __future__ import annotations
 
@@ -29,32 +31,37 @@ def _weight(n: int, k: int, seed: int = 0) -> np.ndarray:
     return w
 
 
+LAYOUT_ISAS = ["avx512", "avx512vnni"]  # values [k][lane]; 4-k words [quad][lane][4] (q8_0 offset)
+
+
 @pytest.mark.parametrize("dtype", sorted(QTYPES))
 @pytest.mark.parametrize("interleave", [False, True])
-def test_gguf_blocks_pack_and_unpack_bit_for_bit(dtype, interleave):
+@pytest.mark.parametrize("isa", LAYOUT_ISAS)
+def test_gguf_blocks_pack_and_unpack_bit_for_bit(dtype, interleave, isa):
     q = QTYPES[dtype]
     n, k = 96, 160
     raw = q.quantize(_weight(n, k))
     assert raw.shape == (n, k // 32 * q.block_bytes)
-    layout = WeightLayout("avx512", dtype, interleave)
+    layout = WeightLayout(isa, dtype, interleave)
     packed = layout.pack(QuantBlocks(raw, q, k))
     assert packed.dtype == np.uint8 and packed.shape == layout.shape(n, k)
     assert packed.shape[2] == 16 * q.block_bytes  # 8.5, 4.5, 5 bits a weight, as in GGUF
     np.testing.assert_array_equal(layout.unpack(packed, n, k), q.dequantize(raw))
     if not interleave:
-        np.testing.assert_array_equal(q.from_panels(packed, n), raw)  # the GGUF bytes, moved
+        np.testing.assert_array_equal(q.from_panels(packed, n, layout.quads), raw)  # the GGUF bytes, moved
     # a float weight is quantized by gguf's reference code (llama.cpp's rounding): the same bytes
     np.testing.assert_array_equal(layout.pack(_weight(n, k)), packed)
 
 
 @pytest.mark.parametrize("dtype", sorted(QTYPES))
-def test_element_expression_reads_the_packed_value(dtype):
+@pytest.mark.parametrize("isa", LAYOUT_ISAS)
+def test_element_expression_reads_the_packed_value(dtype, isa):
     """``WeightLayout.element`` (the tied embedding's gather, MetaSchedule's workload) gives the
     dequantized value of every (n, k)."""
     from tvm import te
 
     n, k = 40, 96
-    layout = WeightLayout("avx2", dtype)
+    layout = WeightLayout(isa, dtype)
     packed = layout.pack(_weight(n, k, 2))
     wp = te.placeholder(packed.shape, "uint8", name="wp")
     out = te.compute((n, k), lambda i, j: layout.element(wp, i, j), name="w")
@@ -75,6 +82,18 @@ def test_k_not_in_blocks_of_32_is_refused():
 def test_head_stays_at_8_bits_under_4_bit_weights():
     assert head_dtype("q4_1") == head_dtype("q4_0") == "q8_0"
     assert head_dtype("q8_0") == "q8_0" and head_dtype("bfloat16") == "bfloat16"
+
+
+def _a_as_the_kernel_sees_it(a: np.ndarray, isa: str) -> np.ndarray:
+    """A itself, or for an int8 dot-product ISA A quantized per row and block of 32 (d = max |a| /
+    127, q = round(a x 127 / max |a|)) and dequantized."""
+    if not ISAS[isa].int8_dot:
+        return a
+    blocks = a.reshape(a.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.round(blocks * inv)
+    return (q * (amax / np.float32(127))).reshape(a.shape)
 
 
 def _sch(isa, dtype, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
@@ -107,13 +126,16 @@ def test_every_m_with_tails_epilogues_and_split_k(isa, dtype):
     wt = tvm.runtime.tensor(wp)
     for m in [*range(1, 9), 17, 40, 41, 64, 127, 300]:
         a = rng.standard_normal((m, k)).astype(np.float32)
+        want = _a_as_the_kernel_sees_it(a, isa) @ w.T
         y = tvm.runtime.empty((m, n), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), wt, y)
-        np.testing.assert_allclose(y.numpy(), a @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=f"m={m}")
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=f"m={m}")
         r = rng.standard_normal((m, n)).astype(np.float32)
         res_fn(tvm.runtime.tensor(a), wt, tvm.runtime.tensor(r), y)
-        np.testing.assert_allclose(y.numpy(), a @ w.T + r, rtol=1e-4, atol=1e-4 * np.sqrt(k),
+        np.testing.assert_allclose(y.numpy(), want + r, rtol=1e-4, atol=1e-4 * np.sqrt(k),
                                    err_msg=f"m={m}")
+        if ISAS[isa].int8_dot:  # int8 activations: within their rounding of the fp32 product
+            np.testing.assert_allclose(y.numpy() - r, a @ w.T, atol=0.03 * np.abs(a @ w.T).max())
 
 
 @quant_cases
@@ -130,7 +152,7 @@ def test_silu_mul_on_an_interleaved_quantized_gate_up(isa, dtype):
     rng = np.random.default_rng(4)
     for m in (1, 3, 33, 200):
         a = rng.standard_normal((m, k)).astype(np.float32)
-        g, u = np.split(a @ w.T, 2, axis=1)
+        g, u = np.split(_a_as_the_kernel_sees_it(a, isa) @ w.T, 2, axis=1)
         y = tvm.runtime.empty((m, n // 2), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), tvm.runtime.tensor(wp), y)
         np.testing.assert_allclose(y.numpy(), g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-3,
@@ -147,3 +169,5 @@ def test_default_kernel_builds_for_every_isa_and_type(isa, dtype):
     assert VECTOR_REGISTER[isa] in asm
     if isa == "avx2":
         assert "%zmm" not in asm
+    if ISAS[isa].int8_dot:
+        assert "vpdpbusd" in asm

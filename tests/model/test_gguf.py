@@ -398,8 +398,10 @@ def test_smollm2_tokenizer_matches_transformers():
 @pytest.mark.compile
 def test_smollm2_greedy_matches_transformers():
     """Our engine on SmolLM2's Q4_1 GGUF loaded natively (``--dtype auto``: its Q4_1 blocks as
-    they are, the tied Q8_0 embedding as q8_0, dequantized in the kernels' registers) and an
-    fp32 KV cache gives HF transformers' greedy tokens on the same GGUF dequantized to fp32."""
+    they are, the tied Q8_0 embedding as q8_0) and dequantized in the kernels' registers
+    (``--activations float32``), with an fp32 KV cache, gives HF transformers' greedy tokens on
+    the same GGUF dequantized to fp32. (With int8 activations, the default where the CPU has
+    VNNI, the tokens part where the two are near a tie; ``bench perplexity`` measures that.)"""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from sandwich_tvm.runtime.loader import open_engine
@@ -407,8 +409,8 @@ def test_smollm2_greedy_matches_transformers():
 
     path = _smollm2()
     tok = load_model_tokenizer("smollm2-135m")
-    spec = resolve_run_spec("smollm2-135m", dtype="auto", kv_dtype="float32", needed_tokens=160,
-                            max_batch=1)
+    spec = resolve_run_spec("smollm2-135m", dtype="auto", activations="float32", kv_dtype="float32",
+                            needed_tokens=160, max_batch=1)
     assert spec.weight_dtype == "q4_1"
     engine, _ = open_engine(spec)
     pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")

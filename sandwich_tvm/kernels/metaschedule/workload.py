@@ -51,7 +51,8 @@ def linear_workload(m: int, n: int, k: int, isa: str, dtype: str = "float32",
 
         y = te.compute((m, n // 2), gate_times_up, name="epilogue")
     func = te.create_prim_func([*params, y]).with_attr(
-        {"global_symbol": "main", "tir.noalias": True, "sandwich.epilogue": epilogue, "sandwich.dtype": dtype})
+        {"global_symbol": "main", "tir.noalias": True, "sandwich.epilogue": epilogue,
+         "sandwich.dtype": dtype})
     return tvm.IRModule({"main": func})
 
 
