@@ -1,9 +1,10 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement`: Sandwich's dynamic-shape
-GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``; ``attention``: the KV cache's
-attention kernels against TVM's, ``cli/attention.py``; ``serve``: the serving benchmark over
-the OpenAI API, SLO attainment and goodput, ``cli/serve_bench.py``; ``allreduce``: the
-shared-memory all-reduce against gloo, ``cli/allreduce.py``; ``agreement``: a 16-bit model's greedy
-tokens against its fp32 model's, ``cli/agreement.py``).
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity`: Sandwich's
+dynamic-shape GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
+``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
+the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
+``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
+16-bit model's greedy tokens against its fp32 model's, ``bench/agreement_cmd.py``;
+``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -33,6 +34,7 @@ from .allreduce import add_allreduce_parser, main_allreduce
 from .attention import add_attention_parser, main_attention
 from .cold import cold_rotation, llc_bytes_of
 from .e2e import add_e2e_parser, main_e2e
+from .perplexity import add_perplexity_parser, main_perplexity
 from .serve_cmd import add_serve_parser, main_serve
 from .timing import median_seconds, paired_median_ratio, rotating
 
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_allreduce_parser(sub)
     add_agreement_parser(sub)
+    add_perplexity_parser(sub)
     return parser
 
 
@@ -290,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         return main_allreduce(args, console)
     if args.what == "agreement":
         return main_agreement(args, console)
+    if args.what == "perplexity":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_perplexity(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

@@ -52,7 +52,7 @@ def small(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
 def test_quantized_model_matches_hf_on_the_dequantized_weights(small, dtype, int8):
     if int8 and not can_run("avx512vnni"):
-        pytest.skip(f"this CPU ({host_isa()}) has no AVX512-VNNI: its quantized weights meet fp32 activations")
+        pytest.skip(f"this CPU ({host_isa()}) has no AVX512-VNNI: quantized weights meet fp32 activations")
     model_dir, hf = small
     cfg = load_config(model_dir)
     spec = RunSpec(str(model_dir), cfg, PLAN, weight_dtype=dtype, kv_dtype="float32", int8_activations=int8)

