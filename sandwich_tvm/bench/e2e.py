@@ -67,11 +67,13 @@ def add_e2e_parser(sub) -> None:
                    help="also run Sandwich on this plans.json (e.g. two processes against one), its "
                         "requests interleaved with the main plan's; rows 'sandwich tpP', with ratios to "
                         "'sandwich' and the simulator's predictions for that plan")
-    e.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    e.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
+                   default=None,
                    help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
                         "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
                         "ratios to 'sandwich'")
-    e.add_argument("--llamacpp-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    e.add_argument("--llamacpp-dtype", choices=["float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
+                   default=None,
                    help="the GGUF llama.cpp runs (default: the precision Sandwich runs, --dtype), e.g. "
                         "float16 against a bfloat16 Sandwich where F16 is llama.cpp's faster 16-bit type")
     e.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

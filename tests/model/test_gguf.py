@@ -97,6 +97,35 @@ def test_weights_convert_from_gguf(tmp_path, source):
     assert key == weights.checkpoint_key(a, "layout", cfg) != weights.checkpoint_key(b, "layout", cfg)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_blocks_load_as_they_are(tmp_path, source, qtype):
+    """A GGUF's Q8_0/Q4_0/Q4_1 matrices reach the packing as their own blocks (q/k rows moved
+    back to HF's order whole), fused qkv included: packed without re-quantizing, and ``--dtype
+    auto`` keeps the file's type."""
+    from sandwich_tvm.kernels.packing import WeightLayout
+    from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks
+    from sandwich_tvm.model.gguf import linear_type
+    from sandwich_tvm.spec import resolve_run_spec
+
+    cfg, state = source
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", cfg, state, qtype=qtype, tokenizer=tiny_tokenizer())
+    q = QTYPES[qtype.lower()]
+    got = read_checkpoint(path)
+    for x in ("q", "k", "v"):
+        t = got[f"model.layers.0.self_attn.{x}_proj.weight"]
+        assert isinstance(t, QuantBlocks) and t.qtype == q
+        np.testing.assert_array_equal(t.raw, q.quantize(state[f"model.layers.0.self_attn.{x}_proj.weight"]))
+    layout = WeightLayout("avx2", q.name)
+    n = sum(state[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0] for x in "qkv")
+    params = [("model.layers.0.self_attn.qkv_proj.weight", layout.shape(n, cfg.hidden_size))]
+    packed = weights.convert(cfg, got, params, "avx2", where=str(path), dtype=q.name)[0]
+    fused = np.concatenate([q.quantize(state[f"model.layers.0.self_attn.{x}_proj.weight"]) for x in "qkv"])
+    np.testing.assert_array_equal(packed, layout.pack(QuantBlocks(fused, q, cfg.hidden_size)))
+    assert linear_type(path) == q.name
+    spec = resolve_run_spec(path)
+    assert spec.weight_dtype == q.name and "GGUF" in spec.dtype_note
+
+
 def test_checkpoint_key_samples_large_ggufs(tmp_path, source, monkeypatch):
     cfg, state = source
     a = write_gguf(tmp_path / "a.gguf", cfg, state)

@@ -42,13 +42,19 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0",
+              "q4_1": "q4_1"}
 
 
 def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype: str = "float32") -> Path:
     """The weights as a GGUF; with a 16-bit ``dtype`` its matrices are F16/BF16 and the 1-D
-    tensors stay F32, as llama.cpp's ``convert_hf_to_gguf.py --outtype f16|bf16`` writes them."""
+    tensors stay F32, as llama.cpp's ``convert_hf_to_gguf.py --outtype f16|bf16`` writes them;
+    a quantized ``dtype`` (q8_0, q4_0, q4_1) quantizes them with gguf's reference code, the
+    output (or tied embedding) in the head type our engine runs (q8_0 under 4-bit weights), so
+    both engines read the same values."""
     import gguf
+
+    from ...kernels.quant import QTYPES, head_dtype
 
     if dtype not in GGUF_TYPES:
         raise ValueError(f"no GGUF type for {dtype!r}; one of {', '.join(GGUF_TYPES)}")
@@ -68,7 +74,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-                     "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+                     "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[dtype])
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"t{i}" for i in range(len(tokens), cfg.vocab_size)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
@@ -82,7 +89,11 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
     def put(name: str, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if arr.ndim == 1 or dtype == "float32":
+        own = head_dtype(dtype) if name in ("token_embd.weight", "output.weight") else dtype
+        if arr.ndim == 2 and own in QTYPES:
+            qtype = gguf.GGMLQuantizationType[QTYPES[own].gguf]
+            w.add_tensor(name, QTYPES[own].quantize(arr), raw_dtype=qtype)
+        elif arr.ndim == 1 or dtype == "float32":
             w.add_tensor(name, arr)
         elif dtype == "float16":
             w.add_tensor(name, arr.astype(np.float16))
