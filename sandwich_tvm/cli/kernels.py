@@ -55,7 +55,7 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
             ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=root, dtype=dtype, epilogue=shape.epilogue,
+                            root=root, dtype=shape.dtype, epilogue=shape.epilogue,
                             progress=lambda _t, task=task: bar.advance(task),
                             log=lambda msg: console.print(msg, markup=False, highlight=False))
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))

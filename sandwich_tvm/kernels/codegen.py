@@ -126,8 +126,8 @@ def check_schedule(shape: GemmShape, sch: GemmSchedule) -> None:
         raise KernelError(f"slice {s} is not a whole number of {mk.mr}x{mk.nr} tiles")
     if mk.nr % mk.lanes:
         raise KernelError(f"NR={mk.nr} is not a multiple of {mk.lanes} lanes")
-    if s.kc % mk.kc_align:
-        raise KernelError(f"KC={s.kc} is not a multiple of {mk.kc_align} for {mk.name}")
+    if qtype(mk.dtype) is not None and s.kc % BLOCK:
+        raise KernelError(f"KC={s.kc} is not a whole number of {BLOCK}-k blocks for {mk.name}")
     if ISAS[mk.isa].tile_rows and s.kc % ISAS[mk.isa].k_align:
         raise KernelError(f"KC={s.kc} is not a whole number of {ISAS[mk.isa].k_align}-pair AMX tiles")
 
@@ -632,23 +632,34 @@ def _pack_a_int8(v: int, mr: int, k: int) -> list[str]:
         '    with T.sblock("quantize_a"):',
         f'        qa = T.sblock_alloc_buffer(({BLOCK},), "float32", scope="global")',
         '        st = T.sblock_alloc_buffer((2,), "float32", scope="global")',
+        '        tr = T.sblock_alloc_buffer((16,), "float32", scope="global")',
         f"        for c in T.vectorized({BLOCK}):",
         f"            qa[c] = T.if_then_else({row} < m, A[T.min({row}, m - T.int64(1)), b * {BLOCK} + c], "
         "T.float32(0))",
-        "        st[0] = T.float32(0)",
-        f"        for c in range({BLOCK}):",
-        "            st[0] = T.max(st[0], T.max(qa[c], T.float32(0) - qa[c]))",
+        *_tree("T.max(T.max(qa[c], T.float32(0) - qa[c]), T.max(qa[c + 16], T.float32(0) - qa[c + 16]))",
+               "T.max", "st[0]"),
         "        st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(127) / st[0], T.float32(0))",
         f"        for c in T.vectorized({BLOCK}):",
         "            qa[c] = T.round(qa[c] * st[1])",
         f"        Ad{v}[it, b, ii] = st[0] / T.float32(127)",
-        "        st[1] = T.float32(0)",
-        f"        for c in range({BLOCK}):",
-        "            st[1] = st[1] + qa[c]",
+        *_tree("qa[c] + qa[c + 16]", "", "st[1]"),
         f"        As{v}[it, b, ii] = Ad{v}[it, b, ii] * st[1]",
         "        for j in range(8):",
         f"            Ap{v}[it, b * 8 + j, ii] = {quad}",
     ]
+
+
+def _tree(first: str, op: str, into: str) -> list[str]:
+    """A 32-wide reduction as halving vector steps (``tr``: 16, 8, 4, 2 lanes, then a scalar),
+    where a scalar loop would cost a dependent operation per element; ``first`` combines
+    element c with c + 16, ``op`` is ``T.max`` or "" for a sum."""
+    def comb(a: str, b: str) -> str:
+        return f"{op}({a}, {b})" if op else f"{a} + {b}"
+
+    out = ["        for c in T.vectorized(16):", f"            tr[c] = {first}"]
+    for width in (8, 4, 2):
+        out += [f"        for c in T.vectorized({width}):", f"            tr[c] = {comb('tr[c]', f'tr[c + {width}]')}"]
+    return out + [f"        {into} = {comb('tr[0]', 'tr[1]')}"]
 
 
 def _pack_a_tiles(ap: str, k: int, blocks: int) -> list[str]:
