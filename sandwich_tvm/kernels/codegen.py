@@ -658,7 +658,8 @@ def _tree(first: str, op: str, into: str) -> list[str]:
 
     out = ["        for c in T.vectorized(16):", f"            tr[c] = {first}"]
     for width in (8, 4, 2):
-        out += [f"        for c in T.vectorized({width}):", f"            tr[c] = {comb('tr[c]', f'tr[c + {width}]')}"]
+        out += [f"        for c in T.vectorized({width}):",
+                f"            tr[c] = {comb('tr[c]', f'tr[c + {width}]')}"]
     return out + [f"        {into} = {comb('tr[0]', 'tr[1]')}"]
 
 

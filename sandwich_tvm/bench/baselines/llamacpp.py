@@ -129,15 +129,23 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
 def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
              log: Callable[[str], None] | None = None, dtype: str = "float32") -> Path:
-    """The GGUF (F32, or F16/BF16 matrices for a 16-bit ``dtype``) of the weights our engine runs
+    """The GGUF (F32, F16/BF16 or quantized matrices for ``dtype``) of the weights our engine runs
     for ``model_spec`` (a preset's random weights drawn with ``seed``, or a checkpoint
-    directory), written once under ``cache_dir()/gguf/``."""
+    directory), written once under ``cache_dir()/gguf/``; a GGUF model of that type is used as
+    it is."""
     from ...host import cache_dir
     from ...model.checkpoint import random_checkpoint, read_checkpoint
     from ...model.config import PRESETS
     from ...model.weights import checkpoint_key
 
     preset = model_spec in PRESETS
+    if not preset:
+        from ...model.config import model_path
+        from ...model.gguf import linear_type
+
+        own = model_path(model_spec)
+        if own.suffix == ".gguf" and linear_type(own) == dtype:  # the file as its users hold it
+            return own
     key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
     tag = "" if dtype == "float32" else f"-{GGUF_TYPES.get(dtype, dtype)}"
     path = cache_dir() / "gguf" / f"{cfg.name}-{key}{tag}-v{GGUF_VERSION}.gguf"
