@@ -11,15 +11,40 @@ import pytest
 from sandwich_tvm.topology import hwloc
 from sandwich_tvm.topology.simulator import Trace
 
+from .precompile import Precompiler
+
 TOPOLOGIES = Path(__file__).parent / "fixtures" / "topologies"
 KUNPENG_192 = ("package:4 l3:2(size=24MiB) [numa] l2:24(size=512KiB) l1d:1(size=64KiB) "
                "l1i:1(size=64KiB) core:1 pu:1")
 
 
+def _session_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "cache"
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep caches (profiles, trace lengths) out of the user's home, shared per session."""
-    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("SANDWICH_CACHE", str(_session_cache(tmp_path_factory)))
+
+
+@pytest.fixture(scope="session")
+def precompiler(tmp_path_factory):
+    """Compiles models into the session's cache in a second process (``tests/precompile.py``)."""
+    pre = Precompiler(_session_cache(tmp_path_factory))
+    yield pre
+    pre.close(finish=False)
+
+
+# Their tests build kernels on one core and time nothing: the other core is free for the later
+# tests' slowest artifacts (``precompile.warm_up``).
+WARM_UP_DURING = {"compiler", "kernels"}
+
+
+@pytest.fixture(autouse=True)
+def _warm_up_later_builds(request, tmp_path_factory):
+    if request.node.path.parent.name in WARM_UP_DURING:
+        request.getfixturevalue("precompiler").warm_up(request.session, tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(autouse=True)

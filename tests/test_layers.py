@@ -6,11 +6,15 @@ have to cut, so this test names it."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from .precompile import selected
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sandwich_tvm"
 
@@ -87,13 +91,26 @@ PRODUCT = ["sandwich_tvm.serve", "sandwich_tvm.generate", "sandwich_tvm.compile"
            "sandwich_tvm.runtime.batch", "sandwich_tvm.server.app"]
 
 
-@pytest.mark.parametrize("module", PRODUCT)
-def test_the_product_loads_no_benchmark_module(module):
-    """What the user runs imports nothing of ``sandwich_tvm.bench`` (checked in a fresh
-    interpreter, so an import inside a function body that runs at import time counts too)."""
+def _probe(module: str) -> subprocess.CompletedProcess:
     probe = (f"import importlib, sys; importlib.import_module({module!r}); "
              "print(sorted(m for m in sys.modules if m.startswith('sandwich_tvm.bench')))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def probes(request):
+    """The fresh interpreters of the selected modules, one per CPU at a time (each spends
+    seconds importing TVM on one core); a test waits for its own."""
+    modules = [p["module"] for p in selected(request, "test_the_product_loads_no_benchmark_module")]
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        yield {module: pool.submit(_probe, module) for module in modules}
+
+
+@pytest.mark.parametrize("module", PRODUCT)
+def test_the_product_loads_no_benchmark_module(module, probes):
+    """What the user runs imports nothing of ``sandwich_tvm.bench`` (checked in a fresh
+    interpreter, so an import inside a function body that runs at import time counts too)."""
+    out = probes[module].result()
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 

@@ -40,8 +40,8 @@ def test_the_wheel_holds_every_package_and_its_data(wheel):
 @pytest.mark.compile
 def test_generate_runs_from_the_installed_wheel(wheel, tmp_path):
     venv = tmp_path / "venv"
-    # --system-site-packages: this venv's dependencies (TVM, numpy, ...) without a download
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # without pip of its own (ensurepip takes seconds): this venv's pip installs into it below
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
 
     def site_packages(py: str | Path) -> Path:
@@ -51,8 +51,9 @@ def test_generate_runs_from_the_installed_wheel(wheel, tmp_path):
     # this venv's dependencies (TVM, numpy, ...) without a download; a path in a .pth file is
     # appended to sys.path without running that directory's own .pth files (the editable install)
     (site_packages(python) / "deps.pth").write_text(str(site_packages(sys.executable)))
-    install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index",
-                              "--force-reinstall", str(wheel)], capture_output=True, text=True, timeout=300)
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                              "--no-index", "--force-reinstall", str(wheel)], capture_output=True, text=True,
+                             timeout=300)
     assert install.returncode == 0, install.stdout + install.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -42,6 +42,15 @@ def write_hf_model(name: str, out: Path, seed: int = 0):
     return model
 
 
+def hf_checkpoint(base: Path, name: str) -> Path:
+    """``name``'s checkpoint at a fixed place in the session (``base``: its base directory), so
+    that its compiled models can be named before a test asks for them; written if missing."""
+    out = base / "hf" / name
+    if not (out / "config.json").is_file():
+        write_hf_model(name, out)
+    return out
+
+
 def byte_level_tokenizer(merges: list[tuple[bytes, bytes]] = ()):
     """A byte-level BPE ``tokenizers.Tokenizer``: the 256 bytes plus ``merges`` (byte pairs), no
     pre-splitting, so a merge may join the tail of one character to the next."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,17 +11,33 @@ from sandwich_tvm.cli import compile as compile_cli
 from sandwich_tvm.cli import generate as generate_cli
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
+from ..precompile import generate_spec, selected, warm_up
 from .hf_models import CONFIGS, write_hf_model
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.compile
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def _two_process_argv(model_dir: Path, plan: Path) -> list[str]:
+    return ["--model", str(model_dir), "--plan", str(plan), "--prompt-len", "20", "--max-new-tokens", "8",
+            "--dtype", "float32", "--kv-dtype", "float32", "--json"]
+
+
+def _write_two_process_plan(path: Path) -> Path:
+    cpus = sorted(PROCESS_CPUS)
+    path.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[cpus[0]], [cpus[1]]],
+                                           "decode_cpus": [[cpus[0]], [cpus[1]]]}]}))
+    return path
+
+
+def _write_model(base: Path) -> Path:
+    """The MHA checkpoint with a word-level tokenizer and a plan (prefill on every CPU, decode on
+    one), at a fixed place in the session (its compiled models can be built ahead)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    out = tmp_path_factory.mktemp("mha")
+    out = base / "cli" / "mha"
+    if (out / "plans.json").is_file():
+        return out
     write_hf_model("mha-untied", out)
     vocab = {f"w{i}": i for i in range(CONFIGS["mha-untied"]["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -32,7 +49,49 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def test_generate_json(model_dir, capsys):
+def _default_spec(model_dir: Path):
+    """generate's spec with the module's plan and no dtype options (also bench e2e's bf16 run)."""
+    return generate_spec(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                          "--prompt-len", "4"])
+
+
+def _e2e_spec(model_dir: Path):
+    """bench e2e's main run (``--dtype float32``)."""
+    return generate_spec(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                          "--dtype", "float32", "--prompt-len", "8"])
+
+
+def _two_process_specs(base: Path) -> list:
+    model_dir = _write_model(base)
+    return [generate_spec(_two_process_argv(model_dir, plan))
+            for plan in (model_dir / "plans.json", _write_two_process_plan(base / "cli" / "two.json"))]
+
+
+for _test in ("test_generate_json", "test_generate_streams_text_through_the_tokenizer",
+              "test_generate_samples_reproducibly_with_a_seed"):
+    warm_up(__name__, _test, lambda base: [_default_spec(_write_model(base))])
+if len(PROCESS_CPUS) >= 2:
+    warm_up(__name__, "test_generate_runs_a_two_process_plan", _two_process_specs)
+warm_up(__name__, "test_bench_e2e_reports_measured_and_predicted",
+        lambda base: [_e2e_spec(_write_model(base)), _default_spec(_write_model(base))])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, precompiler, request):
+    base = tmp_path_factory.getbasetemp()
+    out = _write_model(base)
+    # The artifacts that only the two-process and bench tests open are built on the other core
+    # while the first tests build the default one here (when the session has not started them
+    # all already: ``warm_up``).
+    if len(PROCESS_CPUS) >= 2 and selected(request, "test_generate_runs_a_two_process_plan"):
+        precompiler.submit(_two_process_specs(base)[1])
+    if selected(request, "test_bench_e2e_reports_measured_and_predicted"):
+        precompiler.submit(_e2e_spec(out))
+    return out
+
+
+def test_generate_json(model_dir, capsys, precompiler):
+    precompiler.ready(_default_spec(model_dir))
     code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                               "--prompt-len", "20", "--max-new-tokens", "5", "--json"])
     assert code == 0
@@ -42,23 +101,20 @@ def test_generate_json(model_dir, capsys):
 
 
 @pytest.mark.skipif(len(PROCESS_CPUS) < 2, reason="a two-process plan needs two CPUs")
-def test_generate_runs_a_two_process_plan(model_dir, tmp_path, capsys):
+def test_generate_runs_a_two_process_plan(model_dir, tmp_path, capsys, precompiler):
     """A plans.json of two processes runs as two tensor-parallel ranks, with one process's tokens."""
-    cpus = sorted(PROCESS_CPUS)
-    two = tmp_path / "two.json"
-    two.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[cpus[0]], [cpus[1]]],
-                                          "decode_cpus": [[cpus[0]], [cpus[1]]]}]}))
+    two = _write_two_process_plan(tmp_path / "two.json")
     tokens = {}
     for name, plan in (("one", model_dir / "plans.json"), ("two", two)):
-        code = generate_cli.main(["--model", str(model_dir), "--plan", str(plan), "--prompt-len", "20",
-                                  "--max-new-tokens", "8", "--dtype", "float32", "--kv-dtype", "float32",
-                                  "--json"])
+        precompiler.ready(generate_spec(_two_process_argv(model_dir, plan)))
+        code = generate_cli.main(_two_process_argv(model_dir, plan))
         assert code == 0
         tokens[name] = json.loads(capsys.readouterr().out)["tokens"]
     assert tokens["two"] == tokens["one"] and len(tokens["one"]) == 8
 
 
-def test_generate_streams_text_through_the_tokenizer(model_dir, capsys):
+def test_generate_streams_text_through_the_tokenizer(model_dir, capsys, precompiler):
+    precompiler.ready(_default_spec(model_dir))
     code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                               "--prompt", "w5 w17 w200 w3", "--max-new-tokens", "4"])
     assert code == 0
@@ -78,9 +134,11 @@ def test_errors_are_reported_not_raised(model_dir, tmp_path, capsys):
     assert "exceeds the context of 256 tokens" in capsys.readouterr().err
 
 
-def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
+def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys, precompiler):
     from sandwich_tvm.bench import cli as bench_cli
 
+    precompiler.ready(_e2e_spec(model_dir))
+    precompiler.ready(_default_spec(model_dir))  # the --also-dtype bfloat16 run
     plot = tmp_path / "e2e.png"
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                            "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
@@ -104,7 +162,9 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys):
         assert len(runs) == 2 and min(runs) <= r["tpot_ms"] <= max(runs)
 
 
-def test_generate_samples_reproducibly_with_a_seed(model_dir, capsys):
+def test_generate_samples_reproducibly_with_a_seed(model_dir, capsys, precompiler):
+    precompiler.ready(_default_spec(model_dir))
+
     def run(seed: str) -> list[int]:
         code = generate_cli.main(["--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                                   "--prompt-len", "12", "--max-new-tokens", "12", "--json",

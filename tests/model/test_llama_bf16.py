@@ -14,7 +14,6 @@ import pytest
 
 from sandwich_tvm.bench.agreement import greedy_agreement
 from sandwich_tvm.cli.options import synthetic_prompt
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.host import can_run, cpu_flags, host_isa
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.model.config import load_config
@@ -23,6 +22,9 @@ from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+from ..precompile import warm_up
+from .hf_models import CONFIGS, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.compile
@@ -37,8 +39,22 @@ PAIRS = ISAS[kernel_isa(host_isa(), "bfloat16", cpu_flags())].k_pack == 2
 EXACT_TOL = 3e-2 if PAIRS else 1e-3
 
 
-def open_bf16(model, cfg, kv_dtype="float32") -> Engine:
-    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, weight_dtype="bfloat16", kv_dtype=kv_dtype))
+def bf16_spec(cfg, kv_dtype="float32") -> RunSpec:
+    return RunSpec(cfg.name, cfg, PLAN, weight_dtype="bfloat16", kv_dtype=kv_dtype)
+
+
+def fp32_spec(cfg) -> RunSpec:
+    return RunSpec(cfg.name, cfg, PLAN, kv_dtype="float32")
+
+
+warm_up(__name__, "test_bf16_model_matches_hf",
+        lambda base: [bf16_spec(load_config(hf_checkpoint(base, case))) for case in sorted(CONFIGS)])
+warm_up(__name__, "test_bf16_greedy_agrees_with_fp32_on_the_preset",
+        lambda _base: [fp32_spec(load_config("llama-160m")), bf16_spec(load_config("llama-160m"))])
+
+
+def open_bf16(model, cfg, precompiler, kv_dtype="float32") -> Engine:
+    compiled = precompiler.build(bf16_spec(cfg, kv_dtype))
     isa, dtype = compiled.weight_layout
     assert (dtype, isa) == ("bfloat16", kernel_isa(host_isa(), "bfloat16", cpu_flags()))
     layouts = compiled.layouts  # the parameters' own layouts, through the artifact
@@ -60,10 +76,10 @@ def bf16_rounded(hf, tied: bool):
     return ref
 
 
-def test_bf16_model_matches_hf(hf_case):
+def test_bf16_model_matches_hf(hf_case, precompiler):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    engine = open_bf16(model_dir, cfg)
+    engine = open_bf16(model_dir, cfg, precompiler)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
     logits: list[np.ndarray] = []
     gen = engine.generate(prompt, STEPS + 1, logits_out=logits)
@@ -80,7 +96,7 @@ def test_bf16_model_matches_hf(hf_case):
     os.sched_setaffinity(0, CPUS)
 
 
-def test_bf16_greedy_agrees_with_fp32_on_the_preset():
+def test_bf16_greedy_agrees_with_fp32_on_the_preset(precompiler):
     """64 greedy steps of the fp32 model; the bf16 model, fed the same tokens, picks the same
     next token at >= 90% of them (the issue's bar is 95%, which `bench agreement` shows per
     preset; kernels and their summation order differ per CPU), and wherever it picks another,
@@ -88,13 +104,16 @@ def test_bf16_greedy_agrees_with_fp32_on_the_preset():
     margins (a near-tie of random weights, not a wrong model)."""
     cfg = load_config("llama-160m")
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 32)]
+    # Both builds take a minute: the session started them early on the other core (warm_up);
+    # if it did not (this module alone), bf16 is built there while fp32 is built here.
+    precompiler.submit(bf16_spec(cfg))
 
     def fp32() -> Engine:
-        compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, kv_dtype="float32"))
+        compiled = precompiler.build(fp32_spec(cfg))
         isa, _ = compiled.weight_layout
         return Engine(compiled, load_params("llama-160m", cfg, compiled.params, isa), PLAN)
 
-    [result] = greedy_agreement(fp32, lambda: open_bf16("llama-160m", cfg), [prompt], 64)
+    [result] = greedy_agreement(fp32, lambda: open_bf16("llama-160m", cfg, precompiler), [prompt], 64)
     print(f"bf16 picks the fp32 model's token at {result.agree:.1%} of {result.steps} steps")
     assert result.steps == 64
     for d in result.disagreements:
@@ -104,22 +123,38 @@ def test_bf16_greedy_agrees_with_fp32_on_the_preset():
     os.sched_setaffinity(0, CPUS)
 
 
-@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+CAPS = ["avx2", "avx512"]
+
+
+@pytest.fixture(scope="module")
+def capped_runs(hf_case, tmp_path_factory):
+    """``generate`` under each cap this CPU can execute, all started at once (each compiles its
+    model on one core); a test reads its own run."""
+    model_dir, _ = hf_case
+    env = {**os.environ, "SANDWICH_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
+    runs = {cap: subprocess.Popen([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(model_dir),
+                                   "--dtype", "bfloat16", "--kv-dtype", "float32", "--prompt-len", "20",
+                                   "--max-new-tokens", "8", "--json"], env={**env, "SANDWICH_MAX_ISA": cap},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for cap in CAPS if can_run(cap)}
+    yield runs
+    for run in runs.values():
+        run.kill()
+        run.communicate()
+
+
+@pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
-def test_bf16_on_the_widening_kernels_gives_hfs_tokens(hf_case, cap):
+def test_bf16_on_the_widening_kernels_gives_hfs_tokens(hf_case, cap, capped_runs):
     """bf16 weights on a CPU without a bf16 unit (here: this CPU capped by SANDWICH_MAX_ISA) are
     stored as bf16 and widened by the kernels: the run gives the greedy tokens of HF on the
     bf16-rounded weights. (Such weights cross into TVM as 16-bit words: DLPack has no bf16.)"""
     if not can_run(cap):
         pytest.skip(f"this CPU ({host_isa()}) cannot execute {cap} code")
     model_dir, hf = hf_case
-    env = {**os.environ, "SANDWICH_MAX_ISA": cap}
-    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(model_dir),
-                          "--dtype", "bfloat16", "--kv-dtype", "float32", "--prompt-len", "20",
-                          "--max-new-tokens", "8", "--json"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr
-    tokens = json.loads(run.stdout)["tokens"]
+    stdout, stderr = capped_runs[cap].communicate(timeout=600)
+    assert capped_runs[cap].returncode == 0, stderr
+    tokens = json.loads(stdout)["tokens"]
     cfg = load_config(model_dir)
     prompt = synthetic_prompt(20, cfg.vocab_size)
     with torch.no_grad():

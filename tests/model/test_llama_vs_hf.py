@@ -15,11 +15,40 @@ from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
+from ..precompile import selected, warm_up
+from .hf_models import CONFIGS, hf_checkpoint
+
 torch = pytest.importorskip("torch")
 
 CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS[:1], "test: decode on one core")  # a real switch between the phases
 DECODE_STEPS = 32
+
+
+def _spec(cfg, stock: bool = False, kv_dtype: str = "float32") -> RunSpec:
+    return RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype=kv_dtype)
+
+
+def _specs(base, **kw) -> list[RunSpec]:
+    return [_spec(load_config(hf_checkpoint(base, case)), **kw) for case in sorted(CONFIGS)]
+
+
+warm_up(__name__, "test_prefill_and_decode_match_hf",
+        lambda base: _specs(base) + _specs(base, stock=True))
+warm_up(__name__, "test_chunked_prefill_matches_hf",
+        lambda base: _specs(base, kv_dtype="bfloat16") + _specs(base, kv_dtype="float16"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _half_in_background(hf_case, precompiler, request):
+    """Per checkpoint, the stock and fp16-cache builds go to the second process (selected
+    tests only), while the tests build the others here (when the session has not started
+    them all already: ``warm_up``)."""
+    cfg = load_config(hf_case[0])
+    params = [p for test in ("test_prefill_and_decode_match_hf", "test_chunked_prefill_matches_hf")
+              for p in selected(request, test) if hf_case[0].name.startswith(p["hf_case"])]
+    precompiler.submit(*[_spec(cfg, **kw) for kw in ({"stock": True}, {"kv_dtype": "float16"})
+                         if any(kw.items() <= p.items() for p in params)])
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:
@@ -38,10 +67,10 @@ def _run(model_dir, compiled: CompiledModel, prompt: list[int]):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("stock", [False, True], ids=["sandwich", "stock"])
-def test_prefill_and_decode_match_hf(hf_case, stock):
+def test_prefill_and_decode_match_hf(hf_case, stock, precompiler):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype="float32"))
+    compiled = precompiler.build(_spec(cfg, stock))
     assert compiled.meta["unscheduled"] == []  # every operator got a schedule
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
     engine, params, gen, ours = _run(model_dir, compiled, prompt)
@@ -58,7 +87,7 @@ def test_prefill_and_decode_match_hf(hf_case, stock):
     os.sched_setaffinity(0, CPUS)
 
     # The artifact reloads without recompiling.
-    again = compile_model(RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype="float32"))
+    again = compile_model(_spec(cfg, stock))
     assert again.path == compiled.path and again.meta["seconds"] == compiled.meta["seconds"]
 
     # A prompt longer than the context is refused with the limit named.
@@ -73,12 +102,12 @@ KV_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2}
 
 @pytest.mark.compile
 @pytest.mark.parametrize("kv_dtype", sorted(KV_TOLERANCE))
-def test_chunked_prefill_matches_hf(hf_case, kv_dtype):
+def test_chunked_prefill_matches_hf(hf_case, kv_dtype, precompiler):
     """Prompts longer than the prefill chunk: later chunks attend to the paged prefix and merge
     with the in-chunk (ragged) attention through its log-sum-exp; with a 16-bit KV cache too."""
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    compiled = compile_model(RunSpec(cfg.name, cfg, PLAN, kv_dtype=kv_dtype))
+    compiled = precompiler.build(_spec(cfg, kv_dtype=kv_dtype))
     assert compiled.meta["kv_dtype"] == kv_dtype
     params = load_params(model_dir, cfg, compiled.params, host_isa())
     engine = Engine(compiled, params, PLAN, prefill_chunk=16)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.cli.options import synthetic_prompt
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
 from sandwich_tvm.runtime.engine import EngineError
@@ -24,6 +23,9 @@ from sandwich_tvm.runtime.loader import open_engine
 from sandwich_tvm.spec import RunSpec, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+from ..precompile import generate_spec, selected, warm_up
+from .hf_models import CONFIGS, hf_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -52,6 +54,49 @@ def test_a_model_that_cannot_be_split_evenly_is_refused():
         check_tp(cfg, 5)
 
 
+def _write_tp2_plan(path: Path) -> Path:
+    path.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[CPUS[0]], [CPUS[1]]],
+                                           "decode_cpus": [[CPUS[0]], [CPUS[1]]]}]}))
+    return path
+
+
+def _plan_file_argv(model_dir: Path, plan: Path) -> list[str]:
+    return ["--model", str(model_dir), "--plan", str(plan), "--prompt-len", "20", "--max-new-tokens", "6",
+            "--dtype", "float32", "--kv-dtype", "float32", "--json"]
+
+
+def _tp2() -> ExecPlan:
+    return ExecPlan.processes([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
+
+
+def _tp1() -> ExecPlan:
+    return ExecPlan.processes([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
+
+
+def _engine_spec(model_dir: Path, plan: ExecPlan) -> RunSpec:
+    return resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1, kv_dtype="float32",
+                            dtype="float32")
+
+
+if len(CPUS) >= 2:
+    warm_up(__name__, "test_two_processes_match_hf_and_a_killed_rank_ends_cleanly",
+            lambda base: [_engine_spec(hf_checkpoint(base, case), plan) for case in sorted(CONFIGS)
+                          for plan in (_tp2(), _tp1())])
+    warm_up(__name__, "test_generate_runs_a_two_process_plan_file",
+            lambda base: [generate_spec(_plan_file_argv(hf_checkpoint(base, "gqa-tied-llama3"),
+                                                        _write_tp2_plan(base / "tp2-plans.json")))])
+
+
+@pytest.fixture(scope="module")
+def plan_file_build(hf_case, precompiler, request, tmp_path_factory):
+    """The plan-file test's TP-2 build (generate's batch of 8) starts on the other core with the
+    first test of its checkpoint that asks for this."""
+    if len(CPUS) >= 2 and any(hf_case[0].name.startswith(p["hf_case"])
+                              for p in selected(request, "test_generate_runs_a_two_process_plan_file")):
+        plan = _write_tp2_plan(tmp_path_factory.mktemp("tp2") / "plans.json")
+        precompiler.submit(generate_spec(_plan_file_argv(hf_case[0], plan)))
+
+
 def _reference(hf, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].numpy()
@@ -59,15 +104,19 @@ def _reference(hf, tokens: list[int]) -> np.ndarray:
 
 @pytest.mark.compile
 @pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
-def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
+def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case, precompiler, plan_file_build):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    plan = ExecPlan.processes([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
-    compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32", weight_dtype="float32"))
+    plan, one = _tp2(), _tp1()
+
+    def spec(plan: ExecPlan) -> RunSpec:
+        return _engine_spec(model_dir, plan)
+
+    precompiler.submit(spec(one))  # built on the other core while TP-2 is built here
+    compiled = precompiler.build(spec(plan))  # the artifact the engine below opens
     assert compiled.tp == 2
     assert compiled.shards["model.layers.0.mlp.down_proj.weight"] == Shard(1, (cfg.intermediate_size,))
-    engine, _ = open_engine(resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1,
-                                             kv_dtype="float32", dtype="float32"))
+    engine, _ = open_engine(spec(plan))
     try:
         prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
         logits: list[np.ndarray] = []
@@ -80,9 +129,8 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
         assert engine.phase == "decode" and len(engine.switches) == 2  # both ranks switched
 
         # TP-1 on the same weights and CPUs: the same greedy tokens, logits within 1e-4
-        one = ExecPlan.processes([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
-        single, _ = open_engine(resolve_run_spec(model_dir, plan=one, context=256, max_batch=1,
-                                                 kv_dtype="float32", dtype="float32"))
+        precompiler.ready(spec(one))
+        single, _ = open_engine(spec(one))
         tp1_logits: list[np.ndarray] = []
         tp1 = single.generate(prompt, DECODE_STEPS + 1, logits_out=tp1_logits)
         del single
@@ -118,14 +166,12 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case):
 @pytest.mark.compile
 @pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
 @pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
-def test_generate_runs_a_two_process_plan_file(hf_case, tmp_path):
+def test_generate_runs_a_two_process_plan_file(hf_case, tmp_path, precompiler, plan_file_build):
     model_dir, hf = hf_case
-    plan = tmp_path / "plans.json"
-    plan.write_text(json.dumps({"plans": [{"tp": 2, "prefill_cpus": [[CPUS[0]], [CPUS[1]]],
-                                           "decode_cpus": [[CPUS[0]], [CPUS[1]]]}]}))
-    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(model_dir), "--plan",
-                          str(plan), "--prompt-len", "20", "--max-new-tokens", "6", "--dtype", "float32",
-                          "--kv-dtype", "float32", "--json"], capture_output=True, text=True, timeout=600)
+    argv = _plan_file_argv(model_dir, _write_tp2_plan(tmp_path / "plans.json"))
+    precompiler.ready(generate_spec(argv))
+    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", *argv], capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     prompt = synthetic_prompt(20, load_config(model_dir).vocab_size)

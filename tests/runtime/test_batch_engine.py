@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.batch import BatchEngine
@@ -17,20 +16,28 @@ from sandwich_tvm.spec import RunSpec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
-from ..model.hf_models import write_hf_model
+from ..model.hf_models import hf_checkpoint
+from ..precompile import warm_up
 
 pytestmark = pytest.mark.compile
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+def _spec(model_dir) -> RunSpec:
+    cfg = load_config(model_dir)
+    return RunSpec(cfg.name, cfg, ExecPlan.all_cpus(), max_batch=8, kv_dtype="float32")
+
+
+# the session's MHA checkpoint (tests/model/hf_models.py): its build can start ahead
+warm_up(__name__, "model", lambda base: [_spec(hf_checkpoint(base, "mha-untied"))])
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("batch")
-    write_hf_model("mha-untied", out)
-    cfg = load_config(out)
-    plan = ExecPlan.all_cpus()
-    compiled = compile_model(RunSpec(cfg.name, cfg, plan, max_batch=8, kv_dtype="float32"))
-    return compiled, load_params(out, cfg, compiled.params, host_isa()), plan
+def model(tmp_path_factory, precompiler):
+    out = hf_checkpoint(tmp_path_factory.getbasetemp(), "mha-untied")
+    spec = _spec(out)
+    compiled = precompiler.build(spec)
+    return compiled, load_params(out, spec.config, compiled.params, host_isa()), spec.plan
 
 
 def _engine(model, context: int, kv_tokens: int | None = None) -> Engine:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.tokenizer import load_model_tokenizer, placeholder_tokenizer
 from sandwich_tvm.model.weights import load_params
@@ -25,6 +24,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
 
 from ..model.hf_models import write_hf_model
+from ..precompile import warm_up
 
 MODEL = "tiny"
 CONTEXT = 256
@@ -60,17 +60,36 @@ def write_checkpoint(out: Path):
     return hf
 
 
+def _checkpoint(base: Path) -> Path:
+    """Where the served checkpoint is, a fixed place in the session (its build can start ahead)."""
+    return base / "server" / "served"
+
+
+def _written(base: Path) -> Path:
+    if not (_checkpoint(base) / "tokenizer_config.json").is_file():
+        write_checkpoint(_checkpoint(base))
+    return _checkpoint(base)
+
+
+def _spec(model_dir: Path) -> RunSpec:
+    cfg = load_config(model_dir)
+    return RunSpec(cfg.name, cfg, ExecPlan.all_cpus(), max_batch=POLICY.max_batch, kv_dtype="float32")
+
+
+warm_up(__name__.rpartition(".")[0], "served", lambda base: [_spec(_written(base))])
+
+
 @pytest.fixture(scope="package")
-def served(tmp_path_factory):
+def served(tmp_path_factory, precompiler):
     import uvicorn
 
     from sandwich_tvm.server.app import Server, create_app
 
-    out = tmp_path_factory.mktemp("served")
+    out = _checkpoint(tmp_path_factory.getbasetemp())
     hf = write_checkpoint(out)
-    cfg = load_config(out)
-    plan = ExecPlan.all_cpus()
-    compiled = compile_model(RunSpec(cfg.name, cfg, plan, max_batch=POLICY.max_batch, kv_dtype="float32"))
+    spec = _spec(out)
+    cfg, plan = spec.config, spec.plan
+    compiled = precompiler.build(spec)
     params = load_params(out, cfg, compiled.params, host_isa())
     engine = Engine(compiled, params, plan, context=CONTEXT, max_batch=POLICY.max_batch,
                     prefill_chunk=POLICY.prefill_budget)
