@@ -1,10 +1,11 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity`: Sandwich's
-dynamic-shape GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache`:
+Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
 ``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
 16-bit model's greedy tokens against its fp32 model's, ``bench/agreement_cmd.py``;
-``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``).
+``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``prefix-cache``:
+TTFT of a request whose long prefix is cached, ``bench/prefix.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -35,6 +36,7 @@ from .attention import add_attention_parser, main_attention
 from .cold import cold_rotation, llc_bytes_of
 from .e2e import add_e2e_parser, main_e2e
 from .perplexity import add_perplexity_parser, main_perplexity
+from .prefix import add_prefix_parser, main_prefix
 from .serve_cmd import add_serve_parser, main_serve
 from .timing import median_seconds, paired_median_ratio, rotating
 
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_allreduce_parser(sub)
     add_agreement_parser(sub)
     add_perplexity_parser(sub)
+    add_prefix_parser(sub)
     return parser
 
 
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "perplexity":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_perplexity(args, console)
+    if args.what == "prefix-cache":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_prefix(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

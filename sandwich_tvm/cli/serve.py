@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of one prompt per prefill iteration (default: the budget)")
     p.add_argument("--priority", choices=("prefill", "decode"), default="prefill",
                    help="which phase runs when both have work (default prefill: admit new requests first)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share cached prompt prefixes between requests (on by default; a request "
+                        "opts out with \"cache_prompt\": false)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for a KV slot before new ones get 429 (default 64)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
                                  chunk=args.chunk or args.prefill_budget, priority=args.priority,
-                                 max_queue=args.max_queue)
+                                 max_queue=args.max_queue, prefix_caching=args.prefix_caching)
         spec = spec_from_args(args, log, context=args.context, kv_tokens=args.kv_cache_tokens, shared_kv=True,
                               prefill_chunk=max(args.prefill_budget, policy.chunk))
         tok = load_model_tokenizer(args.model)

@@ -39,6 +39,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # of the prompt, shared from the prefix cache
 
 
 class BatchEngine:
@@ -54,9 +55,9 @@ class BatchEngine:
             raise EngineError(f"a prefill step of {policy.prefill_budget} tokens exceeds the KV cache's "
                               f"prefill chunk of {engine.prefill_chunk}")
         self.engine, self.policy, self.eos_ids, self.metrics = engine, policy, eos_ids, metrics
-        self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, self._free)
+        engine.clear()  # the scheduler owns the cache's sequences from here on
+        self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}
-        self._in_cache: set[int] = set()  # slots added to the KV cache
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
@@ -100,13 +101,8 @@ class BatchEngine:
         return self.scheduler.has_work()
 
     def pages_in_use(self) -> int:
-        """Pages the KV cache holds now (the cache's own count)."""
+        """Pages the KV cache holds now, running and cached sequences' (the cache's own count)."""
         return self.engine.total_pages - self.engine.available_pages()
-
-    def _free(self, slot: int) -> None:
-        if slot in self._in_cache:
-            self._in_cache.remove(slot)
-            self.engine.stop(slot)
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[TokenEvent]:
@@ -122,6 +118,7 @@ class BatchEngine:
         except Exception as err:  # a failed kernel: end every request in the cache, keep serving
             return self._fail_all(f"{type(err).__name__}: {err}")
         events = self._sample(step, logits)
+        self.scheduler.index(step)
         if self.metrics is not None:
             self.metrics.on_tokens(sum(e.token is not None for e in events))
             self.metrics.on_step(step.phase, sum(step.lengths), switched, time.perf_counter() - t0,
@@ -131,14 +128,13 @@ class BatchEngine:
 
     def update_gauges(self) -> None:
         if self.metrics is not None:
-            self.metrics.on_state(len(self.scheduler.waiting), len(self.scheduler.running),
-                                  self.pages_in_use(), self.engine.total_pages)
+            s = self.scheduler
+            self.metrics.on_state(len(s.waiting), len(s.running), s.pages_used(), s.pages_cached(),
+                                  s.pages.free(), self.engine.total_pages)
+            if s.prefix is not None:
+                self.metrics.on_prefix_cache(s.prefix.hit_tokens, s.prefix.query_tokens, s.evictions)
 
     def _forward(self, step: Step) -> np.ndarray:
-        for seq in step.seqs:
-            if seq.slot not in self._in_cache:
-                self.engine.start(seq.slot)
-                self._in_cache.add(seq.slot)
         slots = [s.slot for s in step.seqs]
         if step.phase == "decode":
             return self.engine.batch_decode(slots, [s.tokens[-1] for s in step.seqs])
@@ -163,6 +159,7 @@ class BatchEngine:
                 events.append(self._finish(seq, "length", token, sample))
             else:
                 events.append(TokenEvent(seq.request_id, token, sample, prompt_tokens=len(seq.prompt),
+                                         cached_tokens=seq.cached_tokens,
                                          output_tokens=seq.num_output))
         return events
 
@@ -174,9 +171,8 @@ class BatchEngine:
         if self.metrics is not None:
             self.metrics.on_finish(seq)
         return TokenEvent(seq.request_id, token, sample, reason, stop_token, len(seq.prompt),
-                          seq.num_output, error)
+                          seq.num_output, error, seq.cached_tokens)
 
     def _fail_all(self, message: str) -> list[TokenEvent]:
         self.engine.clear()  # the cache may hold half a step
-        self._in_cache.clear()
-        return [self._finish(seq, "error", None, error=message) for seq in list(self.scheduler.running)]
+        return [self._finish(seq, "error", None, error=message) for seq in self.scheduler.drop_all()]

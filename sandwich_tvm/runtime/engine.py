@@ -104,6 +104,9 @@ class EngineBase(ABC):
     def stop(self, seq_id: int = 0) -> None: ...
 
     @abstractmethod
+    def fork(self, parent: int, child: int, tokens: int) -> None: ...
+
+    @abstractmethod
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray: ...
 
     @abstractmethod
@@ -175,6 +178,7 @@ class Engine(EngineBase):
         g = tvm.get_global_func
         self._add_seq = g("vm.builtin.kv_state_add_sequence")
         self._remove_seq = g("vm.builtin.kv_state_remove_sequence")
+        self._fork_seq = g("vm.builtin.kv_state_fork_sequence")
         self._begin = g("vm.builtin.kv_state_begin_forward")
         self._end = g("vm.builtin.kv_state_end_forward")
         self._available_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
@@ -248,6 +252,9 @@ class Engine(EngineBase):
 
     def stop(self, seq_id: int = 0) -> None:
         self._remove_seq(self.kv, seq_id)
+
+    def fork(self, parent: int, child: int, tokens: int) -> None:
+        self._fork_seq(self.kv, parent, child, tokens)
 
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
         """Logits after the prompt (chunks of ``prefill_chunk`` tokens)."""

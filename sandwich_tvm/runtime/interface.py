@@ -50,6 +50,10 @@ class ServingEngine(Protocol):
         """Remove a sequence from the KV cache."""
         ...
 
+    def fork(self, parent: int, child: int, tokens: int) -> None:
+        """Add ``child`` sharing ``parent``'s first ``tokens`` cached tokens (whole pages)."""
+        ...
+
     def clear(self) -> None:
         """Drop every sequence (after a failed step)."""
         ...

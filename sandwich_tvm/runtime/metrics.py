@@ -38,9 +38,16 @@ class ServingMetrics:
 
         self.waiting = gauge("num_requests_waiting", "Requests queued for a KV slot")
         self.running = gauge("num_requests_running", "Sequences in the KV cache")
-        self.pages_used = gauge("kv_cache_pages_used", "Pages of the paged KV cache in use")
-        self.pages_total = gauge("kv_cache_pages_total", "Pages of the paged KV cache")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's pages in use")
+        self.pages_used = gauge("kv_cache_pages_used", "Pages of the paged KV cache running sequences hold")
+        self.pages_cached = gauge("kv_cache_pages_cached",
+                                  "Pages only the prefix cache holds (evicted least recently used first)")
+        self.pages_free = gauge("kv_cache_pages_free", "Pages of the paged KV cache no sequence holds")
+        self.pages_total = gauge("kv_cache_pages_total", "Pages of the paged KV cache (used + cached + free)")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the KV cache's pages running sequences hold")
+        self.prefix_queries = gauge("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache (skipped)")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens")
+        self.prefix_evictions = gauge("prefix_cache_evictions", "Cached sequences evicted to free pages")
         self.tokens_per_s = gauge("generation_tokens_per_second",
                                   f"Output tokens per second over the last {RATE_WINDOW_S:.0f} s")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation included)")
@@ -79,12 +86,22 @@ class ServingMetrics:
                 self._recent.popleft()
             self.tokens_per_s.set(sum(k for _, k in self._recent) / RATE_WINDOW_S)
 
-    def on_state(self, waiting: int, running: int, pages_used: int, pages_total: int) -> None:
+    def on_state(self, waiting: int, running: int, pages_used: int, pages_cached: int, pages_free: int,
+                 pages_total: int) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
         self.pages_used.set(pages_used)
+        self.pages_cached.set(pages_cached)
+        self.pages_free.set(pages_free)
         self.pages_total.set(pages_total)
         self.kv_usage.set(pages_used / pages_total if pages_total else 0.0)
+
+    def on_prefix_cache(self, hits: int, queries: int, evictions: int) -> None:
+        """The prefix cache's totals so far (tokens; sequences evicted)."""
+        self.prefix_hits.set(hits)
+        self.prefix_queries.set(queries)
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self.prefix_evictions.set(evictions)
 
     def on_finish(self, seq: Sequence) -> None:
         self.finished[seq.finish_reason or "error"].inc()

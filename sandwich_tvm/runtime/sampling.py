@@ -55,7 +55,8 @@ class SamplingParams:
     ``presence * (count > 0) + frequency * count`` over output tokens. ``stop`` may be given as a
     single string or a list (stored as a tuple). ``max_tokens=None`` is the rest of the
     context (OpenAI's chat default). ``logprobs=n`` returns the chosen token's
-    logprob and the ``n`` most likely alternatives. Bad values raise :class:`SamplingError`.
+    logprob and the ``n`` most likely alternatives. ``cache_prompt=False`` opts the request out of
+    prefix caching. Bad values raise :class:`SamplingError`.
     """
 
     max_tokens: int | None = 16
@@ -71,6 +72,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    cache_prompt: bool = True  # llama-server's name; False: reuse no cached prefix, leave none
 
     def __post_init__(self) -> None:
         fix = {
@@ -97,6 +99,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise SamplingError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         fix["ignore_eos"] = bool(self.ignore_eos)
+        if not isinstance(self.cache_prompt, (bool, np.bool_)):
+            raise SamplingError(f"cache_prompt must be true or false, got {self.cache_prompt!r}")
+        fix["cache_prompt"] = bool(self.cache_prompt)
         for name, value in fix.items():  # canonical types: hashable, JSON-ready
             object.__setattr__(self, name, value)
 

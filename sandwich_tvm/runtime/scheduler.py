@@ -5,21 +5,55 @@ on the decode plan's: Sandwich hot-switches the thread pool between them over on
 weights. A prefill step takes chunks of several sequences' missing tokens under a token budget;
 a decode step takes every decoding sequence (m = batch for the GEMMs).
 
-Pages are counted here exactly as TVM's cache allocates them (``ceil(tokens / page_size)`` per
-sequence), so a step never asks the cache for a page it does not have: when a step would, the
-most recently admitted sequence is preempted (its cache freed, its tokens kept to recompute
-later) until it fits. The oldest sequence therefore always makes progress, and a request that
-fits the cache alone always finishes.
+Pages are counted here exactly as TVM's cache allocates them (``pages.KVPages``), so a step
+never asks the cache for a page it does not have. With prefix caching (``prefix_cache``) a new
+sequence is forked from the longest cached prefix of its prompt and a finished one stays cached;
+cached pages count as free, and the least recently used entries are evicted when a step needs
+their pages. When running sequences alone need more pages than the cache has, the most recently
+admitted one is preempted (its tokens kept to recompute later) until the step fits. The oldest
+sequence therefore always makes progress, and a request that fits the cache alone always
+finishes.
+
+The scheduler adds, forks and removes the cache's sequences itself (``KVOps``) as it decides,
+so the cache and the count never disagree: a fork is made before any page it shares can be
+evicted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
+from .pages import KVPages, pages_for
+from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
+
+__all__ = ["KVOps", "QueueFull", "Scheduler", "SchedulerPolicy", "Step", "pages_for"]
+
+
+class KVOps(Protocol):
+    """What the scheduler asks of the paged KV cache (an engine's ``start``/``fork``/``stop``)."""
+
+    def start(self, seq_id: int) -> None: ...
+
+    def fork(self, parent: int, child: int, tokens: int) -> None: ...
+
+    def stop(self, seq_id: int) -> None: ...
+
+
+class NoKV:
+    """No cache behind the scheduler (its tests play the engine)."""
+
+    def start(self, seq_id: int) -> None:
+        pass
+
+    def fork(self, parent: int, child: int, tokens: int) -> None:
+        pass
+
+    def stop(self, seq_id: int) -> None:
+        pass
 
 
 class QueueFull(RuntimeError):
@@ -34,7 +68,8 @@ class SchedulerPolicy:
     tokens per prefill step (all sequences' chunks together); ``chunk``: tokens of one sequence
     per prefill step; ``priority``: which phase runs when both have work ("prefill" admits new
     requests as soon as they fit, as vLLM's default scheduler does; "decode" finishes the running
-    batch first); ``max_queue``: requests waiting for a slot before new ones are refused.
+    batch first); ``max_queue``: requests waiting for a slot before new ones are refused;
+    ``prefix_caching``: share cached prompt prefixes (on by default, as in vLLM and llama-server).
     """
 
     max_batch: int = 8
@@ -42,12 +77,16 @@ class SchedulerPolicy:
     chunk: int = 512
     priority: Literal["prefill", "decode"] = "prefill"
     max_queue: int = 64
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_budget", "chunk", "max_queue"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SchedulerPolicy.{name} must be a positive integer, not {v!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"SchedulerPolicy.prefix_caching must be True or False, "
+                             f"not {self.prefix_caching!r}")
         if self.priority not in ("prefill", "decode"):
             raise ValueError(f"SchedulerPolicy.priority must be 'prefill' or 'decode', not {self.priority!r}")
 
@@ -62,34 +101,44 @@ class Step:
     preempted: list[Sequence]
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 class Scheduler:
-    """Waiting queue, running set and the page count; ``schedule`` picks the next step."""
+    """Waiting queue, running set and the KV cache's pages; ``schedule`` picks the next step."""
 
-    def __init__(self, policy: SchedulerPolicy, total_pages: int, page_size: int,
-                 free_slot: Callable[[int], None] = lambda _slot: None):
-        """``free_slot(slot)`` is called whenever a sequence leaves the KV cache (finished,
-        aborted or preempted), so the cache drops its pages."""
-        self.policy, self.total_pages, self.page_size = policy, total_pages, page_size
-        self._free_slot = free_slot
+    def __init__(self, policy: SchedulerPolicy, total_pages: int, page_size: int, kv: KVOps | None = None):
+        """``kv`` is the paged KV cache the scheduler's sequences live in (none: its tests)."""
+        self.policy, self.kv = policy, kv or NoKV()
+        self.pages = KVPages(total_pages, page_size)
+        self.prefix = PrefixCache(self.pages) if policy.prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self._free_slots = list(range(policy.max_batch - 1, -1, -1))
+        self._kv_ids = itertools.count()  # a KV sequence id per admission (an entry keeps its own)
         self._frozen = False  # after a preemption, admit nothing until a sequence finishes
+        self.evictions = 0
+
+    @property
+    def total_pages(self) -> int:
+        return self.pages.total
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
 
     # ------------------------------------------------------------------ bookkeeping
     def pages_used(self) -> int:
-        return sum(pages_for(s.computed, self.page_size) for s in self.running)
+        """Pages the running sequences hold."""
+        return len(self.pages.held_by(s.slot for s in self.running))
+
+    def pages_cached(self) -> int:
+        """Pages only finished sequences (prefix-cache entries) hold: evicted when needed."""
+        return self.total_pages - self.pages.free() - self.pages_used()
 
     def free_pages(self) -> int:
+        """Pages a step may take: free, or held only by cached entries."""
         return self.total_pages - self.pages_used()
 
     def _grow(self, seq: Sequence, n: int) -> int:
         """Extra pages ``seq`` needs to cache ``n`` more tokens."""
-        return pages_for(seq.computed + n, self.page_size) - pages_for(seq.computed, self.page_size)
+        return self.pages.need(seq.slot, n)
 
     def add(self, seq: Sequence) -> None:
         p = self.policy
@@ -100,7 +149,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> bool:
         """Take a finished or cancelled ``seq`` out of the queue or the running set; True if it
-        held a KV slot."""
+        held a KV slot (its cached tokens stay as a prefix-cache entry unless it opted out)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
             return False
@@ -109,21 +158,67 @@ class Scheduler:
             return True
         return False
 
+    def _caches(self, seq: Sequence) -> bool:
+        return self.prefix is not None and seq.params.cache_prompt
+
     def _release(self, seq: Sequence) -> bool:
-        if seq in self.running:
-            self.running.remove(seq)
-            self._free_slot(seq.slot)
-            self._free_slots.append(seq.slot)
+        if seq not in self.running:
+            return False
+        self.running.remove(seq)
+        if self._caches(seq) and seq.computed:
+            self.prefix.index(seq.slot, tuple(seq.tokens[:seq.computed]), seq.computed)
+            self.prefix.keep(seq.slot)
+        else:
+            self._drop(seq.slot)
+        seq.slot = None
+        return True
+
+    def _drop(self, kv_id: int) -> None:
+        if self.prefix is not None:
+            self.prefix.forget(kv_id)
+        self.pages.remove(kv_id)
+        self.kv.stop(kv_id)
+
+    def drop_all(self) -> list[Sequence]:
+        """The cache was cleared (a failed step): forget every page; the running sequences."""
+        failed, self.running = self.running, []
+        self.pages.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
+        for seq in failed:
             seq.slot = None
-            return True
-        return False
+        return failed
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ policy
     def schedule(self) -> Step | None:
-        """The next step, or None when nothing can run."""
+        """The next step, or None when nothing can run. Its sequences' pages are taken (cached
+        entries evicted, least recently used first, as they are needed)."""
+        step = self._next()
+        if step is None or not step.seqs:
+            return step
+        need = sum(self._grow(s, n) for s, n in zip(step.seqs, step.lengths, strict=True))
+        while self.pages.free() < need:
+            oldest = self.prefix.oldest() if self.prefix is not None else None
+            if oldest is None:
+                raise RuntimeError(f"a step needs {need} pages, the cache has {self.pages.free()} free")
+            self._drop(oldest)
+            self.evictions += 1
+        for seq, n in zip(step.seqs, step.lengths, strict=True):
+            self.pages.append(seq.slot, n)
+        return step
+
+    def index(self, step: Step) -> None:
+        """After ``step`` ran: its sequences' newly full pages can be shared."""
+        if self.prefix is None:
+            return
+        for seq in step.seqs:
+            if seq.params.cache_prompt and seq.slot is not None:
+                self.prefix.index(seq.slot, seq.tokens, seq.computed)
+
+    def _next(self) -> Step | None:
         decoders = [s for s in self.running if s.decoding]
         want_prefill = any(not s.decoding for s in self.running) or self._can_admit()
         if decoders and (self.policy.priority == "decode" or not want_prefill):
@@ -133,8 +228,19 @@ class Scheduler:
             if step.seqs:
                 return step
             if step.preempted:  # nothing fit, but pages were freed
-                return self.schedule()
+                return self._next()
         return self._decode_step(decoders) if decoders else None
+
+    def _admission_pages(self, seq: Sequence) -> int:
+        """Pages admitting ``seq`` takes from ``free_pages``: its whole prompt, less the cached
+        prefix it would share with a running sequence."""
+        found = self.prefix.match(seq.tokens) if self._caches(seq) else None
+        if found is None:
+            return pages_for(seq.missing, self.page_size)
+        parent, n = found
+        running = self.pages.held_by(s.slot for s in self.running)
+        shared = self.pages.prefix_pages(parent, n)
+        return pages_for(len(seq.tokens), self.page_size) - sum(p in running for p in shared)
 
     def _can_admit(self, free: int | None = None) -> bool:
         """The head of the queue fits in ``free`` pages (default: all free now): its whole
@@ -144,18 +250,30 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.policy.max_batch or self._frozen:
             return False
         free = self.free_pages() if free is None else free
-        return pages_for(self.waiting[0].missing, self.page_size) <= free - len(self.running)
+        return self._admission_pages(self.waiting[0]) <= free - len(self.running)
 
     def _admit(self) -> Sequence:
+        """The head of the queue into the cache: forked from its longest cached prefix, if any."""
         seq = self.waiting.popleft()
-        seq.slot, seq.status, seq.computed = self._free_slots.pop(), Status.RUNNING, 0
+        seq.slot, seq.status = next(self._kv_ids), Status.RUNNING
+        found = self.prefix.lookup(seq.tokens) if self._caches(seq) else None
+        if found is None:
+            self.pages.add(seq.slot)
+            self.kv.start(seq.slot)
+            seq.computed = 0
+        else:
+            parent, seq.computed = found
+            self.pages.fork(parent, seq.slot, seq.computed)
+            self.kv.fork(parent, seq.slot, seq.computed)
+        if not seq.preemptions:  # what the request's usage reports
+            seq.cached_tokens = seq.computed
         self.running.append(seq)
         return seq
 
     def _preempt_newest(self, keep: list[Sequence]) -> Sequence | None:
         for seq in reversed(self.running):
             if seq not in keep:
-                self._release(seq)
+                self._release(seq)  # with prefix caching its pages stay cached until evicted
                 self._frozen = True
                 seq.status, seq.computed = Status.WAITING, 0
                 seq.preemptions += 1
@@ -175,31 +293,32 @@ class Scheduler:
         return Step("decode", decoders, [1] * len(decoders), preempted)
 
     def _prefill_step(self) -> Step:
-        budget, free = self.policy.prefill_budget, self.free_pages()
+        budget = self.policy.prefill_budget
         seqs: list[Sequence] = []
         lengths: list[int] = []
         preempted: list[Sequence] = []
+
+        def free() -> int:  # what the step has not taken yet
+            return self.free_pages() - sum(self._grow(s, k) for s, k in zip(seqs, lengths, strict=True))
+
         for seq in [s for s in self.running if not s.decoding]:
             if budget == 0:
                 break
             n = min(seq.missing, self.policy.chunk, budget)
-            while self._grow(seq, n) > free:
+            while self._grow(seq, n) > free():
                 victim = self._preempt_newest(keep=seqs + [seq])
                 if victim is None:
                     break
                 preempted.append(victim)
-                free = self.free_pages() - sum(self._grow(s, k) for s, k in zip(seqs, lengths, strict=True))
-            if self._grow(seq, n) > free:
+            if self._grow(seq, n) > free():
                 break
             seqs.append(seq)
             lengths.append(n)
             budget -= n
-            free -= self._grow(seq, n)
-        while budget > 0 and not preempted and self._can_admit(free):
-            n = min(self.waiting[0].missing, self.policy.chunk, budget)
+        while budget > 0 and not preempted and self._can_admit(free()):
             seq = self._admit()
+            n = min(seq.missing, self.policy.chunk, budget)
             seqs.append(seq)
             lengths.append(n)
             budget -= n
-            free -= self._grow(seq, n)
         return Step("prefill", seqs, lengths, preempted)

@@ -34,6 +34,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(init=False)
     computed: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache when it was admitted
     slot: int | None = None  # the KV cache's sequence id while RUNNING
     status: Status = Status.WAITING
     first_token_at: float | None = None

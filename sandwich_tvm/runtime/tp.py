@@ -129,6 +129,9 @@ class TPEngine(EngineBase):
     def start(self, seq_id: int = 0) -> None:
         self._call("start", tp_worker.START, seq_id)
 
+    def fork(self, parent: int, child: int, tokens: int) -> None:
+        self._call("fork", tp_worker.FORK, parent, child, tokens)
+
     def stop(self, seq_id: int = 0) -> None:
         if self.disco is not None:  # after a failure the group is gone, and so is the sequence
             self._call("stop", tp_worker.STOP, seq_id)

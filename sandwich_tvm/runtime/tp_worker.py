@@ -34,6 +34,7 @@ ATTACH = "sandwich.tp.attach"  # (shm name, world, slot, timeout_s) -> Rank, wit
 USE = "sandwich.tp.use"  # (phase) -> the slowest rank's switch time (ms)
 AVAILABLE_PAGES = "sandwich.tp.available_pages"  # () -> free pages of the KV cache
 START, STOP = "sandwich.tp.start", "sandwich.tp.stop"  # (seq_id)
+FORK = "sandwich.tp.fork"  # (parent, child, tokens)
 CLEAR = "sandwich.tp.clear"  # ()
 PREFILL = "sandwich.tp.prefill"  # (seq_id, tokens) -> logits [vocab]
 DECODE = "sandwich.tp.decode"  # (seq_id, token) -> logits [vocab]
@@ -187,6 +188,11 @@ def _start(rank: Rank, seq_id: int) -> None:
 @rank_function(STOP)
 def _stop(rank: Rank, seq_id: int) -> None:
     rank.engine.stop(seq_id)
+
+
+@rank_function(FORK)
+def _fork(rank: Rank, parent: int, child: int, tokens: int) -> None:
+    rank.engine.fork(parent, child, tokens)
 
 
 @rank_function(CLEAR)

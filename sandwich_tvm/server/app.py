@@ -55,6 +55,7 @@ class Completion:
     text: str = ""
     tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
 
@@ -118,7 +119,7 @@ class Server:
         try:
             async for event in events:
                 delta, entries = self._text_of(event, detok, want_logprobs)
-                done.tokens = event.output_tokens
+                done.tokens, done.cached_tokens = event.output_tokens, event.cached_tokens
                 if event.finish_reason == "error":
                     raise ApiError(500, f"generation failed: {event.error}")
                 if event.finish_reason is not None and detok is not None:
@@ -188,7 +189,8 @@ async def _first_checked(events: AsyncIterator[TokenEvent]) -> AsyncIterator[Tok
 
 def _usage(c: Completion) -> dict:
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.tokens,
-            "total_tokens": c.prompt_tokens + c.tokens}
+            "total_tokens": c.prompt_tokens + c.tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
 
 
 def _finish(reason: str | None) -> str | None:

@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, strict types) and the error shape.
 
 Fields follow OpenAI's API with vLLM's extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) and llama-server's ``cache_prompt``
+(false: no prefix caching for this request); unknown fields are ignored, as
 vLLM and llama-server do, but a known field of the wrong type is a 400.
 """
 
@@ -34,6 +35,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -48,7 +50,7 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, stop=tuple(s for s in stop if s),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, **given)
+                              logprobs=logprobs, cache_prompt=self.cache_prompt, **given)
 
     @property
     def include_usage(self) -> bool:

@@ -18,8 +18,11 @@ import pytest
 from sandwich_tvm.cli.options import synthetic_prompt
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.parallel import Shard, ShardError, check_tp
+from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import EngineError
 from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.runtime.sampling import SamplingParams
+from sandwich_tvm.runtime.scheduler import SchedulerPolicy
 from sandwich_tvm.spec import RunSpec, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
@@ -137,6 +140,20 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case, precompi
         assert tp1.tokens == gen.tokens
         np.testing.assert_allclose(ours, np.stack(tp1_logits), rtol=1e-4,
                                    atol=1e-4 * float(np.abs(ref).max()))
+
+        # Prefix caching across the ranks: a request forked from a cached prefix on every rank
+        # gives the tokens it gives alone
+        other = prompt[:32] + [int(t) for t in np.random.default_rng(2).integers(0, cfg.vocab_size, 7)]
+        alone = engine.generate(other, 6).tokens
+        batch = BatchEngine(engine, SchedulerPolicy(max_batch=1, prefill_budget=64, chunk=64))
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for rid, p in (("a", prompt), ("b", other)):
+            seq = batch.add(rid, p, greedy)
+            out = [e.token for _ in range(50) if batch.has_work() for e in batch.step()
+                   if e.token is not None]
+        assert seq.cached_tokens == 32 and out == alone
+        assert engine.available_pages() == batch.scheduler.pages.free()
+        engine.clear()
 
         # Kill rank 1 mid-request: the request fails naming it, the group is shut down.
         segment = Path("/dev/shm", engine.group.name)

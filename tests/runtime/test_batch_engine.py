@@ -51,7 +51,7 @@ def _drain(batch: BatchEngine) -> dict[str, list[int]]:
         for e in batch.step():
             if e.token is not None:
                 out.setdefault(e.request_id, []).append(e.token)
-        assert batch.pages_in_use() == batch.scheduler.pages_used()  # our count is the cache's
+        assert batch.engine.available_pages() == batch.scheduler.pages.free()  # our count is the cache's
     return out
 
 
@@ -72,7 +72,7 @@ def test_greedy_batch_equals_the_single_request_path(model):
         batch.add(str(i), p, GREEDY)
     got = _drain(batch)
     assert [got[str(i)] for i in range(len(prompts))] == alone
-    assert batch.pages_in_use() == 0
+    assert batch.scheduler.pages_used() == 0
 
 
 def test_preemption_recomputes_without_changing_tokens(model):
@@ -86,7 +86,7 @@ def test_preemption_recomputes_without_changing_tokens(model):
     got = _drain(batch)
     assert any(s.preemptions for s in seqs)
     assert [got[str(i)] for i in range(len(prompts))] == alone
-    assert batch.pages_in_use() == 0
+    assert batch.scheduler.pages_used() == 0
 
 
 def test_abort_and_a_failed_step_free_every_page(model, monkeypatch):
@@ -108,7 +108,7 @@ def test_abort_and_a_failed_step_free_every_page(model, monkeypatch):
     monkeypatch.setattr(engine, "batch_decode", broken)
     events = batch.step()
     assert {e.finish_reason for e in events} == {"error"} and "kernel exploded" in events[0].error
-    assert batch.pages_in_use() == 0 and not batch.has_work()
+    assert batch.pages_in_use() == 0 and not batch.has_work()  # the cache was cleared, entries too
     monkeypatch.undo()
     batch.add("again", prompts[2], GREEDY)  # still serving
     assert len(_drain(batch)["again"]) == GREEDY.max_tokens

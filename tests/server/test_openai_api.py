@@ -52,6 +52,37 @@ def _pages_in_use(served) -> float:
     return _metric(served, "sandwich_kv_cache_pages_used{")
 
 
+@pytest.fixture(autouse=True)
+def _pages_accounted_for(served):
+    """After every test, once idle: no page in use, and used + cached + free = total."""
+    yield
+    deadline = time.monotonic() + 30
+    while _pages_in_use(served) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    parts = [_metric(served, f"sandwich_kv_cache_pages_{k}{{") for k in ("used", "cached", "free", "total")]
+    assert parts[0] == 0 and parts[0] + parts[1] + parts[2] == parts[3] > 0
+
+
+def test_a_shared_prefix_is_served_from_the_cache(served):
+    client = _client(served)
+    rng = np.random.default_rng(8)
+    system = [int(t) for t in rng.integers(3, served.engine.cfg.vocab_size, 100)]
+    hits = _metric(served, "sandwich_prefix_cache_hits{")
+    ask = [system + [int(t) for t in rng.integers(3, 50, n)] for n in (5, 11)]
+    first = client.completions.create(model=MODEL, prompt=ask[0], max_tokens=NEW, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    second = client.completions.create(model=MODEL, prompt=ask[1], max_tokens=NEW, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    page = served.engine.page_size
+    assert second.usage.prompt_tokens_details.cached_tokens == 100 // page * page
+    assert _metric(served, "sandwich_prefix_cache_hits{") - hits >= 100 // page * page
+    uncached = _complete(served, ask[1], cache_prompt=False)
+    assert uncached["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert uncached["choices"][0]["text"] == second.choices[0].text
+    assert second.choices[0].text == served.tok.decode(_hf_greedy(served.hf, ask[1], NEW))
+    assert first.usage.prompt_tokens_details.cached_tokens < 100 // page * page  # the first paid in full
+
+
 def test_batching_changes_nothing(served):
     """8 concurrent greedy requests = each alone through the server = HF transformers."""
     prompts = _prompts(served.engine.cfg.vocab_size)
