@@ -40,6 +40,8 @@ setup(
         "prometheus-client>=0.20",
         "jinja2>=3.1",
         "httpx>=0.27",
+        # Structured output and tool calls: per-step token masks from JSON schemas, regexes, grammars.
+        "llguidance>=1.0",
         # bf16 numpy arrays (TVM needs it too); ninja builds the shared-memory all-reduce.
         "ml_dtypes>=0.4",
         "ninja>=1.11",
@@ -53,6 +55,7 @@ setup(
             # transformers reads GGUF files (gguf_file=) through accelerate: the GGUF tests' reference.
             "accelerate>=1.0",
             "openai>=1.0",
+            "jsonschema>=4.0",
         ],
         # End-to-end baselines: HF transformers on torch, llama.cpp (built from source: minutes).
         "bench": ["torch==2.13.0", "transformers>=4.45"],

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from .batch import BatchEngine, TokenEvent
+from .grammar import Constraint
 from .sampling import SamplingParams
 from .scheduler import QueueFull
 
@@ -34,6 +35,7 @@ class _Add:
     arrival: float
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -69,7 +71,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the asyncio side
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                       arrival: float | None = None) -> AsyncIterator[TokenEvent]:
+                       arrival: float | None = None, constraint: Constraint | None = None
+                       ) -> AsyncIterator[TokenEvent]:
         """Events of one request until its finishing event. Raises ``EngineError`` (a request
         that cannot fit), ``QueueFull`` or ``EngineDead`` before the first event."""
         if not self.alive:
@@ -83,7 +86,8 @@ class AsyncEngine:
                                 "retry later")
             self._outstanding += 1
         loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        self._inbox.put(_Add(request_id, list(prompt), params, arrival or time.perf_counter(), loop, out))
+        self._inbox.put(_Add(request_id, list(prompt), params, arrival or time.perf_counter(), loop, out,
+                             constraint))
         finished = False
         try:
             while True:
@@ -134,7 +138,7 @@ class AsyncEngine:
             return
         self._outs[item.request_id] = (item.loop, item.out)
         try:
-            self.batch.add(item.request_id, item.prompt, item.params, item.arrival)
+            self.batch.add(item.request_id, item.prompt, item.params, item.arrival, item.constraint)
         except (QueueFull, ValueError) as err:
             self._send(TokenEvent(item.request_id, None, finish_reason="error", error=str(err)))
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import EngineError, check_token_ids
+from .grammar import Constraint
 from .interface import ServingEngine
 from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
@@ -58,6 +59,7 @@ class BatchEngine:
         engine.clear()  # the scheduler owns the cache's sequences from here on
         self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}
+        self._masking = 0.0  # the last step's grammar masks (s)
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
@@ -77,13 +79,15 @@ class BatchEngine:
         return max_tokens
 
     def add(self, request_id: str, prompt: Seq[int], params: SamplingParams,
-            arrival: float | None = None) -> Sequence:
-        """Queue a request (``QueueFull`` when the queue is at its bound)."""
+            arrival: float | None = None, constraint: Constraint | None = None) -> Sequence:
+        """Queue a request (``QueueFull`` when the queue is at its bound); ``constraint``: a
+        grammar its output follows (``grammar.Grammars.constraint``)."""
         if request_id in self.seqs:
             raise EngineError(f"request id {request_id!r} is already running")
         max_tokens = self.check(prompt, params.max_tokens)
         seq = Sequence(request_id, list(prompt), params, Sampler(params, prompt), max_tokens,
                        stop_ids=params.stop_ids(self.eos_ids))
+        seq.constraint = constraint
         if arrival is not None:
             seq.arrival = arrival
         self.scheduler.add(seq)
@@ -119,6 +123,8 @@ class BatchEngine:
             return self._fail_all(f"{type(err).__name__}: {err}")
         events = self._sample(step, logits)
         self.scheduler.index(step)
+        if self.metrics is not None and self._masking:
+            self.metrics.on_masks(self._masking)
         if self.metrics is not None:
             self.metrics.on_tokens(sum(e.token is not None for e in events))
             self.metrics.on_step(step.phase, sum(step.lengths), switched, time.perf_counter() - t0,
@@ -144,23 +150,35 @@ class BatchEngine:
     def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
         events = []
         now = time.perf_counter()
+        masking = 0.0
         for i, (seq, n) in enumerate(zip(step.seqs, step.lengths, strict=True)):
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # a chunk in the middle of the prompt: no token yet
+            if seq.constraint is not None:
+                t0 = time.perf_counter()
+                seq.constraint.mask(logits[i])
+                masking += time.perf_counter() - t0
             sample = seq.sampler(logits[i])
             token = sample.token
             seq.tokens.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
+            grammar_done = False
+            if seq.constraint is not None and token not in seq.stop_ids:
+                seq.constraint.accept(token)
+                grammar_done = seq.constraint.done
             if token in seq.stop_ids:
                 events.append(self._finish(seq, "stop", token, sample, stop_token=True))
+            elif grammar_done:  # the grammar is complete: the token is the output's last
+                events.append(self._finish(seq, "stop", token, sample))
             elif seq.num_output >= seq.max_tokens:  # check() keeps max_tokens inside the context
                 events.append(self._finish(seq, "length", token, sample))
             else:
                 events.append(TokenEvent(seq.request_id, token, sample, prompt_tokens=len(seq.prompt),
                                          cached_tokens=seq.cached_tokens,
                                          output_tokens=seq.num_output))
+        self._masking = masking
         return events
 
     def _finish(self, seq: Sequence, reason: str, token: int | None, sample: Sample | None = None, *,

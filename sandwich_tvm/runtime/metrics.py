@@ -16,6 +16,7 @@ from .sequence import Sequence
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
                    10.0, 20.0, 60.0)
+MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25)
 RATE_WINDOW_S = 10.0  # tokens per second over this window
 
 
@@ -57,6 +58,9 @@ class ServingMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")
+        self.grammar_mask = Histogram("sandwich_grammar_mask_seconds",
+                                      "Time a step spent computing its constrained sequences' token masks",
+                                      ["model"], buckets=MASK_BUCKETS, registry=r).labels(**labels)
         steps = Histogram("sandwich_step_seconds", "Engine iteration time by phase", ["model", "phase"],
                           buckets=LATENCY_BUCKETS, registry=r)
         self.step_time = {p: steps.labels(model=model, phase=p) for p in ("prefill", "decode")}
@@ -75,6 +79,10 @@ class ServingMetrics:
             self.switches.inc()
         if preempted:
             self.preemptions.inc(preempted)
+
+    def on_masks(self, seconds: float) -> None:
+        """A step computed grammar masks for ``seconds`` (its constrained sequences together)."""
+        self.grammar_mask.observe(seconds)
 
     def on_tokens(self, n: int) -> None:
         """``n`` output tokens were sampled just now."""

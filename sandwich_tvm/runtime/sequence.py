@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 
 class Status(enum.Enum):
@@ -41,6 +45,7 @@ class Sequence:
     finished_at: float | None = None
     finish_reason: str | None = None
     preemptions: int = 0
+    constraint: Constraint | None = None  # a grammar its tokens must follow (structured output)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

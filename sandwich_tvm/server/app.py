@@ -25,11 +25,13 @@ from ..model.tokenizer import ChatTemplateError, ModelTokenizer
 from ..runtime.async_engine import AsyncEngine, EngineDead
 from ..runtime.batch import TokenEvent
 from ..runtime.engine import EngineError
+from ..runtime.grammar import Constraint, GrammarError, Grammars
 from ..runtime.metrics import ServingMetrics
 from ..runtime.sampling import SamplingError, SamplingParams
 from ..runtime.scheduler import QueueFull
 from ..runtime.text import Detokenizer, StopMatcher
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .structured import chat_messages, output_grammar, parse_tool_output, tool_grammar, tools_active
 
 RETRY_AFTER_S = 1
 
@@ -67,6 +69,8 @@ class Server:
                  metrics: ServingMetrics | None = None):
         self.engine, self.tok, self.model_name, self.metrics = engine, tok, model_name, metrics
         self.context = engine.batch.engine.context
+        vocab = engine.batch.engine.cfg.vocab_size
+        self.grammars = Grammars(tok.tok, vocab, tok.eos_ids) if tok is not None else None
 
     # ------------------------------------------------------------------ request → tokens
     def _check_common(self, req) -> None:
@@ -76,9 +80,10 @@ class Server:
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: this server returns one choice per request", "n")
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, where: str = "prompt") -> list[int]:
         if self.tok is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids")
+        _check_unicode(text, where)
         return await asyncio.to_thread(self.tok.encode, text)
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -98,16 +103,42 @@ class Server:
         if self.tok is None:
             raise ApiError(400, "this model has no tokenizer, so it has no chat template; use "
                                 "/v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            messages = chat_messages(req)
+        except GrammarError as err:
+            raise ApiError(400, str(err), "tool_choice" if req.tools else "messages") from err
+        for i, m in enumerate(messages):
+            _check_unicode(m["content"], f"messages[{i}].content")
         try:
             text = await asyncio.to_thread(self.tok.render_chat, messages, req.add_generation_prompt)
         except ChatTemplateError as err:
             raise ApiError(400, str(err), "messages") from err
-        return await self._encode(text)
+        return await self._encode(text, "messages")
+
+    async def constraint(self, req, chat: bool) -> Constraint | None:
+        """The request's output grammar, compiled (``ApiError`` 400 naming what is wrong)."""
+        where = "tools"
+        try:
+            if chat and tools_active(req):
+                if output_grammar(req) is not None:
+                    raise GrammarError("tools and an output constraint (response_format, guided_*) "
+                                       "cannot be combined")
+                grammar = tool_grammar(req)
+            else:
+                found = output_grammar(req)
+                if found is None:
+                    return None
+                grammar, where = found
+            if self.grammars is None:
+                raise GrammarError("this model has no tokenizer, so its output cannot be constrained")
+            return await asyncio.to_thread(self.grammars.constraint, grammar)
+        except GrammarError as err:
+            raise ApiError(400, f"{where}: {err}", where) from err
 
     # ------------------------------------------------------------------ tokens → text
     async def run(self, request: Request, rid: str, prompt: list[int], params: SamplingParams,
-                  want_logprobs: bool) -> AsyncIterator[tuple[str, Completion, list[dict]]]:
+                  want_logprobs: bool, constraint: Constraint | None = None
+                  ) -> AsyncIterator[tuple[str, Completion, list[dict]]]:
         """(text delta, totals so far, logprob entries of this delta) per engine event of request
         ``rid``; raises ``ApiError`` for requests the engine refuses."""
         arrival = time.perf_counter()
@@ -115,7 +146,7 @@ class Server:
         stops = StopMatcher(params.stop)
         done = Completion(prompt_tokens=len(prompt))
         watcher = asyncio.create_task(self._watch(request, rid))
-        events = _first_checked(self.engine.generate(rid, prompt, params, arrival))
+        events = _first_checked(self.engine.generate(rid, prompt, params, arrival, constraint))
         try:
             async for event in events:
                 delta, entries = self._text_of(event, detok, want_logprobs)
@@ -185,6 +216,15 @@ async def _first_checked(events: AsyncIterator[TokenEvent]) -> AsyncIterator[Tok
             yield event
     finally:
         await events.aclose()
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """A 400 for text that UTF-8 cannot hold (JSON's unpaired UTF-16 surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{where} holds an unpaired UTF-16 surrogate ({text[err.start]!r} at character "
+                            f"{err.start}); send valid Unicode", where) from err
 
 
 def _usage(c: Completion) -> dict:
@@ -259,7 +299,9 @@ def create_app(server: Server) -> FastAPI:
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         rid = uuid.uuid4().hex
-        events = server.run(request, rid, prompt, params, want_lp)
+        constraint = await server.constraint(req, chat)
+        tool_mode = chat and tools_active(req)  # the output is the tool JSON: answered whole, at the end
+        events = server.run(request, rid, prompt, params, want_lp, constraint)
         try:  # refusals surface before the first event: answer them as errors, not as a stream
             first = await events.__anext__()
         except StopAsyncIteration:
@@ -268,7 +310,16 @@ def create_app(server: Server) -> FastAPI:
         def choice(text: str, done: Completion, entries: list[dict], final: bool) -> dict:
             reason = _finish(done.finish_reason) if final else None
             if chat:
-                msg = {"content": text} if req.stream else {"role": "assistant", "content": text}
+                msg: dict = {"content": text}
+                if tool_mode:  # the whole answer, parsed: text or tool calls
+                    content, calls = parse_tool_output(done.text) if final else (None, [])
+                    msg = {"content": content}
+                    if calls:
+                        msg["tool_calls"] = calls if not req.stream else [
+                            {"index": i} | c for i, c in enumerate(calls)]
+                        reason = "tool_calls" if reason == "stop" else reason
+                if not req.stream:
+                    msg = {"role": "assistant"} | msg
                 return {"index": 0, "delta" if req.stream else "message": msg,
                         "logprobs": _chat_logprobs(entries) if want_lp else None, "finish_reason": reason}
             offset = len(done.text) - len(text)
@@ -297,9 +348,11 @@ def create_app(server: Server) -> FastAPI:
                     item = pending.pop() if pending else await events.__anext__()
                     text, done, entries = item
                     final = done.finish_reason is not None
+                    if tool_mode and not final:
+                        continue
                     if text or entries or final:
                         c = choice(text, done, entries, final)
-                        if chat and final and not text:
+                        if chat and final and not text and not tool_mode:
                             c["delta"] = {}
                         yield _sse(head | {"object": chunk_obj, "choices": [c]})
                     if final:

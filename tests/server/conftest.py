@@ -27,7 +27,7 @@ from ..model.hf_models import write_hf_model
 from ..precompile import warm_up
 
 MODEL = "tiny"
-CONTEXT = 256
+CONTEXT = 1024  # the tool prompt is ~600 byte-level tokens
 POLICY = SchedulerPolicy(max_batch=8, prefill_budget=64, chunk=32, max_queue=4)
 
 
@@ -53,6 +53,8 @@ def write_checkpoint(out: Path):
     and a chat template."""
     hf = write_hf_model("gqa-tied-llama3", out)
     cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = CONTEXT  # room for a tool list in byte-level tokens
+    (out / "config.json").write_text(json.dumps(cfg))
     placeholder_tokenizer(cfg["vocab_size"]).save(str(out / "tokenizer.json"))
     template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}[assistant] {% endif %}")
