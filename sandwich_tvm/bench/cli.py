@@ -1,11 +1,13 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache`:
-Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
+speculative`: Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model,
+see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
 ``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
 16-bit model's greedy tokens against its fp32 model's, ``bench/agreement_cmd.py``;
 ``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``prefix-cache``:
-TTFT of a request whose long prefix is cached, ``bench/prefix.py``).
+TTFT of a request whose long prefix is cached, ``bench/prefix.py``; ``speculative``: decode speed
+with prompt-lookup drafts, ``bench/speculative.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -38,6 +40,7 @@ from .e2e import add_e2e_parser, main_e2e
 from .perplexity import add_perplexity_parser, main_perplexity
 from .prefix import add_prefix_parser, main_prefix
 from .serve_cmd import add_serve_parser, main_serve
+from .speculative import add_speculative_parser, main_speculative
 from .timing import median_seconds, paired_median_ratio, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_agreement_parser(sub)
     add_perplexity_parser(sub)
     add_prefix_parser(sub)
+    add_speculative_parser(sub)
     return parser
 
 
@@ -302,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "prefix-cache":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_prefix(args, console)
+    if args.what == "speculative":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_speculative(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

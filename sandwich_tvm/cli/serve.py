@@ -16,7 +16,7 @@ from ..model.tokenizer import load_model_tokenizer
 from ..runtime.engine import EngineError
 from ..runtime.scheduler import SchedulerPolicy
 from ..spec import DEFAULT_CONTEXT
-from .args import positive_int
+from .args import non_negative_int, positive_int
 from .common import print_error
 from .options import LOAD_ERRORS, add_model_args, spec_from_args
 
@@ -43,12 +43,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached prompt prefixes between requests (on by default; a request "
                         "opts out with \"cache_prompt\": false)")
+    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
+                   help="speculative decoding with prompt lookup: draft tokens per sequence and step "
+                        "(default 0: off; one-process plans)")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=4,
+                   help="longest n-gram matched for a draft (default 4)")
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=2,
+                   help="shortest n-gram matched for a draft (default 2)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for a KV slot before new ones get 429 (default 64)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
     return p
+
+
+def policy_of(args: argparse.Namespace) -> SchedulerPolicy:
+    """The scheduler's policy from the options (``EngineError`` naming a bad combination)."""
+    try:
+        return SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
+                               chunk=args.chunk or args.prefill_budget, priority=args.priority,
+                               max_queue=args.max_queue, prefix_caching=args.prefix_caching,
+                               num_speculative_tokens=args.num_speculative_tokens,
+                               prompt_lookup_max=args.prompt_lookup_max,
+                               prompt_lookup_min=args.prompt_lookup_min)
+    except ValueError as err:
+        raise EngineError(str(err).replace("SchedulerPolicy.", "--").replace("_", "-")) from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     try:
-        policy = SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
-                                 chunk=args.chunk or args.prefill_budget, priority=args.priority,
-                                 max_queue=args.max_queue, prefix_caching=args.prefix_caching)
+        policy = policy_of(args)
         spec = spec_from_args(args, log, context=args.context, kv_tokens=args.kv_cache_tokens, shared_kv=True,
                               prefill_chunk=max(args.prefill_budget, policy.chunk))
         tok = load_model_tokenizer(args.model)

@@ -22,6 +22,7 @@ from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerPolicy, Step
 from .sequence import Sequence, Status
+from .speculative import accept
 
 
 @dataclass
@@ -56,10 +57,14 @@ class BatchEngine:
             raise EngineError(f"a prefill step of {policy.prefill_budget} tokens exceeds the KV cache's "
                               f"prefill chunk of {engine.prefill_chunk}")
         self.engine, self.policy, self.eos_ids, self.metrics = engine, policy, eos_ids, metrics
+        if policy.num_speculative_tokens and engine.plan.tp > 1:
+            raise EngineError("speculative decoding runs on one-process plans; this plan has "
+                              f"{engine.plan.tp} tensor-parallel ranks")
         engine.clear()  # the scheduler owns the cache's sequences from here on
         self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}
         self._masking = 0.0  # the last step's grammar masks (s)
+        self.drafted = self.accepted = 0  # speculative draft tokens proposed and accepted
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
@@ -142,43 +147,70 @@ class BatchEngine:
 
     def _forward(self, step: Step) -> np.ndarray:
         slots = [s.slot for s in step.seqs]
+        if step.drafts:  # the last token and its draft, every position's logits
+            return self.engine.batch_verify(slots, [[s.tokens[-1], *d] for s, d in
+                                                    zip(step.seqs, step.drafts, strict=True)])
         if step.phase == "decode":
             return self.engine.batch_decode(slots, [s.tokens[-1] for s in step.seqs])
         chunks = [s.tokens[s.computed:s.computed + n] for s, n in zip(step.seqs, step.lengths, strict=True)]
         return self.engine.batch_prefill(slots, chunks)
 
     def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
-        events = []
+        events: list[TokenEvent] = []
         now = time.perf_counter()
         masking = 0.0
+        row = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.lengths, strict=True)):
+            draft = step.drafts[i] if step.drafts else []
+            rows = logits[row:row + n] if step.drafts else logits[i:i + 1]
+            row += n
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # a chunk in the middle of the prompt: no token yet
             if seq.constraint is not None:
                 t0 = time.perf_counter()
-                seq.constraint.mask(logits[i])
+                seq.constraint.mask(rows[0])
                 masking += time.perf_counter() - t0
-            sample = seq.sampler(logits[i])
+            samples = accept(draft, rows, seq.sampler, lambda x: x.token) if draft else [seq.sampler(rows[0])]
+            if draft:
+                self.drafted += len(draft)
+                self.accepted += len(samples) - 1
+                if self.metrics is not None:
+                    self.metrics.on_draft(len(draft), len(samples) - 1)
+            events += self._emit(seq, samples, now)
+        self._masking = masking
+        return events
+
+    def _emit(self, seq: Sequence, samples: list[Sample], now: float) -> list[TokenEvent]:
+        """Append ``samples``' tokens to ``seq`` up to the first that ends it; the cache keeps the
+        keys and values of every token but the last (a rejected draft's are popped)."""
+        ending, kept = None, []
+        for sample in samples:
             token = sample.token
+            kept.append(sample)
             seq.tokens.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            grammar_done = False
             if seq.constraint is not None and token not in seq.stop_ids:
                 seq.constraint.accept(token)
-                grammar_done = seq.constraint.done
             if token in seq.stop_ids:
-                events.append(self._finish(seq, "stop", token, sample, stop_token=True))
-            elif grammar_done:  # the grammar is complete: the token is the output's last
-                events.append(self._finish(seq, "stop", token, sample))
+                ending = ("stop", True)
+            elif seq.constraint is not None and seq.constraint.done:  # the grammar is complete
+                ending = ("stop", False)
             elif seq.num_output >= seq.max_tokens:  # check() keeps max_tokens inside the context
-                events.append(self._finish(seq, "length", token, sample))
-            else:
-                events.append(TokenEvent(seq.request_id, token, sample, prompt_tokens=len(seq.prompt),
-                                         cached_tokens=seq.cached_tokens,
-                                         output_tokens=seq.num_output))
-        self._masking = masking
+                ending = ("length", False)
+            if ending:
+                break
+        extra = seq.computed - (len(seq.tokens) - 1)
+        if extra > 0:
+            self.scheduler.rollback(seq, extra)
+            seq.computed -= extra
+        first = seq.num_output - len(kept)
+        events = [TokenEvent(seq.request_id, s.token, s, prompt_tokens=len(seq.prompt),
+                             cached_tokens=seq.cached_tokens, output_tokens=first + j + 1)
+                  for j, s in enumerate(kept[:-1] if ending else kept)]
+        if ending:
+            events.append(self._finish(seq, ending[0], kept[-1].token, kept[-1], stop_token=ending[1]))
         return events
 
     def _finish(self, seq: Sequence, reason: str, token: int | None, sample: Sample | None = None, *,

@@ -107,6 +107,9 @@ class EngineBase(ABC):
     def fork(self, parent: int, child: int, tokens: int) -> None: ...
 
     @abstractmethod
+    def popn(self, seq_id: int, n: int) -> None: ...
+
+    @abstractmethod
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray: ...
 
     @abstractmethod
@@ -179,6 +182,7 @@ class Engine(EngineBase):
         self._add_seq = g("vm.builtin.kv_state_add_sequence")
         self._remove_seq = g("vm.builtin.kv_state_remove_sequence")
         self._fork_seq = g("vm.builtin.kv_state_fork_sequence")
+        self._popn = g("vm.builtin.kv_state_popn")
         self._begin = g("vm.builtin.kv_state_begin_forward")
         self._end = g("vm.builtin.kv_state_end_forward")
         self._available_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
@@ -233,6 +237,20 @@ class Engine(EngineBase):
             self._end(self.kv)
         return logits.numpy().reshape(len(slots), -1)
 
+    def batch_verify(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """``batch_prefill`` with the logits of every position (a speculative step's last token
+        and draft per sequence): ``[sum of the chunks' lengths, vocab]``."""
+        lengths = [len(c) for c in chunks]
+        ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks]).reshape(1, -1)
+        every = np.arange(ids.shape[1], dtype=np.int32)
+        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(lengths))
+        try:
+            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(every),
+                                                  self.kv, self.params)
+        finally:
+            self._end(self.kv)
+        return logits.numpy().reshape(ids.shape[1], -1)
+
     def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step for every sequence in ``slots`` (m = batch); ``[len(slots), vocab]``."""
         ids = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
@@ -255,6 +273,9 @@ class Engine(EngineBase):
 
     def fork(self, parent: int, child: int, tokens: int) -> None:
         self._fork_seq(self.kv, parent, child, tokens)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._popn(self.kv, seq_id, n)
 
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
         """Logits after the prompt (chunks of ``prefill_chunk`` tokens)."""

@@ -54,6 +54,14 @@ class ServingEngine(Protocol):
         """Add ``child`` sharing ``parent``'s first ``tokens`` cached tokens (whole pages)."""
         ...
 
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop a sequence's last ``n`` cached tokens."""
+        ...
+
+    def batch_verify(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """``batch_prefill`` with every position's logits; ``[sum of lengths, vocab]``."""
+        ...
+
     def clear(self) -> None:
         """Drop every sequence (after a failed step)."""
         ...

@@ -78,6 +78,19 @@ class KVPages:
             self._pages[kv_id].append(p)
         self._length[kv_id] += n
 
+    def pop(self, kv_id: int, n: int) -> None:
+        """Drop ``kv_id``'s last ``n`` tokens (its own pages: they were appended after any fork)."""
+        if not 0 <= n <= self._length[kv_id]:
+            raise ValueError(f"cannot pop {n} of KV sequence {kv_id}'s {self._length[kv_id]} tokens")
+        self._length[kv_id] -= n
+        keep = pages_for(self._length[kv_id], self.page_size)
+        pages = self._pages[kv_id]
+        while len(pages) > keep:
+            p = pages.pop()
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                del self._refs[p]
+
     def remove(self, kv_id: int) -> int:
         """Drop ``kv_id``; the number of pages that became free."""
         freed = 0

@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 from .pages import KVPages, pages_for
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
+from .speculative import propose
 
 __all__ = ["KVOps", "QueueFull", "Scheduler", "SchedulerPolicy", "Step", "pages_for"]
 
@@ -42,6 +43,8 @@ class KVOps(Protocol):
 
     def stop(self, seq_id: int) -> None: ...
 
+    def popn(self, seq_id: int, n: int) -> None: ...
+
 
 class NoKV:
     """No cache behind the scheduler (its tests play the engine)."""
@@ -53,6 +56,9 @@ class NoKV:
         pass
 
     def stop(self, seq_id: int) -> None:
+        pass
+
+    def popn(self, seq_id: int, n: int) -> None:
         pass
 
 
@@ -69,7 +75,9 @@ class SchedulerPolicy:
     per prefill step; ``priority``: which phase runs when both have work ("prefill" admits new
     requests as soon as they fit, as vLLM's default scheduler does; "decode" finishes the running
     batch first); ``max_queue``: requests waiting for a slot before new ones are refused;
-    ``prefix_caching``: share cached prompt prefixes (on by default, as in vLLM and llama-server).
+    ``prefix_caching``: share cached prompt prefixes (on by default, as in vLLM and llama-server);
+    ``num_speculative_tokens``: draft tokens per decoding sequence and step from prompt lookup
+    (0: off; ``prompt_lookup_max``/``min``: the n-gram lengths matched, ``speculative.py``).
     """
 
     max_batch: int = 8
@@ -78,12 +86,22 @@ class SchedulerPolicy:
     priority: Literal["prefill", "decode"] = "prefill"
     max_queue: int = 64
     prefix_caching: bool = True
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "prefill_budget", "chunk", "max_queue"):
+        for name in ("max_batch", "prefill_budget", "chunk", "max_queue", "prompt_lookup_max",
+                     "prompt_lookup_min"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SchedulerPolicy.{name} must be a positive integer, not {v!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"SchedulerPolicy.num_speculative_tokens must be 0 (off) or more, not {k!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"SchedulerPolicy.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"SchedulerPolicy.prompt_lookup_max ({self.prompt_lookup_max})")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"SchedulerPolicy.prefix_caching must be True or False, "
                              f"not {self.prefix_caching!r}")
@@ -99,6 +117,7 @@ class Step:
     seqs: list[Sequence]
     lengths: list[int]
     preempted: list[Sequence]
+    drafts: list[list[int]] | None = None  # a decode step's draft tokens per sequence (speculative)
 
 
 class Scheduler:
@@ -290,7 +309,31 @@ class Scheduler:
             preempted.append(victim)
             if victim in decoders:
                 decoders.remove(victim)
+        drafts = self._drafts(decoders)
+        if drafts is not None:
+            return Step("decode", decoders, [1 + len(d) for d in drafts], preempted, drafts)
         return Step("decode", decoders, [1] * len(decoders), preempted)
+
+    def _drafts(self, decoders: list[Sequence]) -> list[list[int]] | None:
+        """Prompt-lookup drafts for the decoders (none for a constrained sequence, none past its
+        max_tokens), when any and when the pages they take are free; else None."""
+        p = self.policy
+        if not p.num_speculative_tokens or not decoders:
+            return None
+        drafts = [[] if s.constraint is not None else
+                  propose(s.tokens, min(p.num_speculative_tokens, s.max_tokens - s.num_output - 1),
+                          p.prompt_lookup_max, p.prompt_lookup_min) for s in decoders]
+        if not any(drafts):
+            return None
+        if sum(self._grow(s, 1 + len(d)) for s, d in zip(decoders, drafts, strict=True)) > self.free_pages():
+            return None
+        return drafts
+
+    def rollback(self, seq: Sequence, n: int) -> None:
+        """Drop ``seq``'s last ``n`` cached tokens (rejected draft positions)."""
+        if n:
+            self.pages.pop(seq.slot, n)
+            self.kv.popn(seq.slot, n)
 
     def _prefill_step(self) -> Step:
         budget = self.policy.prefill_budget

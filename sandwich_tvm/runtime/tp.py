@@ -132,6 +132,13 @@ class TPEngine(EngineBase):
     def fork(self, parent: int, child: int, tokens: int) -> None:
         self._call("fork", tp_worker.FORK, parent, child, tokens)
 
+    def popn(self, seq_id: int, n: int) -> None:
+        self._call("pop", tp_worker.POPN, seq_id, n)
+
+    def batch_verify(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        raise EngineError("speculative decoding runs on one-process plans: the ranks gather at most "
+                          "max_batch rows of logits")
+
     def stop(self, seq_id: int = 0) -> None:
         if self.disco is not None:  # after a failure the group is gone, and so is the sequence
             self._call("stop", tp_worker.STOP, seq_id)

@@ -35,6 +35,7 @@ USE = "sandwich.tp.use"  # (phase) -> the slowest rank's switch time (ms)
 AVAILABLE_PAGES = "sandwich.tp.available_pages"  # () -> free pages of the KV cache
 START, STOP = "sandwich.tp.start", "sandwich.tp.stop"  # (seq_id)
 FORK = "sandwich.tp.fork"  # (parent, child, tokens)
+POPN = "sandwich.tp.popn"  # (seq_id, n)
 CLEAR = "sandwich.tp.clear"  # ()
 PREFILL = "sandwich.tp.prefill"  # (seq_id, tokens) -> logits [vocab]
 DECODE = "sandwich.tp.decode"  # (seq_id, token) -> logits [vocab]
@@ -193,6 +194,11 @@ def _stop(rank: Rank, seq_id: int) -> None:
 @rank_function(FORK)
 def _fork(rank: Rank, parent: int, child: int, tokens: int) -> None:
     rank.engine.fork(parent, child, tokens)
+
+
+@rank_function(POPN)
+def _popn(rank: Rank, seq_id: int, n: int) -> None:
+    rank.engine.popn(seq_id, n)
 
 
 @rank_function(CLEAR)

@@ -1,0 +1,44 @@
+"""`bench prefix-cache` and `bench speculative` on tiny models: the cached request shares the
+prefix's whole pages and gives the cold request's token; drafts keep fp32 greedy tokens; the
+reports carry every round."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.compile
+def test_prefix_cache_bench_reports_shared_pages_and_equal_tokens(tmp_path, capsys):
+    from sandwich_tvm.bench.cli import main
+
+    from ..model.hf_models import byte_level_tokenizer, write_hf_model
+
+    write_hf_model("gqa-small", tmp_path, seed=1)
+    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    rc = main(["prefix-cache", "--model", str(tmp_path), "--dtype", "float32", "--prefix-tokens", "70",
+               "--question-tokens", "6", "--rounds", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rounds"]) == 2 and out["same_tokens"]
+    assert all(r["cached_tokens"] == 64 for r in out["rounds"])  # 70 tokens: 4 whole pages of 16
+    assert set(out["median_ms"]) == {"first", "cached", "uncached"} and out["cached_vs_first"] > 0
+    assert "prefix-cache" in out["command"] and out["cpu"]
+
+
+@pytest.mark.compile
+def test_speculative_bench_pairs_the_runs_and_keeps_greedy_tokens(tmp_path, capsys):
+    from sandwich_tvm.bench.cli import main
+
+    from ..model.hf_models import byte_level_tokenizer, write_hf_model
+
+    write_hf_model("mha-untied", tmp_path, seed=2)
+    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    rc = main(["speculative", "--model", str(tmp_path), "--dtype", "float32", "--passage-chars", "60",
+               "--max-tokens", "24", "--rounds", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rounds"]) == 2 and out["same_tokens"]  # fp32: greedy tokens equal with drafts
+    assert all(r["output_tokens"] == 24 and r["speedup"] > 0 for r in out["rounds"])
+    assert 0 <= out["acceptance_rate"] <= 1 and "speculative" in out["command"]

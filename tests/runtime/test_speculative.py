@@ -1,0 +1,43 @@
+"""Prompt-lookup drafts and their acceptance, without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sandwich_tvm.runtime.speculative import accept, propose
+
+
+def test_propose_continues_the_most_recent_earlier_ngram():
+    tokens = [5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7]
+    assert propose(tokens, 3, 4, 2) == [9, 2, 5]  # "5 6 7" last seen before "9 2 5 ..."
+    assert propose(tokens, 1, 4, 2) == [9]
+    assert propose([1, 2, 3, 4], 3, 4, 2) == []  # no earlier occurrence
+    assert propose([3, 4, 3], 2, 4, 1) == [4, 3]  # down to unigrams
+    assert propose([3, 4, 3], 2, 4, 2) == []
+    assert propose([1, 1], 0, 4, 1) == []
+
+
+def test_accept_stops_at_the_first_sample_that_differs():
+    rows = np.arange(4)[:, None] * np.ones((1, 3))
+    said = iter([7, 8, 4])  # the samples, in order
+
+    def sample(_row):
+        return next(said)
+
+    assert accept([7, 8, 9], rows, sample, int) == [7, 8, 4]  # two accepted, the third replaced
+    said = iter([1, 2, 3])
+    assert accept([1, 2], rows, sample, int) == [1, 2, 3]  # all accepted, then the bonus
+    said = iter([0])
+    assert accept([], rows, sample, int) == [0]
+
+
+def test_accepting_preserves_the_sampled_distribution():
+    """A one-token draft is accepted with its probability and replaced by a draw from the rest:
+    the emitted first token is distributed as the model says, whatever the draft."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.2])
+    for draft_token in (0, 2):
+        firsts = [accept([draft_token], np.zeros((2, 3)), lambda _r: int(rng.choice(3, p=p)), int)[0]
+                  for _ in range(20000)]
+        freq = np.bincount(firsts, minlength=3) / len(firsts)
+        np.testing.assert_allclose(freq, p, atol=0.015)
