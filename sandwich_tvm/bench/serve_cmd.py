@@ -28,8 +28,10 @@ from ..kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
 from ..model.config import DEFAULT_MODEL, ModelConfigError, load_config
 from ..spec import DEFAULT_DTYPE, WEIGHT_DTYPES, resolve_weight_dtype
 from .serving.report import DEFAULT_SCALES, render, without_requests
-from .serving.runner import SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
+from .serving.runner import SANDWICH_SYSTEMS, SYSTEMS, ServeBenchConfig, resolve_cpus, run_benchmark
 from .serving.workload import parse_lengths
+
+KNOWN_SYSTEMS = tuple(dict.fromkeys([*SYSTEMS, *SANDWICH_SYSTEMS]))
 
 DEFAULT_RATES = "0.5,1,2,4"
 DEFAULT_CONTEXT = 2048
@@ -55,7 +57,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated systems, taking turns (default {','.join(SYSTEMS)}; "
                         "llamacpp-mlock is llama-server with --mlock --no-mmap; both are skipped with "
-                        "the reason when llama-server is unavailable)")
+                        "the reason when llama-server is unavailable; sandwich-mixed is Sandwich with "
+                        "--step-policy mixed)")
     s.add_argument("--rounds", type=positive_int, default=2,
                    help="whole sweeps per system, the systems taking turns round by round and the order "
                         "reversed every other round, so each round's runs of a rate pair up (default 2; "
@@ -129,10 +132,10 @@ def _numbers(text: str, what: str) -> tuple[float, ...]:
 def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     """The validated configuration; ValueError (one line) for bad input."""
     systems = tuple(dict.fromkeys(x.strip() for x in args.systems.split(",") if x.strip()))
-    unknown = [x for x in systems if x not in SYSTEMS]
+    unknown = [x for x in systems if x not in KNOWN_SYSTEMS]
     if unknown or not systems:
         raise ValueError(f"--systems {args.systems!r}: unknown system {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(SYSTEMS)}")
+                         f"choose from {', '.join(KNOWN_SYSTEMS)}")
     rates = _numbers(args.rates, "--rates")
     scales = _numbers(args.slo_scales, "--slo-scales")
     lengths = None if args.lengths is None else tuple(parse_lengths(args.lengths))

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest n-gram matched for a draft (default 4)")
     p.add_argument("--prompt-lookup-min", type=positive_int, default=2,
                    help="shortest n-gram matched for a draft (default 2)")
+    p.add_argument("--step-policy", choices=("split", "mixed"), default="split",
+                   help="split (default): each step prefills or decodes, on its plan's cores; mixed: "
+                        "decoding sequences and prompt chunks share steps (chunked prefill on decode)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for a KV slot before new ones get 429 (default 64)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -66,7 +69,7 @@ def policy_of(args: argparse.Namespace) -> SchedulerPolicy:
                                max_queue=args.max_queue, prefix_caching=args.prefix_caching,
                                num_speculative_tokens=args.num_speculative_tokens,
                                prompt_lookup_max=args.prompt_lookup_max,
-                               prompt_lookup_min=args.prompt_lookup_min)
+                               prompt_lookup_min=args.prompt_lookup_min, steps=args.step_policy)
     except ValueError as err:
         raise EngineError(str(err).replace("SchedulerPolicy.", "--").replace("_", "-")) from err
 

@@ -10,6 +10,7 @@ returns what happened as ``TokenEvent`` values. It is synchronous and single-thr
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ class BatchEngine:
         self.seqs: dict[str, Sequence] = {}
         self._masking = 0.0  # the last step's grammar masks (s)
         self.drafted = self.accepted = 0  # speculative draft tokens proposed and accepted
+        self.steps: Counter[str] = Counter()  # steps run: "prefill", "decode", "mixed"
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt: Seq[int], max_tokens: int | None) -> int:
@@ -120,6 +122,7 @@ class BatchEngine:
         if step is None or not step.seqs:
             return []
         switched = step.phase != self.engine.phase
+        self.steps["mixed" if step.mixed else step.phase] += 1
         self.engine.use(step.phase)
         t0 = time.perf_counter()
         try:
@@ -150,7 +153,7 @@ class BatchEngine:
         if step.drafts:  # the last token and its draft, every position's logits
             return self.engine.batch_verify(slots, [[s.tokens[-1], *d] for s, d in
                                                     zip(step.seqs, step.drafts, strict=True)])
-        if step.phase == "decode":
+        if step.phase == "decode" and not step.mixed:
             return self.engine.batch_decode(slots, [s.tokens[-1] for s in step.seqs])
         chunks = [s.tokens[s.computed:s.computed + n] for s, n in zip(step.seqs, step.lengths, strict=True)]
         return self.engine.batch_prefill(slots, chunks)

@@ -77,7 +77,12 @@ class SchedulerPolicy:
     batch first); ``max_queue``: requests waiting for a slot before new ones are refused;
     ``prefix_caching``: share cached prompt prefixes (on by default, as in vLLM and llama-server);
     ``num_speculative_tokens``: draft tokens per decoding sequence and step from prompt lookup
-    (0: off; ``prompt_lookup_max``/``min``: the n-gram lengths matched, ``speculative.py``).
+    (0: off; ``prompt_lookup_max``/``min``: the n-gram lengths matched, ``speculative.py``);
+    ``steps``: "split" runs a step of prefill chunks *or* one of decodes (the plans hot-switched
+    between them), "mixed" puts every decoding sequence's next token and prompt chunks under the
+    rest of the budget in one step (chunked prefill piggybacked on decode, as Sarathi-Serve and
+    vLLM do), on the prefill plan when it holds more than ``mixed_prefill_tokens`` tokens, else
+    on the decode plan.
     """
 
     max_batch: int = 8
@@ -89,10 +94,12 @@ class SchedulerPolicy:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    steps: Literal["split", "mixed"] = "split"
+    mixed_prefill_tokens: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_budget", "chunk", "max_queue", "prompt_lookup_max",
-                     "prompt_lookup_min"):
+                     "prompt_lookup_min", "mixed_prefill_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SchedulerPolicy.{name} must be a positive integer, not {v!r}")
@@ -105,6 +112,8 @@ class SchedulerPolicy:
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"SchedulerPolicy.prefix_caching must be True or False, "
                              f"not {self.prefix_caching!r}")
+        if self.steps not in ("split", "mixed"):
+            raise ValueError(f"SchedulerPolicy.steps must be 'split' or 'mixed', not {self.steps!r}")
         if self.priority not in ("prefill", "decode"):
             raise ValueError(f"SchedulerPolicy.priority must be 'prefill' or 'decode', not {self.priority!r}")
 
@@ -118,6 +127,7 @@ class Step:
     lengths: list[int]
     preempted: list[Sequence]
     drafts: list[list[int]] | None = None  # a decode step's draft tokens per sequence (speculative)
+    mixed: bool = False  # decoding sequences' tokens and prompt chunks together (batch_prefill)
 
 
 class Scheduler:
@@ -240,6 +250,8 @@ class Scheduler:
     def _next(self) -> Step | None:
         decoders = [s for s in self.running if s.decoding]
         want_prefill = any(not s.decoding for s in self.running) or self._can_admit()
+        if self.policy.steps == "mixed" and decoders and want_prefill:
+            return self._mixed_step(decoders)
         if decoders and (self.policy.priority == "decode" or not want_prefill):
             return self._decode_step(decoders)
         if want_prefill:
@@ -335,10 +347,24 @@ class Scheduler:
             self.pages.pop(seq.slot, n)
             self.kv.popn(seq.slot, n)
 
-    def _prefill_step(self) -> Step:
-        budget = self.policy.prefill_budget
-        seqs: list[Sequence] = []
-        lengths: list[int] = []
+    def _mixed_step(self, decoders: list[Sequence]) -> Step:
+        """Every decoder's next token, then prompt chunks under the rest of the budget; the
+        cores of the plan its token count calls for."""
+        decode = self._decode_step(list(decoders))
+        if decode.preempted:  # pages were short: decode alone this time
+            return decode
+        step = self._prefill_step(decode.seqs, max(self.policy.prefill_budget - len(decode.seqs), 0))
+        if len(step.seqs) == len(decode.seqs):
+            return decode
+        tokens = sum(step.lengths)
+        phase = "prefill" if tokens > self.policy.mixed_prefill_tokens else "decode"
+        return Step(phase, step.seqs, step.lengths, step.preempted, mixed=True)
+
+    def _prefill_step(self, decoders: list[Sequence] = (), budget: int | None = None) -> Step:
+        """Prompt chunks under the budget (after ``decoders``' one token each, in a mixed step)."""
+        budget = self.policy.prefill_budget if budget is None else budget
+        seqs: list[Sequence] = list(decoders)
+        lengths: list[int] = [1] * len(seqs)
         preempted: list[Sequence] = []
 
         def free() -> int:  # what the step has not taken yet
@@ -348,7 +374,7 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(seq.missing, self.policy.chunk, budget)
-            while self._grow(seq, n) > free():
+            while self._grow(seq, n) > free() and not decoders:
                 victim = self._preempt_newest(keep=seqs + [seq])
                 if victim is None:
                     break

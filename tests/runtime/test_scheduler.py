@@ -60,9 +60,14 @@ def _run(sched: Scheduler, kv: FakeKV, steps: int = 500) -> list[str]:
         step = sched.schedule()
         if step is None:
             break
-        phases.append(step.phase)
+        phases.append("mixed" if step.mixed else step.phase)
         assert len(step.seqs) <= sched.policy.max_batch
-        if step.phase == "prefill":
+        if step.mixed:  # decoders' one token each, then prompt chunks
+            assert sum(step.lengths) <= max(sched.policy.prefill_budget, len(step.seqs))
+            big = sum(step.lengths) > sched.policy.mixed_prefill_tokens
+            assert step.phase == ("prefill" if big else "decode")
+            assert any(s.decoding for s in step.seqs) and any(not s.decoding for s in step.seqs)
+        elif step.phase == "prefill":
             assert sum(step.lengths) <= sched.policy.prefill_budget
             assert all(n <= sched.policy.chunk for n in step.lengths)
         else:
@@ -82,10 +87,10 @@ def _run(sched: Scheduler, kv: FakeKV, steps: int = 500) -> list[str]:
     return phases
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_prefill_then_decode_batches_everything(caching):
+@pytest.mark.parametrize("caching, steps", [(False, "split"), (True, "split"), (True, "mixed")])
+def test_prefill_then_decode_batches_everything(caching, steps):
     kv = FakeKV()
-    sched = Scheduler(_policy(caching, max_batch=4, prefill_budget=16, chunk=8), 100, PAGE, kv)
+    sched = Scheduler(_policy(caching, max_batch=4, prefill_budget=16, chunk=8, steps=steps), 100, PAGE, kv)
     seqs = [_seq(str(i), n, prompt=[100 * i + t for t in range(n)]) for i, n in enumerate((3, 10, 20, 5, 7))]
     for s in seqs:
         sched.add(s)
@@ -97,6 +102,7 @@ def test_prefill_then_decode_batches_everything(caching):
         seq.computed += n
     phases = ["prefill"] + _run(sched, kv)
     assert "decode" in phases
+    assert ("mixed" in phases) == (steps == "mixed")
     assert all(s.num_output == s.max_tokens for s in seqs)
     assert not sched.has_work() and sched.pages_used() == 0
     if caching:  # every finished sequence stays cached (distinct prompts: nothing shared)
@@ -106,11 +112,12 @@ def test_prefill_then_decode_batches_everything(caching):
         assert len(kv.freed) == 5 and not kv.seqs  # every finished sequence left the cache
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_preemption_keeps_pages_within_the_cache_and_everyone_finishes(caching):
+@pytest.mark.parametrize("caching, steps", [(False, "split"), (True, "split"), (True, "mixed")])
+def test_preemption_keeps_pages_within_the_cache_and_everyone_finishes(caching, steps):
     kv = FakeKV()
     total = pages_for(40, PAGE) + 1
-    sched = Scheduler(_policy(caching, max_batch=8, prefill_budget=64, chunk=64), total, PAGE, kv)
+    policy = _policy(caching, max_batch=8, prefill_budget=64, chunk=64, steps=steps)
+    sched = Scheduler(policy, total, PAGE, kv)
     seqs = [_seq(str(i), 12, max_tokens=20, prompt=[100 * i + t for t in range(12)]) for i in range(6)]
     for s in seqs:  # 6 x 32 tokens >> 40
         sched.add(s)
@@ -157,7 +164,8 @@ def test_queue_bound_and_removal():
 
 @pytest.mark.parametrize("field, value", [("max_batch", 0), ("prefill_budget", -1), ("chunk", 1.5),
                                           ("max_queue", True), ("priority", "fifo"),
-                                          ("prefix_caching", 1)])
+                                          ("prefix_caching", 1), ("steps", "both"),
+                                          ("num_speculative_tokens", -1), ("prompt_lookup_min", 9)])
 def test_policy_validation(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerPolicy(**{field: value})

@@ -43,6 +43,8 @@ from .workload import Request, fixed_requests, sharegpt_requests
 # cache's 4 KiB pages); llamacpp-mlock: the same with --mlock --no-mmap (weights read into
 # memory it allocates and locks), so what the page size is worth shows as a second row.
 SYSTEMS = ("sandwich", "llamacpp", "llamacpp-mlock")
+# Sandwich with another step policy (``serve --step-policy mixed``): ask for it by name.
+SANDWICH_SYSTEMS = {"sandwich": "split", "sandwich-mixed": "mixed"}
 LLAMA_SERVER_SYSTEMS = {"llamacpp": False, "llamacpp-mlock": True}  # name -> weights locked
 Log = Callable[[str], None]
 # (system, command, port, environment, log file) -> a context manager yielding the base URL
@@ -118,7 +120,7 @@ def resolve_cpus(systems: tuple[str, ...], plan: Path | None,
     from ...host import PROCESS_CPUS
 
     usable = tuple(sorted(PROCESS_CPUS))
-    if "sandwich" in systems:
+    if any(name in SANDWICH_SYSTEMS for name in systems):
         from ...topology.plan import ExecPlan, PlanError
 
         try:
@@ -212,12 +214,13 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
     """The command line (pinned to ``cfg.cpus``) and environment serving ``cfg.model`` as
     ``system`` on ``port``: the same weights (``--seed``), threads and parallel sequences."""
     env = {**os.environ, "TVM_NUM_THREADS": str(cfg.threads), "OMP_NUM_THREADS": str(cfg.threads)}
-    if system == "sandwich":
+    if system in SANDWICH_SYSTEMS:
         cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", cfg.model, "--host", "127.0.0.1",
                "--port", str(port), "--max-batch", str(cfg.max_batch),
                "--context", str(cfg.context), "--kv-cache-tokens", str(cfg.kv_tokens()),
                "--kv-dtype", cfg.kv_dtype, "--prefill-budget", str(cfg.prefill_budget),
-               "--priority", cfg.priority, "--seed", str(cfg.seed), "--dtype", cfg.dtype]
+               "--priority", cfg.priority, "--seed", str(cfg.seed), "--dtype", cfg.dtype,
+               "--step-policy", SANDWICH_SYSTEMS[system]]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -237,7 +240,8 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
         cmd = llamaserver.llama_server_command(binary, gguf, threads=cfg.threads, slots=cfg.max_batch,
                                                context_per_slot=cfg.context, port=port, locked=locked)
         return pinned(with_memlock_limit(cmd) if locked else cmd, cfg.cpus), env
-    raise SystemUnavailable(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    raise SystemUnavailable(f"unknown system {system!r}; choose from "
+                            f"{', '.join(dict.fromkeys([*SYSTEMS, *SANDWICH_SYSTEMS]))}")
 
 
 @contextlib.contextmanager
