@@ -58,15 +58,21 @@ def add_serve_parser(sub) -> None:
                    help=f"comma-separated systems, taking turns (default {','.join(SYSTEMS)}; "
                         "llamacpp-mlock is llama-server with --mlock --no-mmap; both are skipped with "
                         "the reason when llama-server is unavailable; sandwich-mixed is Sandwich with "
-                        "--step-policy mixed)")
+                        "--step-policy mixed, sandwich-nocache with --no-prefix-caching)")
     s.add_argument("--rounds", type=positive_int, default=2,
                    help="whole sweeps per system, the systems taking turns round by round and the order "
                         "reversed every other round, so each round's runs of a rate pair up (default 2; "
                         "1: one system after another); each round sends --num-prompts per rate")
-    s.add_argument("--mode", choices=["single", "poisson"], default="poisson",
-                   help="single: one request after another; poisson: Poisson arrivals per rate (default)")
+    s.add_argument("--mode", choices=["single", "poisson", "multiturn"], default="poisson",
+                   help="single: one request after another; poisson: Poisson arrivals per rate (default); "
+                        "multiturn: ShareGPT conversations arriving per rate, replayed turn by turn, each "
+                        "turn's prompt carrying the history")
     s.add_argument("--rates", default=DEFAULT_RATES,
-                   help=f"request rates per second for --mode poisson (default {DEFAULT_RATES})")
+                   help=f"request (multiturn: conversation) rates per second (default {DEFAULT_RATES})")
+    s.add_argument("--think-s", type=float, default=5.0,
+                   help="multiturn: mean think time between an answer and the next turn, seconds (default 5)")
+    s.add_argument("--max-turns", type=positive_int, default=4,
+                   help="multiturn: turns per conversation at most (default 4)")
     s.add_argument("--num-prompts", type=positive_int, default=90,
                    help="requests per rate and round (default 90, as the paper's single-sequence runs); only "
                         "what is needed of ShareGPT is tokenized")
@@ -144,11 +150,14 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     if context > model.max_position_embeddings:
         raise ValueError(f"--context {context} exceeds the {model.max_position_embeddings} positions of "
                          f"{model.name}")
+    if args.think_s < 0:
+        raise ValueError(f"--think-s {args.think_s}: a think time cannot be negative")
     if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
         raise ValueError(too_many)
     cpus, plan = resolve_cpus(systems, args.plan, args.threads)
     return ServeBenchConfig(
         model=args.model, systems=systems, mode=args.mode, rates=rates, num_prompts=args.num_prompts,
+        think_s=args.think_s, max_turns=args.max_turns,
         duration_s=args.duration, lengths=lengths, max_output=args.max_output or None,
         slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot, slo_scales=scales, cpus=cpus,
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
+import numpy as np
 
 from .workload import Request, poisson_arrivals
 
-MODES = ("single", "poisson")
+MODES = ("single", "poisson", "multiturn")
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,17 @@ Progress = Callable[[int, int], None]  # (requests finished, requests to send)
 
 async def run_requests(base_url: str, model: str, requests: list[Request], *, mode: str = "single",
                        rate: float | None = None, seed: int = 0, duration_s: float | None = None,
-                       timeout_s: float = 600.0, progress: Progress | None = None) -> RunResult:
+                       timeout_s: float = 600.0, progress: Progress | None = None,
+                       think_s: float = 0.0) -> RunResult:
     """Send ``requests`` one after another (``single``) or at Poisson arrival times of ``rate``
-    per second without any cap on those in flight (``poisson``). No request is sent ``duration_s``
-    seconds or later after the start; those come back as ``sent=False`` records."""
+    per second without any cap on those in flight (``poisson``); ``multiturn``: conversations
+    (``Request.conversation``) arrive at ``rate`` per second and each sends its turns in order,
+    a turn after the previous one's answer and an exponential think time of mean ``think_s``.
+    No request is sent ``duration_s`` seconds or later after the start; those come back as
+    ``sent=False`` records."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "poisson" and (rate is None or rate <= 0):
+    if mode in ("poisson", "multiturn") and (rate is None or rate <= 0):
         raise ValueError(f"poisson mode needs a positive rate, got {rate}")
     records = [RequestRecord(r.prompt_len, r.max_tokens, sent=False) for r in requests]
     done = 0
@@ -176,6 +181,9 @@ async def run_requests(base_url: str, model: str, requests: list[Request], *, mo
                     to_send = i
                     break
                 finished(i, await send_request(client, base_url, model, req, timeout_s=timeout_s, t0=t0))
+        elif mode == "multiturn":
+            await _conversations(client, base_url, model, requests, rate, seed, duration_s, timeout_s,
+                                 think_s, t0, finished)
         else:
             arrivals = poisson_arrivals(len(requests), rate, seed)
             if duration_s is not None:
@@ -193,7 +201,31 @@ async def run_requests(base_url: str, model: str, requests: list[Request], *, mo
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-    return RunResult(mode, rate if mode == "poisson" else None, records, wall)
+    return RunResult(mode, None if mode == "single" else rate, records, wall)
+
+
+async def _conversations(client: httpx.AsyncClient, base_url: str, model: str, requests: list[Request],
+                         rate: float, seed: int, duration_s: float | None, timeout_s: float, think_s: float,
+                         t0: float, finished: Callable[[int, RequestRecord], None]) -> None:
+    """``run_requests``' multi-turn mode: one task per conversation."""
+    convs: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        convs.setdefault(r.conversation, []).append(i)
+    arrivals = poisson_arrivals(len(convs), rate, seed)
+    rng = np.random.default_rng(seed + 1)
+    thinks = {c: rng.exponential(think_s, len(idx)).tolist() if think_s > 0 else [0.0] * len(idx)
+              for c, idx in convs.items()}
+
+    async def one(c: int, idx: list[int], arrival: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+        for j, i in enumerate(idx):
+            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                return  # the rest stay unsent
+            finished(i, await send_request(client, base_url, model, requests[i], timeout_s=timeout_s, t0=t0))
+            if j + 1 < len(idx):
+                await asyncio.sleep(thinks[c][j])
+
+    await asyncio.gather(*(one(c, idx, a) for (c, idx), a in zip(convs.items(), arrivals, strict=True)))
 
 
 async def warm_up(base_url: str, model: str, prompt_ids: list[int], max_tokens: int = 4,

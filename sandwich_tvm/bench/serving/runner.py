@@ -37,14 +37,15 @@ from .report import (
     plot_report,
     save_report,
 )
-from .workload import Request, fixed_requests, sharegpt_requests
+from .workload import Request, fixed_requests, sharegpt_conversations, sharegpt_requests
 
 # llamacpp: llama-server as its users start it (weights mmap-ed from the GGUF, in the page
 # cache's 4 KiB pages); llamacpp-mlock: the same with --mlock --no-mmap (weights read into
 # memory it allocates and locks), so what the page size is worth shows as a second row.
 SYSTEMS = ("sandwich", "llamacpp", "llamacpp-mlock")
-# Sandwich with another step policy (``serve --step-policy mixed``): ask for it by name.
-SANDWICH_SYSTEMS = {"sandwich": "split", "sandwich-mixed": "mixed"}
+# Sandwich variants, asked for by name: mixed steps, or no prefix caching (the server's options).
+SANDWICH_SYSTEMS = {"sandwich": [], "sandwich-mixed": ["--step-policy", "mixed"],
+                    "sandwich-nocache": ["--no-prefix-caching"]}
 LLAMA_SERVER_SYSTEMS = {"llamacpp": False, "llamacpp-mlock": True}  # name -> weights locked
 Log = Callable[[str], None]
 # (system, command, port, environment, log file) -> a context manager yielding the base URL
@@ -78,6 +79,8 @@ class ServeBenchConfig:
     rounds: int = 2  # whole sweeps per system, the systems taking turns (see the module docstring)
     kv_dtype: str = "float16"  # Sandwich's KV cache (llama-server's default is f16 too)
     dtype: str = "float32"  # the weights of both systems (llama-server: an F16/BF16 GGUF)
+    think_s: float = 5.0  # multiturn: mean think time between a turn's answer and the next turn
+    max_turns: int = 4  # multiturn: turns per conversation at most
     prefill_budget: int = 512  # Sandwich's SchedulerPolicy
     priority: str = "prefill"
     out: Path = Path("out")
@@ -181,6 +184,8 @@ def _slug(text: str) -> str:
 def build_requests(cfg: ServeBenchConfig, model: LlamaConfig, log: Log) -> tuple[list[Request], dict]:
     """The requests every system gets, and a description of them for the report."""
     if cfg.lengths is not None:
+        if cfg.mode == "multiturn":
+            raise ValueError("--mode multiturn replays ShareGPT conversations; drop --lengths")
         reqs = fixed_requests(list(cfg.lengths), cfg.num_prompts, model.vocab_size, cfg.seed)
         source = {"source": "fixed", "lengths": [list(p) for p in cfg.lengths]}
     else:
@@ -190,15 +195,24 @@ def build_requests(cfg: ServeBenchConfig, model: LlamaConfig, log: Log) -> tuple
         if tok is None:
             raise ValueError(f"{cfg.model} has no tokenizer.json to tokenize ShareGPT with; give "
                              "--lengths PROMPT:OUTPUT,... instead")
-        log(f"sampling {cfg.num_prompts} ShareGPT requests (tokenizer: {tok.source}, context {cfg.context}, "
+        what = "multi-turn conversations" if cfg.mode == "multiturn" else "requests"
+        log(f"sampling {cfg.num_prompts} ShareGPT {what} (tokenizer: {tok.source}, context {cfg.context}, "
             f"output <= {cfg.max_output or 'unclipped'})")
-        reqs = sharegpt_requests(tok, cfg.num_prompts, context=cfg.context, max_output=cfg.max_output,
-                                 seed=cfg.seed, log=log)
+        if cfg.mode == "multiturn":
+            reqs = sharegpt_conversations(tok, cfg.num_prompts, context=cfg.context,
+                                          max_output=cfg.max_output, max_turns=cfg.max_turns, seed=cfg.seed)
+        else:
+            reqs = sharegpt_requests(tok, cfg.num_prompts, context=cfg.context, max_output=cfg.max_output,
+                                     seed=cfg.seed, log=log)
         if not reqs:
             raise ValueError(f"no ShareGPT request fits a context of {cfg.context} tokens")
         if len(reqs) < cfg.num_prompts:
             log(f"warning: only {len(reqs)} ShareGPT requests fit the context of {cfg.context}")
         source = {"source": "sharegpt", "tokenizer": tok.source, "max_output": cfg.max_output}
+        if cfg.mode == "multiturn":
+            source |= {"multiturn": {"conversations": len({r.conversation for r in reqs}),
+                                     "max_turns": cfg.max_turns, "think_s": cfg.think_s,
+                                     "history": "the dataset's answers"}}
     too_long = [r for r in reqs if r.prompt_len + r.max_tokens > cfg.context]
     if too_long:
         raise ValueError(f"a request of {too_long[0].prompt_len}+{too_long[0].max_tokens} tokens exceeds "
@@ -220,7 +234,7 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
                "--context", str(cfg.context), "--kv-cache-tokens", str(cfg.kv_tokens()),
                "--kv-dtype", cfg.kv_dtype, "--prefill-budget", str(cfg.prefill_budget),
                "--priority", cfg.priority, "--seed", str(cfg.seed), "--dtype", cfg.dtype,
-               "--step-policy", SANDWICH_SYSTEMS[system]]
+               *SANDWICH_SYSTEMS[system]]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -288,8 +302,12 @@ class _Benchmark:
         # earlier (llama-server caches prompts per slot by default); every system gets the same.
         sets = len(self.rates) * cfg.rounds
         reqs, workload = build_requests(replace(cfg, num_prompts=cfg.num_prompts * sets), model, log)
-        per = len(reqs) // sets
-        self.request_sets = [reqs[i * per:(i + 1) * per] for i in range(sets)]
+        if cfg.mode == "multiturn":  # whole conversations per set
+            per = max(r.conversation for r in reqs) // sets + 1
+            self.request_sets = [[r for r in reqs if r.conversation // per == i] for i in range(sets)]
+        else:
+            per = len(reqs) // sets
+            self.request_sets = [reqs[i * per:(i + 1) * per] for i in range(sets)]
         self.requests = self.request_sets[0]
         self.warm_prompt = list(fixed_requests([(8, 4)], 1, model.vocab_size, cfg.seed + 1)[0].prompt_ids)
         self.json_path = cfg.out / f"{cfg.stem(model)}.json"
@@ -375,6 +393,7 @@ class _Benchmark:
         self.meta["order"].append({"round": k, "system": s.name, "rate": rate})
         run = asyncio.run(run_requests(base_url, cfg.model, reqs, mode=cfg.mode, rate=rate,
                                        seed=cfg.seed + k, duration_s=cfg.duration_s, timeout_s=cfg.timeout_s,
+                                       think_s=cfg.think_s,
                                        progress=_Progress(self.log, label)))
         s.runs.append(replace(run, round=k))
         self.save()

@@ -4,6 +4,12 @@ Prompts are token-id lists, so every system sees exactly the same tokens whateve
 tokenizer would make of the text. ShareGPT requests follow vLLM's ``benchmark_serving``: the
 first human turn is the prompt, the first gpt turn's token count the output length; prompts
 or outputs under 4 tokens are dropped and so is a request longer than the context.
+
+Multi-turn conversations (``sharegpt_conversations``) replay a ShareGPT conversation turn by
+turn: turn k's prompt is every earlier human and gpt turn and the k-th human turn, token ids
+appended (so it begins with exactly the previous turn's prompt), and its output length is the
+k-th gpt turn's. The history holds the dataset's answers, not the served model's, so every
+system gets the same prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Request:
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    conversation: int = -1  # multi-turn: the conversation (-1: a single-turn request)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -181,3 +188,48 @@ def sharegpt_requests(tokenizer, n: int, *, context: int, max_output: int | None
     finally:
         cache.save()
     return [Request(tokenizer.encode(turns[idx][0]), out) for idx, out in chosen]
+
+
+def _alternating(conv: dict) -> list[tuple[str, str]]:
+    """The (human, gpt) pairs a conversation opens with, as long as the turns alternate."""
+    turns = conv.get("conversations") or []
+    pairs = []
+    for h, g in zip(turns[::2], turns[1::2], strict=False):
+        if (h.get("from") != "human" or g.get("from") != "gpt" or not isinstance(h.get("value"), str)
+                or not isinstance(g.get("value"), str)):
+            break
+        pairs.append((h["value"], g["value"]))
+    return pairs
+
+
+def sharegpt_conversations(tokenizer, n: int, *, context: int, max_output: int | None = None,
+                           max_turns: int = 4, seed: int = 0,
+                           conversations: list[dict] | None = None) -> list[Request]:
+    """n multi-turn ShareGPT conversations (at least two turns each, at most ``max_turns``), as
+    their turns' requests in order, each marked with its conversation. A conversation ends at
+    the first turn whose prompt + output passes ``context``. ``conversations`` replaces ShareGPT."""
+    from ...topology.trace import _conversations
+
+    convs = list(_conversations()) if conversations is None else conversations
+    sep = tokenizer.encode("\n\n")
+    out: list[Request] = []
+    found = 0
+    for idx in np.random.default_rng(seed).permutation(len(convs)).tolist():
+        history: list[int] = []
+        turns: list[Request] = []
+        for human, gpt in _alternating(convs[idx])[:max_turns]:
+            h, g = tokenizer.encode(human), tokenizer.encode(gpt)
+            if len(h) < MIN_TOKENS or len(g) < MIN_TOKENS:
+                break
+            prompt = history + h
+            want = len(g) if max_output is None else min(len(g), max_output)
+            if len(prompt) + want > context:
+                break
+            turns.append(Request(tuple(prompt), want, found))
+            history = prompt + sep + g + sep
+        if len(turns) >= 2:
+            out += turns
+            found += 1
+            if found >= n:
+                break
+    return out

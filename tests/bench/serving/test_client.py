@@ -120,3 +120,16 @@ def test_poisson_mode_is_open_loop_and_duration_caps():
     assert sends == sorted(sends)
     assert [r.sent for r in capped.records] == [True] * 4 + [False] * 4
     assert all(r.ok for r in capped.records[:4])
+
+
+def test_multiturn_mode_sends_a_turn_after_the_previous_answer():
+    state = FakeState(first_s=0.05, gap_s=0.01)
+    reqs = [Request([5, 6, 7, 8 + t], 2, conversation=c) for c in range(3) for t in range(3)]
+    with FakeServer(state) as url:
+        run = asyncio.run(run_requests(url, "ok", reqs, mode="multiturn", rate=50.0, seed=0, think_s=0.02))
+    assert all(r.ok for r in run.records) and run.rate == 50.0
+    for c in range(3):
+        turns = run.records[3 * c:3 * c + 3]
+        for before, after in zip(turns, turns[1:], strict=False):
+            assert after.send_s >= before.send_s + before.e2e_s * 0.99  # after the answer came back
+    assert state.max_in_flight > 1  # conversations overlap

@@ -61,3 +61,30 @@ def test_sharegpt_lengths_are_the_tokenizers():
     # "hi" is under 4 tokens, None has no gpt turn, 300 + 20 > 100, 3 output tokens < 4
     assert sorted((r.prompt_len, r.max_tokens) for r in reqs) == [(40, 10)]
     assert reqs[0].prompt_ids == tuple(tok.encode("a" * 40))
+
+
+def _conv(*pairs: tuple[str, str]) -> dict:
+    turns = []
+    for h, g in pairs:
+        turns += [{"from": "human", "value": h}, {"from": "gpt", "value": g}]
+    return {"conversations": turns}
+
+
+def test_conversations_carry_their_history_turn_by_turn():
+    from sandwich_tvm.bench.serving.workload import sharegpt_conversations
+
+    tok = load_model_tokenizer("llama-160m")
+    convs = [_conv(("hello you", "hi there"), ("how are you", "fine thanks"), ("and now", "bye bye")),
+             _conv(("only one turn", "so it is dropped")),
+             _conv(("x" * 50, "y" * 20), ("z" * 80, "w" * 40), ("v" * 10, "u" * 10))]
+    reqs = sharegpt_conversations(tok, 5, context=200, max_output=16, seed=0, conversations=convs)
+    by_conv: dict[int, list[Request]] = {}
+    for r in reqs:
+        by_conv.setdefault(r.conversation, []).append(r)
+    assert sorted(len(v) for v in by_conv.values()) == [2, 3]  # one cut by the context, one dropped
+    for turns in by_conv.values():
+        for before, after in zip(turns, turns[1:], strict=False):
+            assert after.prompt_ids[:before.prompt_len] == before.prompt_ids  # the history leads
+            assert after.prompt_len > before.prompt_len
+        assert all(r.prompt_len + r.max_tokens <= 200 and r.max_tokens <= 16 for r in turns)
+    assert sharegpt_conversations(tok, 5, context=200, seed=0, conversations=convs) != []
