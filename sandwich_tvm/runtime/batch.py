@@ -64,7 +64,6 @@ class BatchEngine:
         engine.clear()  # the scheduler owns the cache's sequences from here on
         self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}
-        self._masking = 0.0  # the last step's grammar masks (s)
         self.drafted = self.accepted = 0  # speculative draft tokens proposed and accepted
         self.steps: Counter[str] = Counter()  # steps run: "prefill", "decode", "mixed"
 
@@ -131,8 +130,6 @@ class BatchEngine:
             return self._fail_all(f"{type(err).__name__}: {err}")
         events = self._sample(step, logits)
         self.scheduler.index(step)
-        if self.metrics is not None and self._masking:
-            self.metrics.on_masks(self._masking)
         if self.metrics is not None:
             self.metrics.on_tokens(sum(e.token is not None for e in events))
             self.metrics.on_step(step.phase, sum(step.lengths), switched, time.perf_counter() - t0,
@@ -181,7 +178,8 @@ class BatchEngine:
                 if self.metrics is not None:
                     self.metrics.on_draft(len(draft), len(samples) - 1)
             events += self._emit(seq, samples, now)
-        self._masking = masking
+        if masking and self.metrics is not None:
+            self.metrics.on_masks(masking)
         return events
 
     def _emit(self, seq: Sequence, samples: list[Sample], now: float) -> list[TokenEvent]:

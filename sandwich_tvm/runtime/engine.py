@@ -223,33 +223,31 @@ class Engine(EngineBase):
         """Free pages of the paged KV cache, as the cache counts them."""
         return int(self._available_pages(self.kv))
 
-    def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
-        """One forward over several sequences' chunks (each appended to its cached prefix);
-        the logits after each chunk's last token, ``[len(slots), vocab]``."""
+    def _chunks_forward(self, slots: Sequence[int], chunks: Sequence[Sequence[int]],
+                        every: bool) -> np.ndarray:
+        """``batch_prefill`` over the chunks; the logits after each chunk's last token, or after
+        every token (``every``), one row each."""
         lengths = [len(c) for c in chunks]
         ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks]).reshape(1, -1)
-        ends = np.cumsum(lengths, dtype=np.int32) - 1
+        rows = (np.arange(ids.shape[1], dtype=np.int32) if every
+                else np.cumsum(lengths, dtype=np.int32) - 1)
         self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(lengths))
         try:
-            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(ends),
+            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(rows),
                                                   self.kv, self.params)
         finally:
             self._end(self.kv)
-        return logits.numpy().reshape(len(slots), -1)
+        return logits.numpy().reshape(len(rows), -1)
+
+    def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        """One forward over several sequences' chunks (each appended to its cached prefix);
+        the logits after each chunk's last token, ``[len(slots), vocab]``."""
+        return self._chunks_forward(slots, chunks, every=False)
 
     def batch_verify(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
         """``batch_prefill`` with the logits of every position (a speculative step's last token
         and draft per sequence): ``[sum of the chunks' lengths, vocab]``."""
-        lengths = [len(c) for c in chunks]
-        ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks]).reshape(1, -1)
-        every = np.arange(ids.shape[1], dtype=np.int32)
-        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(lengths))
-        try:
-            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(every),
-                                                  self.kv, self.params)
-        finally:
-            self._end(self.kv)
-        return logits.numpy().reshape(ids.shape[1], -1)
+        return self._chunks_forward(slots, chunks, every=True)
 
     def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step for every sequence in ``slots`` (m = batch); ``[len(slots), vocab]``."""

@@ -1,7 +1,7 @@
 """Constrained decoding: a request's grammar masks its logits at every step (llguidance).
 
 ``Grammars`` wraps the model's tokenizer for llguidance once (``LLTokenizer``, built on first
-use) and checks a grammar (llguidance's JSON form, made from a JSON schema, a regex or a Lark
+use) and compiles a grammar (llguidance's JSON form, made from a JSON schema, a regex or a Lark
 grammar by ``grammar_from_*``) before the request is queued, so a bad one is the client's
 error, not the batch's. ``Constraint`` is one request's matcher: ``mask`` sets the logits of
 tokens the grammar does not allow next to -inf, ``accept`` advances it by the sampled token.
@@ -106,20 +106,11 @@ class Grammars:
                                           eos_token=self.eos_ids or None)
             return self._lltok
 
-    def check(self, grammar: str) -> None:
-        """Raise ``GrammarError`` naming the problem when ``grammar`` does not compile."""
-        from llguidance import LLMatcher
-
-        message = LLMatcher.validate_grammar(grammar, self.lltok)
-        if message and not message.startswith("WARNING"):
-            raise GrammarError(message.strip().splitlines()[0])
-
     def constraint(self, grammar: str) -> Constraint:
-        """A fresh matcher for ``grammar`` (checked: ``GrammarError`` if it does not compile)."""
+        """A fresh matcher for ``grammar``; ``GrammarError`` (its first line) if it does not compile."""
         from llguidance import LLMatcher
 
-        self.check(grammar)
         matcher = LLMatcher(self.lltok, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(matcher.get_error().strip().splitlines()[0])
         return Constraint(matcher, self.vocab_size)

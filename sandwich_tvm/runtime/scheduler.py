@@ -312,7 +312,7 @@ class Scheduler:
                 return seq
         return None
 
-    def _decode_step(self, decoders: list[Sequence]) -> Step:
+    def _decode_step(self, decoders: list[Sequence], drafts: bool = True) -> Step:
         preempted: list[Sequence] = []
         while sum(self._grow(s, 1) for s in decoders) > self.free_pages():
             victim = self._preempt_newest(keep=decoders[:1])
@@ -321,9 +321,9 @@ class Scheduler:
             preempted.append(victim)
             if victim in decoders:
                 decoders.remove(victim)
-        drafts = self._drafts(decoders)
-        if drafts is not None:
-            return Step("decode", decoders, [1 + len(d) for d in drafts], preempted, drafts)
+        proposed = self._drafts(decoders) if drafts else None
+        if proposed is not None:
+            return Step("decode", decoders, [1 + len(d) for d in proposed], preempted, proposed)
         return Step("decode", decoders, [1] * len(decoders), preempted)
 
     def _drafts(self, decoders: list[Sequence]) -> list[list[int]] | None:
@@ -350,7 +350,7 @@ class Scheduler:
     def _mixed_step(self, decoders: list[Sequence]) -> Step:
         """Every decoder's next token, then prompt chunks under the rest of the budget; the
         cores of the plan its token count calls for."""
-        decode = self._decode_step(list(decoders))
+        decode = self._decode_step(list(decoders), drafts=False)
         if decode.preempted:  # pages were short: decode alone this time
             return decode
         step = self._prefill_step(decode.seqs, max(self.policy.prefill_budget - len(decode.seqs), 0))

@@ -6,34 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sandwich_tvm.compiler.artifact import compile_model
-from sandwich_tvm.model.config import load_config
-from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.sampling import SamplingParams
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
-from sandwich_tvm.spec import RunSpec
-from sandwich_tvm.topology.plan import ExecPlan
-from sandwich_tvm.tvm_compat import host_isa
-
-from ..model.hf_models import hf_checkpoint
 
 pytestmark = pytest.mark.compile
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    out = hf_checkpoint(tmp_path_factory.getbasetemp(), "mha-untied")  # test_batch_engine's build
-    cfg = load_config(out)
-    spec = RunSpec(cfg.name, cfg, ExecPlan.all_cpus(), max_batch=8, kv_dtype="float32")
-    compiled = compile_model(spec)
-    return out, compiled, load_params(out, cfg, compiled.params, host_isa()), spec.plan
-
-
-def _batch(model, caching: bool, kv_tokens: int = 1024, max_batch: int = 4) -> BatchEngine:
-    _out, compiled, params, plan = model
+def _batch(tiny_model, caching: bool, kv_tokens: int = 1024, max_batch: int = 4) -> BatchEngine:
+    _out, compiled, params, plan = tiny_model
     engine = Engine(compiled, params, plan, context=256, max_batch=8, prefill_chunk=64, kv_tokens=kv_tokens)
     policy = SchedulerPolicy(max_batch=max_batch, prefill_budget=64, chunk=64, prefix_caching=caching)
     return BatchEngine(engine, policy)
@@ -64,8 +47,8 @@ def _tokens(rng, n: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab, n)]
 
 
-def test_requests_sharing_a_system_prompt_fork_it_and_keep_their_tokens(model):
-    on, off = _batch(model, True), _batch(model, False)
+def test_requests_sharing_a_system_prompt_fork_it_and_keep_their_tokens(tiny_model):
+    on, off = _batch(tiny_model, True), _batch(tiny_model, False)
     vocab = on.engine.cfg.vocab_size
     rng = np.random.default_rng(11)
     system = _tokens(rng, 40, vocab)
@@ -79,12 +62,12 @@ def test_requests_sharing_a_system_prompt_fork_it_and_keep_their_tokens(model):
     assert off.scheduler.prefix is None and off.scheduler.pages_cached() == 0
 
 
-def test_multi_turn_chat_reuses_its_history_and_matches_hf(model):
+def test_multi_turn_chat_reuses_its_history_and_matches_hf(tiny_model):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    out_dir = model[0]
-    on, off = _batch(model, True), _batch(model, False)
+    out_dir = tiny_model[0]
+    on, off = _batch(tiny_model, True), _batch(tiny_model, False)
     vocab = on.engine.cfg.vocab_size
     rng = np.random.default_rng(12)
     history: list[int] = []
@@ -105,9 +88,9 @@ def test_multi_turn_chat_reuses_its_history_and_matches_hf(model):
         history = prompt + got
 
 
-def test_eviction_under_a_small_cache_changes_no_tokens(model):
-    on = _batch(model, True, kv_tokens=256, max_batch=3)
-    off = _batch(model, False, kv_tokens=256, max_batch=3)
+def test_eviction_under_a_small_cache_changes_no_tokens(tiny_model):
+    on = _batch(tiny_model, True, kv_tokens=256, max_batch=3)
+    off = _batch(tiny_model, False, kv_tokens=256, max_batch=3)
     vocab = on.engine.cfg.vocab_size
     rng = np.random.default_rng(13)
     stems = [_tokens(rng, 48, vocab) for _ in range(3)]
@@ -120,8 +103,8 @@ def test_eviction_under_a_small_cache_changes_no_tokens(model):
     assert on.scheduler.evictions > 0 and on.scheduler.prefix.hit_tokens > 0
 
 
-def test_a_request_can_opt_out(model):
-    on = _batch(model, True)
+def test_a_request_can_opt_out(tiny_model):
+    on = _batch(tiny_model, True)
     vocab = on.engine.cfg.vocab_size
     prompt = _tokens(np.random.default_rng(14), 40, vocab)
     _serve(on, {"a": prompt})

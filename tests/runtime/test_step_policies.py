@@ -11,13 +11,11 @@ from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.sampling import SamplingParams
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
 
-from .test_prefix_cache import model  # noqa: F401  (the module's compiled tiny model)
-
 pytestmark = pytest.mark.compile
 
 
-def _serve(model, steps: str, prompts: list[list[int]]) -> tuple[list[list[int]], BatchEngine]:  # noqa: F811
-    _out, compiled, params, plan = model
+def _serve(tiny_model, steps: str, prompts: list[list[int]]) -> tuple[list[list[int]], BatchEngine]:
+    _out, compiled, params, plan = tiny_model
     engine = Engine(compiled, params, plan, context=256, max_batch=8, prefill_chunk=64, kv_tokens=1024)
     batch = BatchEngine(engine, SchedulerPolicy(max_batch=4, prefill_budget=48, chunk=16, steps=steps,
                                                 mixed_prefill_tokens=20))
@@ -38,10 +36,10 @@ def _serve(model, steps: str, prompts: list[list[int]]) -> tuple[list[list[int]]
     return [out[str(i)] for i in range(len(prompts))], batch
 
 
-def test_mixed_steps_give_the_split_policys_tokens(model):  # noqa: F811
+def test_mixed_steps_give_the_split_policys_tokens(tiny_model):
     rng = np.random.default_rng(31)
     prompts = [[int(t) for t in rng.integers(0, 301, n)] for n in (5, 9, 40, 23, 3)]
-    split, _ = _serve(model, "split", prompts)
-    mixed, batch = _serve(model, "mixed", prompts)
+    split, _ = _serve(tiny_model, "split", prompts)
+    mixed, batch = _serve(tiny_model, "mixed", prompts)
     assert mixed == split
     assert batch.steps["mixed"] > 0
