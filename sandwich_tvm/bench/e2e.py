@@ -316,6 +316,7 @@ def bench_e2e(args, console: Console) -> dict:
             r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
             r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
+    add_weight_reads(rows, cfg, spec.weight_dtype)
     return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
@@ -323,6 +324,30 @@ def bench_e2e(args, console: Console) -> dict:
             "interleaving": "every round runs one request per system but the stock build, in turn; the "
                             "order is reversed every other round and prompt length", "order": order,
             "bandwidth_samples_gbs": probe.samples if probe else []}
+
+
+def decode_weight_bytes(cfg: LlamaConfig, dtype: str) -> float:
+    """Bytes of weights one decode step reads: every layer's Linears in ``dtype`` (quantized:
+    with their blocks' scales) and the head in its own type (q8_0 under 4-bit weights)."""
+    from ..kernels.quant import head_dtype
+
+    head = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[head_dtype(dtype)]
+    return cfg.num_hidden_layers * cfg.layer_params() * DTYPE_BYTES[dtype] + head
+
+
+def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
+    """Each row's ``weight_read_gbs``: the decode step's weight bytes over its median TPOT (the
+    KV cache and activations it also reads are left out, so this is a floor); Sandwich's rows
+    also get that over the streaming-read bandwidth sampled around their requests."""
+    for r in rows:
+        if not r.get("tpot_ms"):
+            continue
+        r_dtype = r.get("weights", dtype)
+        if r_dtype not in DTYPE_BYTES:
+            continue
+        r["weight_read_gbs"] = decode_weight_bytes(cfg, r_dtype) / (r["tpot_ms"] * 1e6)
+        if r.get("decode_bandwidth_gbs"):
+            r["weight_read_vs_stream"] = r["weight_read_gbs"] / r["decode_bandwidth_gbs"]
 
 
 def print_e2e(result: dict, console: Console) -> None:
@@ -349,6 +374,12 @@ def print_e2e(result: dict, console: Console) -> None:
             console.print(f"{r['system']} ({what}) at {r['prompt']} tokens: TTFT "
                           f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
                           f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
+    for r in result["rows"]:
+        if r.get("weight_read_vs_stream") is not None:
+            console.print(f"{r['system']} at {r['prompt']} tokens reads its weights at "
+                          f"{r['weight_read_gbs']:.1f} "
+                          f"GB/s while decoding: {r['weight_read_vs_stream']:.2f}x the streaming-read "
+                          f"bandwidth sampled around its requests ({r['decode_bandwidth_gbs']:.1f} GB/s)")
     for n in result["notes"]:
         console.print(n)
 
