@@ -1,5 +1,5 @@
 """`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
-speculative`: Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model,
+speculative|structured`: Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model,
 see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
@@ -7,7 +7,8 @@ the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/s
 16-bit model's greedy tokens against its fp32 model's, ``bench/agreement_cmd.py``;
 ``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``prefix-cache``:
 TTFT of a request whose long prefix is cached, ``bench/prefix.py``; ``speculative``: decode speed
-with prompt-lookup drafts, ``bench/speculative.py``).
+with prompt-lookup drafts, ``bench/speculative.py``; ``structured``: what JSON-schema requests
+cost the requests batched with them, ``bench/structured.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -41,6 +42,7 @@ from .perplexity import add_perplexity_parser, main_perplexity
 from .prefix import add_prefix_parser, main_prefix
 from .serve_cmd import add_serve_parser, main_serve
 from .speculative import add_speculative_parser, main_speculative
+from .structured import add_structured_parser, main_structured
 from .timing import median_seconds, paired_median_ratio, rotating
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_perplexity_parser(sub)
     add_prefix_parser(sub)
     add_speculative_parser(sub)
+    add_structured_parser(sub)
     return parser
 
 
@@ -291,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=args.json)
     if args.what == "e2e":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_e2e(args, console)
     if args.what == "attention":
         return main_attention(args, console)
@@ -309,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "speculative":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_speculative(args, console)
+    if args.what == "structured":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_structured(args, console)
     threads = args.threads or len(os.sched_getaffinity(0))
     if too_many := threads_beyond_cpus(threads):
         print_error(console, too_many)

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from rich.table import Table
 
 from ..cli.common import print_error
 from ..cli.options import add_model_args, spec_from_args, synthetic_prompt
-from ..host import cpu_flags, host_isa
+from ..host import cpu_flags, host_isa, host_signature
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..model.config import LlamaConfig
 from ..spec import DTYPE_BYTES, RunSpec
@@ -317,7 +318,11 @@ def bench_e2e(args, console: Console) -> dict:
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
             r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
     add_weight_reads(rows, cfg, spec.weight_dtype)
-    return {"model": cfg.name, "plan": plan.describe(), "threads": threads, "processes": plan.tp,
+    cpu = host_signature()
+    return {"cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
+            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["e2e"])),
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.name, "plan": plan.describe(),
+            "threads": threads, "processes": plan.tp,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes, "repeat": max(1, args.repeat),

@@ -65,6 +65,8 @@ class BatchEngine:
         self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}
         self.drafted = self.accepted = 0  # speculative draft tokens proposed and accepted
+        self.grammar_s = 0.0  # time spent in grammars (masks and advancing them), all steps
+        self._step_grammar_s = 0.0
         self.steps: Counter[str] = Counter()  # steps run: "prefill", "decode", "mixed"
 
     # ------------------------------------------------------------------ requests
@@ -158,7 +160,7 @@ class BatchEngine:
     def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         now = time.perf_counter()
-        masking = 0.0
+        self._step_grammar_s = 0.0
         row = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.lengths, strict=True)):
             draft = step.drafts[i] if step.drafts else []
@@ -170,7 +172,7 @@ class BatchEngine:
             if seq.constraint is not None:
                 t0 = time.perf_counter()
                 seq.constraint.mask(rows[0])
-                masking += time.perf_counter() - t0
+                self._step_grammar_s += time.perf_counter() - t0
             samples = accept(draft, rows, seq.sampler, lambda x: x.token) if draft else [seq.sampler(rows[0])]
             if draft:
                 self.drafted += len(draft)
@@ -178,8 +180,9 @@ class BatchEngine:
                 if self.metrics is not None:
                     self.metrics.on_draft(len(draft), len(samples) - 1)
             events += self._emit(seq, samples, now)
-        if masking and self.metrics is not None:
-            self.metrics.on_masks(masking)
+        self.grammar_s += self._step_grammar_s
+        if self._step_grammar_s and self.metrics is not None:
+            self.metrics.on_masks(self._step_grammar_s)
         return events
 
     def _emit(self, seq: Sequence, samples: list[Sample], now: float) -> list[TokenEvent]:
@@ -193,7 +196,9 @@ class BatchEngine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             if seq.constraint is not None and token not in seq.stop_ids:
+                t0 = time.perf_counter()
                 seq.constraint.accept(token)
+                self._step_grammar_s += time.perf_counter() - t0
             if token in seq.stop_ids:
                 ending = ("stop", True)
             elif seq.constraint is not None and seq.constraint.done:  # the grammar is complete

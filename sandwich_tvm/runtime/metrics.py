@@ -63,7 +63,8 @@ class ServingMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")
         self.grammar_mask = Histogram("sandwich_grammar_mask_seconds",
-                                      "Time a step spent computing its constrained sequences' token masks",
+                                      "Time a step spent in its constrained sequences' grammars "
+                                      "(token masks, matchers advanced)",
                                       ["model"], buckets=MASK_BUCKETS, registry=r).labels(**labels)
         steps = Histogram("sandwich_step_seconds", "Engine iteration time by phase", ["model", "phase"],
                           buckets=LATENCY_BUCKETS, registry=r)
@@ -95,7 +96,8 @@ class ServingMetrics:
         self.spec_rate.set(self._accepted / self._drafted if self._drafted else 0.0)
 
     def on_masks(self, seconds: float) -> None:
-        """A step computed grammar masks for ``seconds`` (its constrained sequences together)."""
+        """A step spent ``seconds`` in its constrained sequences' grammars (masks, and advancing
+        them by the sampled tokens), all of them together."""
         self.grammar_mask.observe(seconds)
 
     def on_tokens(self, n: int) -> None:

@@ -42,3 +42,24 @@ def test_speculative_bench_pairs_the_runs_and_keeps_greedy_tokens(tmp_path, caps
     assert len(out["rounds"]) == 2 and out["same_tokens"]  # fp32: greedy tokens equal with drafts
     assert all(r["output_tokens"] == 24 and r["speedup"] > 0 for r in out["rounds"])
     assert 0 <= out["acceptance_rate"] <= 1 and "speculative" in out["command"]
+
+
+@pytest.mark.compile
+def test_structured_bench_times_the_grammars_and_keeps_the_plain_requests_tokens(tmp_path, capsys):
+    from sandwich_tvm.bench.cli import main
+
+    from ..model.hf_models import byte_level_tokenizer, write_hf_model
+
+    write_hf_model("mha-untied", tmp_path, seed=3)
+    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    argv = ["structured", "--model", str(tmp_path), "--dtype", "float32", "--batch", "4", "--rounds", "2"]
+    assert main([*argv, "--prompt-chars", "400"]) == 2  # past the model's context: said, not run
+    said = capsys.readouterr()
+    assert "exceeds the model's context of 256" in said.out + said.err
+    rc = main([*argv, "--max-tokens", "12", "--prompt-chars", "30", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rounds"]) == 2 and out["plain_requests_same_tokens"] and out["companions"] == 2
+    assert all(r["steps"] > 0 and r["grammar_ms_per_step"] > 0 for r in out["rounds"])
+    assert all(r["companion_sample"].startswith('{"title":"') for r in out["rounds"])  # the schema's JSON
+    assert "structured" in out["command"] and out["cpu"]
