@@ -222,7 +222,7 @@ def test_without_plan_every_cpu_and_no_file_is_read(tmp_path, monkeypatch):
 
 def test_plans_round_trip_through_the_one_schema(tmp_path):
     cpus = sorted(ExecPlan.all_cpus().prefill_cpus)
-    plan = ExecPlan.processes([(tuple(cpus), tuple(cpus[:1]))], "search", 12.5, 3.25, [(0,)])
+    plan = ExecPlan.of_ranks([(tuple(cpus), tuple(cpus[:1]))], "search", 12.5, 3.25, [(0,)])
     path = save_plans(tmp_path / "plans.json", [plan], details=[{"transforms": ["remove"]}],
                       model={"name": "m"})
     doc = json.loads(path.read_text())

@@ -29,6 +29,7 @@ from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
 from ..model.shapes import linear_shapes
+from ..model.stages import Stage, split_layers
 from ..spec import RunSpec
 from ..tvm_compat import host_isa, host_target, tvm
 from .kv_cache import replace_cache_kernels
@@ -82,6 +83,12 @@ class CompiledModel:
         return int(self.meta.get("tp", 1))
 
     @property
+    def stage(self) -> Stage | None:
+        """The pipeline stage this library runs (None: the whole model)."""
+        d = self.meta.get("stage")
+        return None if d is None else Stage(**d)
+
+    @property
     def weight_layout(self) -> tuple[str, str]:
         """(micro-kernel ISA, weight dtype) the packed parameters are laid out for."""
         return self.meta.get("kernel_isa", self.meta["isa"]), self.meta.get("dtype", "float32")
@@ -116,14 +123,27 @@ class CompiledModel:
         return cls(path, meta)
 
 
-def build_key(spec: RunSpec) -> str:
+def model_stage(spec: RunSpec, index: int | None) -> Stage | None:
+    """Pipeline stage ``index`` of the spec's plan (None for a plan of one stage)."""
+    if spec.plan.pp == 1:
+        return None
+    if index is None:
+        raise CompileError(f"the plan has {spec.plan.pp} pipeline stages: compile each stage")
+    try:
+        return split_layers(spec.config.num_hidden_layers, spec.plan.pp)[index]
+    except ValueError as err:
+        raise CompileError(str(err)) from None
+
+
+def build_key(spec: RunSpec, stage: Stage | None = None) -> str:
     """Everything that changes the generated code: the spec's model, dtypes, batch, thread
-    counts and records, the CPU, the target, the TVM version and this package's sources."""
+    counts and records, the pipeline stage, the CPU, the target, the TVM version and this
+    package's sources."""
     cfg, plan = spec.config, spec.plan
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
                                    spec.weight_dtype, spec.act_dtype, spec.int8_activations, plan.tp,
-                                   host_signature().to_json(),
+                                   stage.to_json() if stage else None, host_signature().to_json(),
                                    str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
@@ -138,34 +158,39 @@ def build_key(spec: RunSpec) -> str:
     return h.hexdigest()[:16]
 
 
-def export_module(cfg: LlamaConfig, kernels: KernelSet | None,
-                  kv_dtype: str = "float32", tp: int = 1) -> tuple[tvm.IRModule, list]:
-    mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype, tp)
+def export_module(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1,
+                  stage: Stage | None = None) -> tuple[tvm.IRModule, list]:
+    mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype, tp, stage)
     return mod, params
 
 
-def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1
-                        ) -> tuple[tvm.IRModule, list, dict[str, dict]]:
+def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1,
+                        stage: Stage | None = None) -> tuple[tvm.IRModule, list, dict[str, dict]]:
     """The Relax module, its parameters (name, shape) and the hints riding on them: ``layout``
-    (a ``WeightLayout``) of every packed one and ``shard`` (a ``Shard``) of every split one."""
-    model = LlamaForCausalLM(cfg, kernels, kv_dtype, tp)
+    (a ``WeightLayout``) of every packed one and ``shard`` (a ``Shard``) of every split one.
+    A pipeline stage's parameters keep the whole model's names."""
+    model = LlamaForCausalLM(cfg, kernels, kv_dtype, tp, stage)
     mod, named = model.export_tvm(spec=model.get_default_spec())
+    rename = stage.global_name if stage is not None else (lambda n: n)
+    named = [(rename(name), p) for name, p in named]
     hints = {key: {name: p.attrs[key] for name, p in named if key in p.attrs} for key in ("layout", "shard")}
     return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], hints
 
 
 def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False,
-                  log: Callable[[str], None] = lambda _msg: None) -> CompiledModel:
+                  log: Callable[[str], None] = lambda _msg: None, stage: int | None = None) -> CompiledModel:
     """Build (or reuse) the model ``spec`` describes: its plan's thread counts, weight and KV
-    dtypes, batch and records. ``spec.stock``: TVM's own build (``nn.Linear``, the default Relax
-    pipeline, fp32 weights and cache), the baseline."""
+    dtypes, batch and records; with pipeline stages, stage ``stage``'s part. ``spec.stock``:
+    TVM's own build (``nn.Linear``, the default Relax pipeline, fp32 weights and cache), the
+    baseline."""
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
+    part = model_stage(spec, stage)
     try:
-        key = build_key(spec)
+        key = build_key(spec, part)
     except ScheduleDbError as err:
         raise CompileError(str(err)) from err
-    flavour = "stock" if stock else "sandwich"
+    flavour = ("stock" if stock else "sandwich") + (f"-stage{part.index}of{part.count}" if part else "")
     out = Path(out) if out else cache_dir() / "compiled" / f"{cfg.name}-{flavour}-{key}"
     _check_out_dir(out)
     if not force and (out / "meta.json").is_file():
@@ -180,16 +205,18 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
         ensure_writable(out, "artifact directory")
     except HostError as err:
         raise CompileError(str(err)) from err
-    if stock and plan.tp > 1:
-        raise CompileError(f"the stock TVM build runs one process; the plan has {plan.tp} (tensor "
-                           "parallelism is Sandwich's)")
+    if stock and plan.processes > 1:
+        raise CompileError(f"the stock TVM build runs one process; the plan has {plan.processes} (tensor "
+                           "and pipeline parallelism are Sandwich's)")
     kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root,
                                            dtype=dtype, int8_activations=spec.int8_activations)
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
-    log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels"))
+    log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels")
+        + (f", pipeline stage {part.index + 1} of {part.count} (layers {part.first_layer}.."
+           f"{part.end_layer - 1})" if part else ""))
     try:
-        mod, params, hints = export_with_layouts(cfg, kernels, kv_dtype, plan.tp)
+        mod, params, hints = export_with_layouts(cfg, kernels, kv_dtype, plan.tp, part)
     except (ScheduleDbError, KernelError, ShardError) as err:
         raise CompileError(str(err)) from err
     log(f"compiling with {'the default' if stock else 'the sandwich'} Relax pipeline for {target}")
@@ -214,6 +241,7 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
         "layouts": {n: layout.to_json() for n, layout in hints["layout"].items()},
         "tp": plan.tp, "shards": {n: shard.to_json() for n, shard in hints["shard"].items()},
+        "stage": part.to_json() if part else None,
         "kv_dtype": kv_dtype, "dtype": dtype, "kernel_isa": kernels.kernel_isa if kernels else host_isa(),
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,

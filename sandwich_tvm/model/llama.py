@@ -6,7 +6,9 @@ functions ``prefill``, ``decode``, ``batch_prefill``, ``batch_decode`` and
 ``create_paged_kv_cache``. With a ``KernelSet`` every Linear calls Sandwich's dynamic-m
 kernels on prepacked weights (prefill and decode kernels on the same weight); without one it
 uses ``nn.Linear``, which is TVM's stock build. With ``tp`` > 1 it is one rank's part of a
-Megatron-sharded model (``parallel``): every rank runs the same code on its own shard.
+Megatron-sharded model (``parallel``): every rank runs the same code on its own shard. With a
+``stage`` it is one pipeline stage's layers (``stages``): hidden states in and out of the
+stages between the embedding and the head.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
+from .stages import Stage
 
 ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; weights and KV have their own
 
@@ -140,36 +143,46 @@ class Embedding(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
+                 stage: Stage | None = None):
         # tied and unsharded: the embedding is read from the packed lm_head (one copy)
         tied = cfg.tie_word_embeddings and kernels is not None and tp == 1
-        self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
-        layers = [DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(cfg.num_hidden_layers)]
-        self.layers = nn.ModuleList(layers)
-        self.norm = _norm(cfg, kernels)
+        if stage is None or stage.first:
+            self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
+        count = cfg.num_hidden_layers if stage is None else stage.layers
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(count)])
+        if stage is None or stage.last:
+            self.norm = _norm(cfg, kernels)
+        self.embeds, self.norms = stage is None or stage.first, stage is None or stage.last
 
-    def forward(self, ids: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
-        x = self.embed_tokens(ids)
-        for i, layer in enumerate(self.layers):
+    def forward(self, x: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
+        """Token ids (the first stage) or hidden states in; hidden states out (normed by the last)."""
+        if self.embeds:
+            x = self.embed_tokens(x)
+        for i, layer in enumerate(self.layers):  # the cache's layers are the stage's own
             x = layer(x, kv, i)
-        return self.norm(x)
+        return self.norm(x) if self.norms else x
 
 
 class LlamaForCausalLM(nn.Module):
     """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``).
     ``kv_dtype``: what the paged KV cache stores (float32, or 16 bits as llama.cpp's default).
-    ``tp``: the processes a Megatron-sharded model runs on (this is one rank's part)."""
+    ``tp``: the processes a Megatron-sharded model runs on (this is one rank's part).
+    ``stage``: the pipeline stage this module runs (None: the whole model)."""
 
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None, kv_dtype: str = "float32",
-                 tp: int = 1):
+                 tp: int = 1, stage: Stage | None = None):
         check_tp(cfg, tp)
         self.cfg = cfg
         self.kernels = kernels
         self.kv_dtype = kv_dtype
         self.tp = tp
-        self.model = LlamaModel(cfg, kernels, kv_dtype, tp)
-        self.tied = cfg.tie_word_embeddings and tp == 1  # sharded: a vocabulary-split head of its own
-        if not self.tied:
+        self.stage = None if stage is None or stage.count == 1 else stage
+        self.model = LlamaModel(cfg, kernels, kv_dtype, tp, self.stage)
+        # sharded: a vocabulary-split head of its own; staged: the last stage's own copy
+        self.tied = cfg.tie_word_embeddings and tp == 1 and self.stage is None
+        self.heads = self.stage is None or self.stage.last
+        if not self.tied and self.heads:
             vocab = Shard(0, (cfg.vocab_size,)) if tp > 1 else None
             rows = vocab.local(tp) if vocab else cfg.vocab_size
             self.lm_head = _linear(cfg, cfg.hidden_size, rows, kernels, shard=vocab, head=True)
@@ -187,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward(self, ids: nn.Tensor, kv: PagedKVCache, positions: nn.Tensor | None) -> nn.Tensor:
         h = self.model(ids, kv)
+        if not self.heads:  # a stage before the last: every token's hidden state goes on
+            return h
         if positions is None:  # prefill: the last token only
 
             def last(x: te.Tensor) -> te.Tensor:
@@ -205,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         return self._decode(input_ids, paged_kv_cache)
 
     def _decode(self, ids: nn.Tensor, kv: PagedKVCache):
-        return self._logits(self.model(ids, kv)), kv
+        h = self.model(ids, kv)
+        return (self._logits(h) if self.heads else h), kv
 
     def batch_prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
         return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache
@@ -217,12 +233,13 @@ class LlamaForCausalLM(nn.Module):
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                               support_sliding_window: tirx.Var) -> PagedKVCache:
         cfg = self.cfg
+        layers = cfg.num_hidden_layers if self.stage is None else self.stage.layers
         return TIRPagedKVCache(
             attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
-            layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads // self.tp,
+            layer_partition=relax.ShapeExpr([0, layers]),
+            num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads // self.tp,
             num_key_value_heads=cfg.num_key_value_heads // self.tp, qk_head_dim=cfg.head_dim,
             v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
@@ -234,15 +251,21 @@ class LlamaForCausalLM(nn.Module):
     def get_default_spec(self) -> nn.spec.ModuleSpec:
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
+        if self.stage is None or self.stage.first:  # token ids in
+
+            def inputs(*shape):
+                return nn.spec.Tensor(list(shape), "int32")
+        else:  # the previous stage's hidden states in
+
+            def inputs(*shape):
+                return nn.spec.Tensor([*shape, self.cfg.hidden_size], ACT_DTYPE)
         spec = {
-            "prefill": {"input_ids": nn.spec.Tensor([1, "seq_len"], "int32"), "paged_kv_cache": kv,
-                        "$": packed},
-            "decode": {"input_ids": nn.spec.Tensor([1, 1], "int32"), "paged_kv_cache": kv, "$": packed},
-            "batch_prefill": {"input_ids": nn.spec.Tensor([1, "seq_len"], "int32"),
+            "prefill": {"input_ids": inputs(1, "seq_len"), "paged_kv_cache": kv, "$": packed},
+            "decode": {"input_ids": inputs(1, 1), "paged_kv_cache": kv, "$": packed},
+            "batch_prefill": {"input_ids": inputs(1, "seq_len"),
                               "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
                               "paged_kv_cache": kv, "$": packed},
-            "batch_decode": {"input_ids": nn.spec.Tensor(["batch_size", 1], "int32"),
-                             "paged_kv_cache": kv, "$": packed},
+            "batch_decode": {"input_ids": inputs("batch_size", 1), "paged_kv_cache": kv, "$": packed},
             "create_paged_kv_cache": {
                 "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
                 "page_size": int, "support_sliding_window": int,

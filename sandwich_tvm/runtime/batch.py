@@ -58,9 +58,9 @@ class BatchEngine:
             raise EngineError(f"a prefill step of {policy.prefill_budget} tokens exceeds the KV cache's "
                               f"prefill chunk of {engine.prefill_chunk}")
         self.engine, self.policy, self.eos_ids, self.metrics = engine, policy, eos_ids, metrics
-        if policy.num_speculative_tokens and engine.plan.tp > 1:
+        if policy.num_speculative_tokens and engine.plan.processes > 1:
             raise EngineError("speculative decoding runs on one-process plans; this plan has "
-                              f"{engine.plan.tp} tensor-parallel ranks")
+                              f"{engine.plan.processes} processes")
         engine.clear()  # the scheduler owns the cache's sequences from here on
         self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
         self.seqs: dict[str, Sequence] = {}

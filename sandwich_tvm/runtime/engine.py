@@ -223,6 +223,25 @@ class Engine(EngineBase):
         """Free pages of the paged KV cache, as the cache counts them."""
         return int(self._available_pages(self.kv))
 
+    def forward(self, phase: str, x: np.ndarray, slots: Sequence[int], lengths: Sequence[int],
+                rows: np.ndarray | None = None) -> np.ndarray:
+        """One call of ``batch_prefill`` (``phase`` "prefill": ``x`` is ``[1, tokens]``, the
+        chunks one after the other, and ``rows`` the positions whose output comes back) or
+        ``batch_decode`` ("decode": ``x`` is ``[batch, 1]``); ``x`` holds token ids, or hidden
+        states (``[..., hidden]``) in a pipeline stage after the first. The output, one row per
+        position asked for (the last stage's logits, an earlier stage's hidden states)."""
+        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(list(lengths)))
+        try:
+            if phase == "prefill":
+                args = [tvm.runtime.tensor(x), tvm.runtime.tensor(np.asarray(rows, dtype=np.int32))]
+                out, self.kv = self._batch_prefill(*args, self.kv, self.params)
+            else:
+                out, self.kv = self._batch_decode(tvm.runtime.tensor(x), self.kv, self.params)
+        finally:
+            self._end(self.kv)
+        out = out.numpy()
+        return out.reshape(-1, out.shape[-1])
+
     def _chunks_forward(self, slots: Sequence[int], chunks: Sequence[Sequence[int]],
                         every: bool) -> np.ndarray:
         """``batch_prefill`` over the chunks; the logits after each chunk's last token, or after
@@ -231,13 +250,7 @@ class Engine(EngineBase):
         ids = np.concatenate([np.asarray(c, dtype=np.int32) for c in chunks]).reshape(1, -1)
         rows = (np.arange(ids.shape[1], dtype=np.int32) if every
                 else np.cumsum(lengths, dtype=np.int32) - 1)
-        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(lengths))
-        try:
-            logits, self.kv = self._batch_prefill(tvm.runtime.tensor(ids), tvm.runtime.tensor(rows),
-                                                  self.kv, self.params)
-        finally:
-            self._end(self.kv)
-        return logits.numpy().reshape(len(rows), -1)
+        return self.forward("prefill", ids, slots, lengths, rows)
 
     def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
         """One forward over several sequences' chunks (each appended to its cached prefix);
@@ -252,12 +265,7 @@ class Engine(EngineBase):
     def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """One decode step for every sequence in ``slots`` (m = batch); ``[len(slots), vocab]``."""
         ids = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
-        self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple([1] * len(slots)))
-        try:
-            logits, self.kv = self._batch_decode(tvm.runtime.tensor(ids), self.kv, self.params)
-        finally:
-            self._end(self.kv)
-        return logits.numpy().reshape(len(slots), -1)
+        return self.forward("decode", ids, slots, [1] * len(slots))
 
     def clear(self) -> None:
         """Drop every sequence from the KV cache (after a failed step)."""

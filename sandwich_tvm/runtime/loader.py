@@ -12,16 +12,19 @@ from .engine import Engine
 
 def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None] = lambda _m: None
                 ) -> tuple[Engine, CompiledModel]:
-    """The engine for ``spec`` (one process, or ``spec.plan.tp`` tensor-parallel ranks) and the
-    compiled model it runs. ``spec`` was checked against the model and the memory when it was
-    resolved (``spec.resolve_run_spec``); nothing here re-resolves it."""
-    compiled = compile_model(spec, force=force, log=log)
-    if spec.plan.tp > 1:  # every rank loads its own shard
+    """The engine for ``spec`` (one process, or ``spec.plan.processes`` ranks: tensor-parallel,
+    or pipeline stages) and the compiled model it runs (a pipeline's first stage). ``spec`` was
+    checked against the model and the memory when it was resolved (``spec.resolve_run_spec``);
+    nothing here re-resolves it."""
+    pp = spec.plan.pp
+    stages = [compile_model(spec, force=force, log=log, stage=i) for i in range(pp)] if pp > 1 else []
+    compiled = stages[0] if stages else compile_model(spec, force=force, log=log)
+    if spec.plan.processes > 1:  # every rank loads its own shard or stage
         from .tp import TPEngine
 
-        engine = TPEngine(compiled, spec, log=log)
+        engine = TPEngine(compiled, spec, log=log, stages=stages)
         log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages) on each of "
-            f"{spec.plan.tp} ranks")
+            f"{spec.plan.processes} ranks")
         return engine, compiled
     isa, weight_dtype = compiled.weight_layout
     params = load_params(spec.model, spec.config, compiled.params, isa, seed=spec.seed, log=log,

@@ -1,5 +1,6 @@
-"""The tensor-parallel engine: a plan of P processes run as P ranks of a sharded model on TVM's
-Disco, summing their partial products through the shared-memory all-reduce.
+"""The tensor- and pipeline-parallel engine: a plan of P processes run as P ranks on TVM's
+Disco, of a sharded model (summing their partial products through the shared-memory
+all-reduce) or of pipeline stages (each stage's activations handed to the next through it).
 
 The controller creates the process group's segment and a ``DiscoGroup`` whose workers run
 ``runtime.tp_worker`` (rank 0 is a thread of this process). Every rank loads its own shard on
@@ -30,14 +31,21 @@ ShapeTuple = tvm.runtime.ShapeTuple
 
 
 class TPEngine(EngineBase):
-    """The engine interface over the ranks of a sharded model (``compiled.tp`` processes), run as
-    ``run`` says (its plan, sizes, and the model each rank loads its shard from)."""
+    """The engine interface over the ranks of a sharded model (``compiled.tp`` processes) or of a
+    pipeline (``stages``: every stage's compiled model, ``compiled`` the first's), run as ``run``
+    says (its plan, sizes, and the model each rank loads its weights from)."""
 
     def __init__(self, compiled: CompiledModel, run: RunSpec, *, page_size: int = 16,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, log: Callable[[str], None] = lambda _m: None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, log: Callable[[str], None] = lambda _m: None,
+                 stages: Sequence[CompiledModel] = ()):
         plan, max_batch = run.plan, run.max_batch
         if compiled.tp != plan.tp:
             raise EngineError(f"the model was compiled for {compiled.tp} processes, the plan has {plan.tp}")
+        if len(stages) != (plan.pp if plan.pp > 1 else 0):
+            raise EngineError(f"the plan has {plan.pp} pipeline stages, {len(stages)} compiled stages given")
+        if plan.pp > 1 and plan.tp > 1:
+            raise EngineError(f"the plan has {plan.pp} pipeline stages of {plan.tp} tensor-parallel ranks; "
+                              "this version runs pipeline stages of one process each (tp 1)")
         super().__init__(compiled, plan, context=run.context, prefill_chunk=run.prefill_chunk,
                          page_size=page_size, max_batch=max_batch, kv_tokens=run.kv_tokens)
         self.huge_page_share: float | None = None
@@ -45,17 +53,19 @@ class TPEngine(EngineBase):
         self.disco: DiscoGroup | None = None
         # the largest message: a prefill chunk's hidden states, or a decode batch's logits
         slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
-        self.group = ShmGroup.create(plan.tp, slot, timeout_s)
+        self.group = ShmGroup.create(plan.processes, slot, timeout_s)
         close_at_exit(self)
         try:
             t0 = time.perf_counter()
             with self._failing("start"):
-                self.disco = DiscoGroup(plan.tp, tp_worker.ENTRYPOINT, plan.all_prefill_cpus)
+                self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, plan.all_prefill_cpus)
             for r, pid in enumerate(self.disco.pids[1:], start=1):
                 self.group.set_pid(r, pid)  # a rank that dies while starting fails the others' waits
-            log(f"started {plan.tp} tensor-parallel ranks on Disco ({time.perf_counter() - t0:.1f} s)")
+            kind = "tensor-parallel ranks" if plan.pp == 1 else f"ranks in {plan.pp} pipeline stages"
+            log(f"started {plan.processes} {kind} on Disco ({time.perf_counter() - t0:.1f} s)")
             spec = tp_worker.RankSpec(shm=self.group.name, slot=self.group.slot, timeout_s=timeout_s,
-                                      artifact=str(compiled.path), run=run.to_json(), page_size=page_size)
+                                      artifact=str(compiled.path), run=run.to_json(), page_size=page_size,
+                                      stages=[str(s.path) for s in stages])
             with self._failing("loading the shards"):
                 self.disco.start(tp_worker.INIT, spec.to_json())
             self.total_pages = self.available_pages()
@@ -136,7 +146,7 @@ class TPEngine(EngineBase):
         self._call("pop", tp_worker.POPN, seq_id, n)
 
     def batch_verify(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
-        raise EngineError("speculative decoding runs on one-process plans: the ranks gather at most "
+        raise EngineError("speculative decoding runs on one-process plans: the ranks exchange at most "
                           "max_batch rows of logits")
 
     def stop(self, seq_id: int = 0) -> None:

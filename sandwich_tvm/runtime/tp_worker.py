@@ -1,5 +1,6 @@
-"""One rank of a tensor-parallel engine: its shard of the weights, its part of the KV cache and
-an ``Engine`` on its own CPUs, driven over Disco (``runtime.disco_group``).
+"""One rank of a tensor- or pipeline-parallel engine: its shard of the weights (or its stage's
+layers), its part of the KV cache and an ``Engine`` on its own CPUs (in a pipeline, wrapped in
+a ``StageEngine`` that hands activations on), driven over Disco (``runtime.disco_group``).
 
 Disco starts ``python -m sandwich_tvm.runtime.tp_worker`` for ranks 1..P-1; rank 0 is a thread
 of the controller (``runtime.tp``), which imports this module too, so every rank registers:
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import tvm_ffi
@@ -27,6 +28,7 @@ from ..collective.shm import ShmGroup
 from ..model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER
 from .disco_group import Failure, RankState, rank_function, start_rank
 from .engine import Engine
+from .stage import StageEngine
 
 ENTRYPOINT = "sandwich_tvm.runtime.tp_worker"
 INIT = "sandwich.tp.init"  # (spec json) -> Rank
@@ -48,7 +50,8 @@ REDUCE_SUM, REDUCE_AVG = 0, 4  # Disco's ReduceKind values this collective suppo
 @dataclass(frozen=True)
 class RankSpec:
     """What every rank needs (sent as one JSON string): the process group's segment, the
-    compiled model, and the run spec (``RunSpec.to_json``: plan, context, KV cache, batch)."""
+    compiled model (one per pipeline stage), and the run spec (``RunSpec.to_json``: plan,
+    context, KV cache, batch)."""
 
     shm: str  # the process group's segment
     slot: int
@@ -56,6 +59,7 @@ class RankSpec:
     artifact: str  # the compiled model's directory
     run: str  # RunSpec.to_json()
     page_size: int = 16
+    stages: list[str] = field(default_factory=list)  # a pipeline's compiled stages, in order
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -71,7 +75,7 @@ class Rank(RankState):
     def __init__(self, rank: int) -> None:
         super().__init__(rank)
         self._group: ShmGroup | None = None
-        self._engine: Engine | None = None
+        self._engine: Engine | StageEngine | None = None
 
     @property
     def group(self) -> ShmGroup:
@@ -80,7 +84,7 @@ class Rank(RankState):
         return self._group
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | StageEngine:
         if self._engine is None:
             raise RuntimeError("this rank has no engine (its init failed or was not called)")
         return self._engine
@@ -95,8 +99,8 @@ class Rank(RankState):
         _register_collectives(self._group)
 
     def load(self, spec: RankSpec) -> None:
-        """Join the group, load this rank's shard on its cores and open its engine; returns when
-        every rank has (or raises when a peer failed)."""
+        """Join the group, load this rank's shard (or stage) on its cores and open its engine;
+        returns when every rank has (or raises when a peer failed)."""
         from ..compiler.artifact import CompiledModel
         from ..model.weights import load_params
         from ..spec import RunSpec
@@ -108,16 +112,19 @@ class Rank(RankState):
         os.sched_setaffinity(0, set(mine.prefill_cpus))  # this rank's cores touch its weights first
         if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
             bind_memory(list(mine.numa[0]))
-        self.join(spec.shm, plan.tp, spec.slot, spec.timeout_s)
-        compiled = CompiledModel.load(spec.artifact)
+        self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s)
+        compiled = CompiledModel.load(spec.stages[plan.stage_of(self.rank)] if spec.stages else spec.artifact)
         isa, dtype = compiled.weight_layout
         params = load_params(run.model, compiled.config, compiled.params, isa, seed=run.seed, dtype=dtype,
-                             layouts=compiled.layouts, shards=compiled.shards, rank=self.rank, tp=plan.tp)
-        self._engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
-                              page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
+                             layouts=compiled.layouts, shards=compiled.shards, rank=self.rank % plan.tp,
+                             tp=plan.tp)
+        engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
+                        page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
+        stage = compiled.stage
+        self._engine = engine if stage is None else StageEngine(engine, stage, self.group)
         ready = self.group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises
-        if int(ready[0]) != plan.tp:
-            raise RuntimeError(f"only {int(ready[0])} of {plan.tp} ranks started")
+        if int(ready[0]) != plan.processes:
+            raise RuntimeError(f"only {int(ready[0])} of {plan.processes} ranks started")
 
 
 def worker_id() -> int:

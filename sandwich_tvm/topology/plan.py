@@ -4,9 +4,10 @@ prefill and decode run on.
 It comes from the plan search in-process (``RankedPlan.exec_plan``), from a plans.json the
 user names (``--plan``; ``save_plans`` writes it, ``ExecPlan.from_file`` reads it: this module
 owns the schema, ``PLANS_VERSION``), or, without one, one process on every CPU this process
-may use for both phases. A plan of P processes is run as P tensor-parallel ranks
-(``runtime.tp``); rank 0's CPUs are ``prefill_cpus`` and ``decode_cpus``, every rank's are in
-``ranks``.
+may use for both phases. A plan of P = tp x pp processes is run as P ranks on Disco
+(``runtime.tp``): ``pp`` pipeline stages of consecutive layers, each ``tp`` tensor-parallel
+ranks (rank r is stage r // tp); rank 0's CPUs are ``prefill_cpus`` and ``decode_cpus``, every
+rank's are in ``ranks``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from ..host import PROCESS_CPUS, save_atomic
 
 REPLAN = "re-run `python -m sandwich_tvm.tune plan`"
-PLANS_VERSION = 2  # 1: the same fields without "version" (hand-written files)
+PLANS_VERSION = 3  # 3: "processes" and "pp"; 2: "version"; 1: neither (hand-written files)
 
 
 class PlanError(ValueError):
@@ -37,15 +38,21 @@ class ExecPlan:
     predicted_tpot_ms: float | None = None
     ranks: tuple[tuple[Cpus, Cpus], ...] = ()  # every process's (prefill, decode) CPUs; () = one
     numa: tuple[tuple[int, ...], ...] = ()  # every process's NUMA nodes (its memory), when known
+    pp: int = 1  # pipeline stages, each of ``tp`` ranks
 
     def __post_init__(self) -> None:
         if not self.ranks:
             object.__setattr__(self, "ranks", ((tuple(self.prefill_cpus), tuple(self.decode_cpus)),))
 
     @property
-    def tp(self) -> int:
-        """Processes (tensor-parallel ranks)."""
+    def processes(self) -> int:
+        """Processes (ranks): ``tp`` x ``pp``."""
         return len(self.ranks)
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks of each pipeline stage (every process when ``pp`` is 1)."""
+        return len(self.ranks) // self.pp
 
     @property
     def prefill_threads(self) -> int:
@@ -67,32 +74,39 @@ class ExecPlan:
 
     def one_process(self) -> ExecPlan:
         """The same CPUs as one process (for a build that runs one: TVM's stock baseline)."""
-        if self.tp == 1:
+        if self.processes == 1:
             return self
         return ExecPlan(self.all_prefill_cpus, self.all_decode_cpus, f"{self.source}, as one process")
 
     def rank(self, i: int) -> ExecPlan:
         """Process ``i``'s part: a one-process plan on its CPUs (and NUMA nodes)."""
         prefill, decode = self.ranks[i]
-        return ExecPlan(prefill, decode, f"{self.source}, rank {i} of {self.tp}",
+        return ExecPlan(prefill, decode, f"{self.source}, rank {i} of {self.processes}",
                         numa=self.numa[i:i + 1])
 
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage rank ``rank`` runs."""
+        return rank // self.tp
+
     @classmethod
-    def processes(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
-                  tpot: float | None = None, numa: list[tuple[int, ...]] | None = None) -> ExecPlan:
+    def of_ranks(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
+                 tpot: float | None = None, numa: list[tuple[int, ...]] | None = None,
+                 pp: int = 1) -> ExecPlan:
         """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each, process i's
-        memory on NUMA nodes ``numa[i]`` when given."""
+        memory on NUMA nodes ``numa[i]`` when given, in ``pp`` pipeline stages."""
         prefill, decode = ranks[0]
         return cls(tuple(prefill), tuple(decode), source, ttft, tpot,
-                   tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()))
+                   tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()), pp)
 
     def describe(self) -> str:
-        if self.tp == 1:
+        if self.processes == 1:
             return (f"prefill {self.prefill_threads} threads on CPUs {list(self.prefill_cpus)}, "
                     f"decode {self.decode_threads} on {list(self.decode_cpus)} ({self.source})")
         each = "; ".join(f"rank {i}: prefill {list(p)}, decode {list(d)}"
                          for i, (p, d) in enumerate(self.ranks))
-        return f"{self.tp} processes (tensor parallel) -- {each} ({self.source})"
+        how = ("tensor parallel" if self.pp == 1 else
+               f"{self.pp} pipeline stages" + (f" of {self.tp} tensor-parallel ranks" if self.tp > 1 else ""))
+        return f"{self.processes} processes ({how}) -- {each} ({self.source})"
 
     @classmethod
     def all_cpus(cls) -> ExecPlan:
@@ -101,7 +115,8 @@ class ExecPlan:
 
     def to_dict(self) -> dict:
         """The plans.json entry ``from_dict`` reads back (predictions and NUMA nodes when known)."""
-        d: dict = {"tp": self.tp, "prefill_cpus": [list(p) for p, _ in self.ranks],
+        d: dict = {"processes": self.processes, "tp": self.tp, "pp": self.pp,
+                   "prefill_cpus": [list(p) for p, _ in self.ranks],
                    "decode_cpus": [list(dec) for _, dec in self.ranks], "source": self.source}
         if self.numa:
             d["numa"] = [list(n) for n in self.numa]
@@ -116,17 +131,33 @@ class ExecPlan:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: the best plan is {_clip(d)}, not a JSON object; {REPLAN}")
         prefill, decode = _cpu_lists(d, "prefill_cpus", source), _cpu_lists(d, "decode_cpus", source)
-        tp = d.get("tp", len(prefill))
-        if type(tp) is not int or tp < 1 or len(prefill) != tp or len(decode) != tp:
-            raise PlanError(f"{source}: the plan says tp {_clip(tp)} but lists CPUs for {len(prefill)} "
+        if d.get("wa"):
+            raise PlanError(f"{source}: the plan asks for weight-attention separation (\"wa\": true), which "
+                            "this version does not run yet; use a plan without it")
+        pp = d.get("pp", 1)
+        if type(pp) is not int or pp < 1:
+            raise PlanError(f"{source}: pp (pipeline stages) is {_clip(pp)}, not a positive integer; "
+                            f"{REPLAN}")
+        tp = d.get("tp")
+        if tp is None:  # written as processes (and pp)
+            processes = d.get("processes", len(prefill))
+            tp = processes // pp if type(processes) is int else None
+        else:
+            processes = d.get("processes", tp * pp if type(tp) is int else None)
+        if type(tp) is not int or type(processes) is not int or tp < 1 or tp * pp != processes:
+            raise PlanError(f"{source}: the plan says {_clip(processes)} processes, tp {_clip(tp)} and pp "
+                            f"{pp}; processes must be tp x pp; {REPLAN}")
+        if len(prefill) != processes or len(decode) != processes:
+            stages = f" x pp {pp}" if pp > 1 else ""
+            raise PlanError(f"{source}: the plan says tp {tp}{stages} but lists CPUs for {len(prefill)} "
                             f"prefill and {len(decode)} decode processes; {REPLAN}")
         numa = d.get("numa")
-        if numa is not None and (not isinstance(numa, list) or len(numa) != tp or not all(
+        if numa is not None and (not isinstance(numa, list) or len(numa) != processes or not all(
                 isinstance(n, list) and n and all(type(x) is int and x >= 0 for x in n) for n in numa)):
             raise PlanError(f"{source}: numa of the best plan is {_clip(numa)}, not one list of NUMA node "
                             f"ids per process; {REPLAN}")
-        plan = cls.processes(list(zip(prefill, decode, strict=True)), source,
-                             d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa)
+        plan = cls.of_ranks(list(zip(prefill, decode, strict=True)), source,
+                            d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp)
         every = [c for p, dec in plan.ranks for c in p + dec]
         outside = sorted(set(every) - PROCESS_CPUS)
         if outside:

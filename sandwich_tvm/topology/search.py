@@ -56,9 +56,9 @@ class RankedPlan:
         from .plan import ExecPlan  # imports TVM (the CPUs this process may use); the search does not
 
         p = self.plan
-        return ExecPlan.processes(list(zip(p.prefill.processes, p.decode.processes, strict=True)), source,
-                                  round(self.prediction.ttft_ms, 3), round(self.prediction.tpot_ms, 3),
-                                  list(p.prefill.domains))
+        return ExecPlan.of_ranks(list(zip(p.prefill.processes, p.decode.processes, strict=True)), source,
+                                 round(self.prediction.ttft_ms, 3), round(self.prediction.tpot_ms, 3),
+                                 list(p.prefill.domains))
 
 
 @dataclass

@@ -69,11 +69,11 @@ def _plan_file_argv(model_dir: Path, plan: Path) -> list[str]:
 
 
 def _tp2() -> ExecPlan:
-    return ExecPlan.processes([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
+    return ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
 
 
 def _tp1() -> ExecPlan:
-    return ExecPlan.processes([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
+    return ExecPlan.of_ranks([(tuple(CPUS), tuple(CPUS))], "test: TP-1")
 
 
 def _engine_spec(model_dir: Path, plan: ExecPlan) -> RunSpec:

@@ -1,0 +1,141 @@
+"""One pipeline stage's engine: its layers' ``Engine`` and the hand-offs between the stages.
+
+Every rank of a pipeline runs each engine operation (``runtime.tp_worker``), in the same order.
+A forward step is split into micro-batches (the step's sequences in up to one group per stage,
+or one long prompt chunk in pieces) that flow through the stages one tick apart, so every
+stage works on its own micro-batch at once: stage s computes its layers on what stage s - 1
+handed it the tick before (the first stage on the token ids). Hand-offs go through the process
+group's shared memory; every rank takes part in every one, so the ranks stay in step. The last
+stage's logits go to stage 0, whose rank returns them to the controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..collective.shm import ShmGroup
+from ..model.stages import Stage
+from .engine import Engine
+
+
+class StageEngine:
+    """The engine interface of one stage's rank; the forward operations return the logits on
+    stage 0 and None on the others."""
+
+    def __init__(self, engine: Engine, stage: Stage, group: ShmGroup):
+        self.engine, self.stage, self.group = engine, stage, group
+        self.hidden, self.vocab = engine.cfg.hidden_size, engine.cfg.vocab_size
+
+    # the cache and the cores: every stage's own
+    def use(self, phase: str) -> float:
+        return self.engine.use(phase)
+
+    def available_pages(self) -> int:
+        return self.engine.available_pages()
+
+    def start(self, seq_id: int) -> None:
+        self.engine.start(seq_id)
+
+    def stop(self, seq_id: int) -> None:
+        self.engine.stop(seq_id)
+
+    def fork(self, parent: int, child: int, tokens: int) -> None:
+        self.engine.fork(parent, child, tokens)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self.engine.popn(seq_id, n)
+
+    def clear(self) -> None:
+        self.engine.clear()
+
+    # ------------------------------------------------------------------ forward steps
+    def _pipeline(self, phase: str, parts: list[MicroBatch]) -> np.ndarray | None:
+        """One step as micro-batches through the stages: at tick t stage s runs part t - s, so
+        as many parts are in flight as there are stages. After each tick the stages before the
+        last hand their outputs on (an all-gather: stage s + 1 reads stage s's part), and the
+        last stage's logits go to stage 0 (an all-reduce the others add zeros to). Returns the
+        parts' logit rows in order on stage 0, None on the others."""
+        count, me = self.stage.count, self.stage.index
+        tokens = max(p.tokens for p in parts)
+        rows = max(p.rows for p in parts)
+        received: dict[int, np.ndarray] = {}
+        logits: list[np.ndarray] = [np.empty(0)] * len(parts)
+        for tick in range(len(parts) + count - 1):
+            j = tick - me
+            out = None
+            if 0 <= j < len(parts):
+                part = parts[j]
+                x = part.ids if self.stage.first else received.pop(j)[:part.tokens].reshape(part.hidden_shape)
+                out = self.engine.forward(phase, x, part.slots, part.lengths, part.positions)
+            if any(0 <= tick - s < len(parts) for s in range(count - 1)):  # a stage before the last ran
+                mine = np.zeros((tokens, self.hidden), np.float32)
+                if out is not None and not self.stage.last:
+                    mine[:len(out)] = out
+                every = self.group.allgather(mine)
+                if not self.stage.first and 0 <= tick - (me - 1) < len(parts):
+                    received[tick - (me - 1)] = every[:, (me - 1) * self.hidden:me * self.hidden].copy()
+            last = tick - (count - 1)
+            if 0 <= last < len(parts):  # the last stage finished a part: its logits to stage 0
+                mine = np.zeros((rows, self.vocab), np.float32)
+                if self.stage.last:
+                    mine[:len(out)] = out
+                total = self.group.allreduce(mine)
+                if self.stage.first:
+                    logits[last] = total[:parts[last].rows].copy()
+        return np.concatenate(logits) if self.stage.first else None
+
+    def _parts(self, slots: Sequence[int], chunks: Sequence[np.ndarray], decode: bool) -> list[MicroBatch]:
+        """The step's sequences in up to ``count`` micro-batches of consecutive sequences; one
+        sequence's long prompt chunk in consecutive pieces instead (each stage then runs the
+        next piece while the one after it runs this one; only the last piece's logits count)."""
+        count = self.stage.count
+        if len(slots) == 1 and not decode and len(chunks[0]) >= 2 * MIN_PIECE:
+            n = min(count, len(chunks[0]) // MIN_PIECE)
+            return [MicroBatch(list(slots), [piece], decode, self.hidden)
+                    for piece in np.array_split(chunks[0], n)]
+        groups = np.array_split(np.arange(len(slots)), min(count, len(slots)))
+        return [MicroBatch([slots[i] for i in g], [chunks[i] for i in g], decode, self.hidden)
+                for g in groups]
+
+    def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray | None:
+        """Logits after each chunk's last token on stage 0 (``Engine.batch_prefill``)."""
+        parts = self._parts(slots, [np.asarray(c, np.int32) for c in chunks], decode=False)
+        logits = self._pipeline("prefill", parts)
+        if logits is not None and len(parts) > len(slots):  # one prompt in pieces: its last row
+            logits = logits[-1:]
+        return logits
+
+    def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray | None:
+        """One decode step of every sequence in ``slots``; logits on stage 0."""
+        ids = [np.asarray([t], np.int32) for t in tokens]
+        return self._pipeline("decode", self._parts(slots, ids, decode=True))
+
+    def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray | None:
+        """Logits after the prompt, in chunks of the engine's ``prefill_chunk``."""
+        logits = None
+        step = self.engine.prefill_chunk
+        for s in range(0, len(prompt), step):
+            logits = self.batch_prefill([seq_id], [list(prompt[s:s + step])])
+        return None if logits is None else logits[0]
+
+    def decode(self, token: int, seq_id: int = 0) -> np.ndarray | None:
+        logits = self.batch_decode([seq_id], [token])
+        return None if logits is None else logits[0]
+
+
+MIN_PIECE = 16  # tokens: a prompt chunk shorter than two of these is not split
+
+
+class MicroBatch:
+    """Some sequences' part of a step: their slots, token chunks (one token each in a decode
+    step), the positions whose output comes back, and the hidden states' shape between stages."""
+
+    def __init__(self, slots: list[int], chunks: list[np.ndarray], decode: bool, hidden: int):
+        self.slots, self.decode = slots, decode
+        self.lengths = [len(c) for c in chunks]
+        self.tokens, self.rows = sum(self.lengths), len(chunks)
+        self.ids = np.concatenate(chunks).reshape((-1, 1) if decode else (1, -1))
+        self.positions = None if decode else np.cumsum(self.lengths, dtype=np.int32) - 1
+        self.hidden_shape = (self.tokens, 1, hidden) if decode else (1, self.tokens, hidden)

@@ -1,0 +1,221 @@
+"""Pipeline parallelism: a model split into stages of consecutive layers, one process per stage
+on TVM Disco, activations handed on through shared memory, against HF transformers and one
+process on the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.cli.options import synthetic_prompt
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.model.stages import Stage, split_layers
+from sandwich_tvm.runtime.batch import BatchEngine
+from sandwich_tvm.runtime.engine import EngineError
+from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.runtime.sampling import SamplingParams
+from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.spec import resolve_run_spec
+from sandwich_tvm.topology.plan import ExecPlan, PlanError
+from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+torch = pytest.importorskip("torch")
+
+CPUS = sorted(PROCESS_CPUS)
+two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="a two-stage plan here runs one core per stage")
+
+
+def test_stages_own_consecutive_layers_under_the_whole_models_names():
+    stages = split_layers(30, 4)
+    assert [(s.first_layer, s.end_layer) for s in stages] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert stages[0].first and stages[3].last and not stages[1].first and not stages[1].last
+    assert stages[2].global_name("model.layers.3.mlp.down_proj.weight") == (
+        "model.layers.19.mlp.down_proj.weight")
+    assert stages[2].global_name("lm_head.weight") == "lm_head.weight"
+    assert Stage(**stages[1].to_json()) == stages[1]
+    with pytest.raises(ValueError, match="splits into 1 to 2 pipeline stages, not 3"):
+        split_layers(2, 3)
+
+
+def _plan(tmp_path: Path, **fields) -> Path:
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"plans": [fields]}))
+    return path
+
+
+def test_a_plan_file_names_processes_tp_and_pp(tmp_path):
+    """The issue's example: two stages of one core each."""
+    plan = ExecPlan.from_file(_plan(tmp_path, processes=2, tp=1, pp=2, prefill_cpus=[[CPUS[0]], [CPUS[-1]]],
+                                    decode_cpus=[[CPUS[0]], [CPUS[-1]]]))
+    assert (plan.processes, plan.tp, plan.pp) == (2, 1, 2) and plan.stage_of(1) == 1
+    assert "2 pipeline stages" in plan.describe()
+    back = ExecPlan.from_dict(plan.to_dict(), "round trip")
+    assert (back.processes, back.tp, back.pp, back.ranks) == (2, 1, 2, plan.ranks)
+    tp2 = ExecPlan.from_file(_plan(tmp_path, tp=2, prefill_cpus=[[CPUS[0]], [CPUS[-1]]],
+                                   decode_cpus=[[CPUS[0]], [CPUS[-1]]]))
+    assert (tp2.processes, tp2.tp, tp2.pp) == (2, 2, 1)  # older files: every process a TP rank
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"processes": 2, "tp": 2, "pp": 2}, "processes must be tp x pp"),
+    ({"processes": 2, "pp": 0}, "pp \\(pipeline stages\\) is 0"),
+    ({"processes": 2, "pp": 2, "wa": True}, "weight-attention separation"),
+])
+def test_a_plan_whose_stages_do_not_add_up_is_refused(tmp_path, fields, message):
+    cpus = {"prefill_cpus": [[CPUS[0]], [CPUS[-1]]], "decode_cpus": [[CPUS[0]], [CPUS[-1]]]}
+    with pytest.raises(PlanError, match=message):
+        ExecPlan.from_file(_plan(tmp_path, **fields, **cpus))
+
+
+def _pp2() -> ExecPlan:
+    return ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: PP-2", pp=2)
+
+
+def _reference(hf, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _tokens_alone_and_batched(engine, prompts: dict[str, list[int]], new: int) -> tuple[dict, dict]:
+    alone = {rid: engine.generate(p, new).tokens for rid, p in prompts.items()}
+    batch = BatchEngine(engine, SchedulerPolicy(max_batch=4, prefill_budget=32, chunk=32))
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for rid, p in prompts.items():
+        batch.add(rid, p, greedy)
+    out: dict[str, list[int]] = defaultdict(list)
+    while batch.has_work():
+        for e in batch.step():
+            if e.token is not None:
+                out[e.request_id].append(e.token)
+    assert engine.available_pages() == batch.scheduler.pages.free()
+    engine.clear()  # the prefix cache's entries: the engine is the one-request loop's again
+    return alone, dict(out)
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case):
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    spec = resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=4, kv_dtype="float32",
+                            dtype="float32")
+    engine, compiled = open_engine(spec)
+    try:
+        assert compiled.stage == Stage(0, 2, 0, 1)
+        assert "lm_head.weight" not in dict(compiled.params)  # the head is the last stage's
+        prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
+        logits: list[np.ndarray] = []
+        gen = engine.generate(prompt, 13, logits_out=logits)
+        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+        np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+        assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
+        assert engine.phase == "decode" and len(engine.switches) == 2
+
+        # three requests at once, chunked prompts, two sharing a cached prefix: each one's tokens
+        rng = np.random.default_rng(2)
+        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
+                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
+        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
+        assert batched == alone
+
+        # kill the last stage mid-request: the request fails naming it, the group is shut down
+        segment = Path("/dev/shm", engine.group.name)
+        worker = engine.group.pids[1]
+        streamed: list[int] = []
+
+        def kill_at_three(token: int) -> None:
+            streamed.append(token)
+            if len(streamed) == 3:
+                os.kill(worker, signal.SIGKILL)
+
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
+            engine.generate(prompt, 100, on_token=kill_at_three)
+        assert time.monotonic() - start < 20
+        assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, set(CPUS))
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["mha-untied"], indirect=True)
+def test_generate_runs_a_two_stage_plan_file(hf_case, tmp_path):
+    model_dir, hf = hf_case
+    plan = _plan(tmp_path, processes=2, tp=1, pp=2, prefill_cpus=[[CPUS[0]], [CPUS[1]]],
+                 decode_cpus=[[CPUS[0]], [CPUS[1]]])
+    argv = ["--model", str(model_dir), "--plan", str(plan), "--prompt-len", "20", "--max-new-tokens", "6",
+            "--dtype", "float32", "--kv-dtype", "float32", "--json"]
+    run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", *argv], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    prompt = synthetic_prompt(20, load_config(model_dir).vocab_size)
+    ref = _reference(hf, prompt + out["tokens"][:-1])[len(prompt) - 1:]
+    assert out["processes"] == 2 and out["tokens"] == [int(t) for t in ref.argmax(-1)]
+
+
+def _hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(new):
+        tokens.append(int(_reference(hf, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_the_server_runs_two_stages_with_eight_requests_at_once(hf_case, tmp_path):
+    """`serve --plan` with two stages of one process each: 8 concurrent greedy requests, each
+    answered with HF's tokens."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from sandwich_tvm.bench.baselines.server_process import ServerProcess, free_port
+    from sandwich_tvm.model.tokenizer import load_model_tokenizer, placeholder_tokenizer
+
+    src, hf = hf_case
+    model_dir = tmp_path / "model"
+    shutil.copytree(src, model_dir)
+    cfg = load_config(model_dir)
+    placeholder_tokenizer(cfg.vocab_size).save(str(model_dir / "tokenizer.json"))
+    tok = load_model_tokenizer(model_dir)
+    plan = _plan(tmp_path, processes=2, tp=1, pp=2, prefill_cpus=[[CPUS[0]], [CPUS[1]]],
+                 decode_cpus=[[CPUS[0]], [CPUS[1]]])
+    port = free_port()
+    cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", str(model_dir), "--plan", str(plan),
+           "--dtype", "float32", "--kv-dtype", "float32", "--max-batch", "8", "--context", "128",
+           "--prefill-budget", "64",
+           "--port", str(port), "--served-model-name", "tiny"]
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, int(n))] for n in rng.integers(5, 40, 8)]
+    new = 8
+
+    def complete(url: str, prompt: list[int]) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    log = tmp_path / "serve.log"
+    with ServerProcess("sandwich pp2", cmd, port, log_path=log, ready_timeout_s=600) as srv:
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: complete(srv.base_url, p), prompts))
+        metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+    assert texts == [tok.decode(_hf_greedy(hf, p, new)) for p in prompts]
+    decode_steps = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("sandwich_step_seconds_count") and 'phase="decode"' in line)
+    assert 0 < decode_steps < len(prompts) * (new - 1)  # the requests decoded together, not one by one
