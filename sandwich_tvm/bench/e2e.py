@@ -66,8 +66,8 @@ def add_e2e_parser(sub) -> None:
                         "AVX512-BF16, as its users would run it; float32 elsewhere)")
     e.add_argument("--also-plan", type=Path, default=None, metavar="FILE",
                    help="also run Sandwich on this plans.json (e.g. two processes against one), its "
-                        "requests interleaved with the main plan's; rows 'sandwich tpP', with ratios to "
-                        "'sandwich' and the simulator's predictions for that plan")
+                        "requests interleaved with the main plan's; rows 'sandwich tpP' (or ppS), with "
+                        "ratios to 'sandwich' and the simulator's predictions for that plan")
     e.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
                    default=None,
                    help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
@@ -179,13 +179,14 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     tree, found = load_tree()
     measured = measure_profile(tree, found.cpu_model, refresh=refresh, log=log)
     measured = dataclasses.replace(measured, gemm_efficiency=measured.gemm_efficiency * gemm_speedup)
-    allreduce = allreduce_profile(plan.tp, cfg.hidden_size, log) if plan.tp > 1 else {}
+    procs = len(plan.ranks)  # the all-reduce of TP ranks, or the hand-offs of pipeline stages
+    allreduce = allreduce_profile(procs, cfg.hidden_size, log) if procs > 1 else {}
     if allreduce:  # the all-reduce the ranks run, measured between as many processes
         measured = dataclasses.replace(measured, **allreduce)
     where = dict(zip(tree.pus, tree.domains, strict=True))
 
     def config(cpus: list[tuple[int, ...]]) -> ServiceConfig:
-        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus))
+        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus), plan.pp)
 
     pre, dec = config([p for p, _ in plan.ranks]), config([d for _, d in plan.ranks])
     out = []
@@ -252,7 +253,8 @@ def bench_e2e(args, console: Console) -> dict:
         probe = BandwidthProbe(list(plan.all_decode_cpus))
         runners.append(("sandwich", tvm_runner(args, spec, prompts, log, probe)))
     also = ExecPlan.from_file(args.also_plan) if args.also_plan is not None else None
-    also_name = f"sandwich tp{also.tp}" if also is not None else None
+    also_name = (None if also is None else f"sandwich tp{also.tp}" if also.pp == 1
+                 else f"sandwich pp{also.pp}")
     if also is not None:
         log(f"also: {also.describe()}")
         runners.append((also_name, tvm_runner(args, spec.with_plan(also), prompts, log, name=also_name)))
@@ -375,7 +377,7 @@ def print_e2e(result: dict, console: Console) -> None:
     console.print(table)
     for r in result["rows"]:
         if r.get("tpot_ratio_vs_sandwich") is not None:
-            what = result["also_plan"] if " tp" in r["system"] else r.get("weights")
+            what = result["also_plan"] if " tp" in r["system"] or " pp" in r["system"] else r.get("weights")
             console.print(f"{r['system']} ({what}) at {r['prompt']} tokens: TTFT "
                           f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
                           f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+MIN_PIECE = 16  # tokens: the runtime splits one prompt chunk into pieces of at least this many
+
 
 @dataclass(frozen=True)
 class Stage:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..collective.shm import ShmGroup
-from ..model.stages import Stage
+from ..model.stages import MIN_PIECE, Stage
 from .engine import Engine
 
 
@@ -123,9 +123,6 @@ class StageEngine:
     def decode(self, token: int, seq_id: int = 0) -> np.ndarray | None:
         logits = self.batch_decode([seq_id], [token])
         return None if logits is None else logits[0]
-
-
-MIN_PIECE = 16  # tokens: a prompt chunk shorter than two of these is not split
 
 
 class MicroBatch:

@@ -15,14 +15,21 @@ from .tree import TopoTree, format_cpus
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Processes (OS CPU ids each) and the NUMA nodes each process uses."""
+    """Processes (OS CPU ids each) and the NUMA nodes each process uses; with ``pp`` > 1 they
+    are pipeline stages of ``tp`` processes each, in order."""
 
     processes: tuple[tuple[int, ...], ...]
     domains: tuple[tuple[int, ...], ...]
+    pp: int = 1
 
     @property
     def tp(self) -> int:
-        return len(self.processes)
+        return len(self.processes) // self.pp
+
+    def stage(self, i: int) -> ServiceConfig:
+        """Pipeline stage ``i``'s processes as a configuration of their own."""
+        part = slice(i * self.tp, (i + 1) * self.tp)
+        return ServiceConfig(self.processes[part], self.domains[part])
 
     @property
     def threads(self) -> int:
@@ -43,7 +50,7 @@ class ServiceConfig:
         return sorted(c for p in self.processes for c in p)
 
     def describe(self) -> str:
-        return f"{self.tp}x{self.threads}"
+        return f"{self.tp}x{self.threads}" + (f" x{self.pp} stages" if self.pp > 1 else "")
 
     def to_dict(self) -> dict:
         return {"processes": self.tp, "threads": self.threads,

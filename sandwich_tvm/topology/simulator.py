@@ -5,7 +5,11 @@ process's compute and bytes over its memory bandwidth; attention adds its FLOPs 
 or its KV-cache bytes (decode). Bandwidth comes from the machine's shared resources: every
 resource instance (NUMA node, L3, latent cluster) splits what it delivers with k active
 cores among them, so all processes running at once contend. Tensor parallelism adds two
-all-reduces per layer over shared memory, slower when processes span NUMA nodes.
+all-reduces per layer over shared memory, slower when processes span NUMA nodes. Pipeline
+stages run their own layers one after the other for one request (decode at batch 1: each stage
+alone on the machine), a prompt in pieces that overlap stage by stage (the runtime's
+micro-batches: fill, then the slowest stage per piece), and every hand-off between stages
+costs the collective's latency and bandwidth.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.config import LlamaConfig
+from ..model.stages import MIN_PIECE, split_layers
 from .configs import ServiceConfig
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
@@ -96,7 +101,7 @@ class LatencySimulator:
                 local = 1 / len(domains)
                 bw /= local + (1 - local) / self.profile.remote_factor
             worst = min(worst, bw)
-        weights = self.model.num_params() * self.weight_bytes / config.tp
+        weights = self.model.num_params() * self.weight_bytes / len(config.processes)
         if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
@@ -117,35 +122,89 @@ class LatencySimulator:
         gbs = self.profile.allreduce_gbs * (1.0 if one_node else self.profile.remote_factor)
         return latency / 1e3 + 2 * (p - 1) / p * np.asarray(nbytes, float) / (gbs * 1e6)
 
+    def _hop_ms(self, nbytes: np.ndarray | float) -> np.ndarray:
+        """One hand-off between pipeline stages: the collective's latency plus the bytes."""
+        p = self.profile
+        return p.allreduce_latency_us / 1e3 + np.asarray(nbytes, float) / (p.allreduce_gbs * 1e6)
+
+    def _pipeline_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool) -> np.ndarray:
+        """A prefill (``tokens``: prompt lengths) or a batch-1 decode step (``tokens``: context
+        lengths) through ``config``'s stages, as ``runtime.stage`` runs it."""
+        m = self.model
+        stages = split_layers(m.num_hidden_layers, config.pp)
+        n = np.asarray(tokens, dtype=float)
+        pieces = np.ones_like(n) if decode else np.where(
+            n >= 2 * MIN_PIECE, np.minimum(config.pp, np.floor(n / MIN_PIECE)), 1)
+        per_piece = n / pieces
+        times = []
+        for i, stage in enumerate(stages):
+            # batch-1 decode: one stage at a time, alone on the machine; prompt pieces overlap,
+            # every stage streaming at once (and a piece attends to the pieces before it)
+            sub = config.stage(i) if decode else config
+            layer = (self._decode_layer_ms(sub, n) if decode
+                     else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
+            t = stage.layers * layer
+            if stage.last:
+                t = t + (self._decode_head_ms(sub) if decode else self._prefill_head_ms(sub))
+            times.append(t)
+        stacked = np.stack(times)
+        ticks = pieces + config.pp - 1
+        hidden = (1 if decode else per_piece) * m.hidden_size * ACT_BYTES
+        return (stacked.sum(axis=0) + (pieces - 1) * stacked.max(axis=0)
+                + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.vocab_size * ACT_BYTES))
+
     # ---- phases ---------------------------------------------------------------------
-    def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
-        """Prefill time of prompts of the given lengths."""
+    def _prefill_layer_ms(self, config: ServiceConfig, s: np.ndarray, context: np.ndarray | None = None
+                          ) -> np.ndarray:
+        """One layer over ``s`` new tokens (attending to ``context`` positions, default ``s``)."""
         m, tp, b = self.model, config.tp, self.weight_bytes
-        s = np.asarray(prompt, dtype=float)
+        ctx = s if context is None else context
         peak = self.compute_gflops(config) * 1e6  # FLOP per ms
         gemm, attn = peak * self.profile.gemm_efficiency, peak * self.profile.attention_efficiency
         bw = self.bandwidth_gbs(config) * 1e6  # bytes per ms
-        weights = m.layer_params() * b / tp
-        layer = np.maximum(2 * s * m.layer_params() / tp / gemm, weights / bw)
-        layer += 2 * s * s * m.num_attention_heads * m.head_dim / tp / attn
+        layer = np.maximum(2 * s * m.layer_params() / tp / gemm, m.layer_params() * b / tp / bw)
+        layer += 2 * s * ctx * m.num_attention_heads * m.head_dim / tp / attn
         layer += 2 * self._allreduce_ms(config, s * m.hidden_size * ACT_BYTES)
-        layer += self.profile.layer_overhead_us / 1e3
-        head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
-        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp)
+        return layer + self.profile.layer_overhead_us / 1e3
 
-    def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
-        """Time of one decode step at the given context lengths (batch 1)."""
+    def _prefill_head_ms(self, config: ServiceConfig) -> float:
         m, tp, b = self.model, config.tp, self.weight_bytes
-        ctx = np.asarray(context, dtype=float)
+        gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
+        bw = self.bandwidth_gbs(config) * 1e6
+        head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
+        return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
+
+    def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray) -> np.ndarray:
+        m, tp, b = self.model, config.tp, self.weight_bytes
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
         bw = self.bandwidth_gbs(config) * 1e6
         kv = 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
         flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
         layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)
-        layer += self.profile.layer_overhead_us / 1e3
-        head = m.hidden_size * m.vocab_size * b / tp / bw
-        return m.num_hidden_layers * layer + head + self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp)
+        return layer + self.profile.layer_overhead_us / 1e3
+
+    def _decode_head_ms(self, config: ServiceConfig) -> float:
+        m, tp, b = self.model, config.tp, self.weight_bytes
+        bw = self.bandwidth_gbs(config) * 1e6
+        return m.hidden_size * m.vocab_size * b / tp / bw + float(
+            self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
+
+    def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
+        """Prefill time of prompts of the given lengths."""
+        if config.pp > 1:
+            return self._pipeline_ms(config, prompt, decode=False)
+        s = np.asarray(prompt, dtype=float)
+        layers = self.model.num_hidden_layers
+        return layers * self._prefill_layer_ms(config, s) + self._prefill_head_ms(config)
+
+    def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
+        """Time of one decode step at the given context lengths (batch 1)."""
+        if config.pp > 1:
+            return self._pipeline_ms(config, context, decode=True)
+        ctx = np.asarray(context, dtype=float)
+        layers = self.model.num_hidden_layers
+        return layers * self._decode_layer_ms(config, ctx) + self._decode_head_ms(config)
 
     # ---- over the trace -------------------------------------------------------------
     def prefill_cost(self, config: ServiceConfig) -> float:

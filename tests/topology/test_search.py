@@ -142,6 +142,27 @@ def test_simulator_roofline_behaviour(trace):
     assert sim.bandwidth_gbs(few) < sim.bandwidth_gbs(two)
 
 
+def test_simulator_pipeline_stages(trace):
+    """Two stages, one per socket: a batch-1 decode step runs them one after the other (each
+    alone on its socket, so as slow as one socket reading every weight, plus the hand-offs),
+    while a long prompt's pieces overlap on both sockets."""
+    from sandwich_tvm.topology.configs import ServiceConfig
+
+    tree, _ = load_tree(xml=MILAN)
+    sim = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), PRESETS["llama-3-8b"], trace)
+    tp2 = parse_config(tree, "2x64")
+    pp2 = ServiceConfig(tp2.processes, tp2.domains, pp=2)
+    socket = ServiceConfig(tp2.processes[:1], tp2.domains[:1])
+    assert pp2.tp == 1 and pp2.stage(1).processes == tp2.processes[1:] and "2 stages" in pp2.describe()
+    ctx = np.array([512.0])
+    pp_tpot, socket_tpot = sim.tpot_ms(pp2, ctx)[0], sim.tpot_ms(socket, ctx)[0]
+    assert socket_tpot < pp_tpot < 1.05 * socket_tpot  # the same bytes at one socket's speed, plus hops
+    assert sim.tpot_ms(tp2, ctx)[0] < pp_tpot  # TP reads both halves at once
+    prompt = np.array([1024.0])
+    assert sim.ttft_ms(pp2, prompt)[0] < 0.75 * sim.ttft_ms(socket, prompt)[0]  # pieces overlap
+    assert sim.ttft_ms(pp2, np.array([20.0]))[0] > sim.ttft_ms(socket, np.array([20.0]))[0]  # one piece
+
+
 def test_parse_config_forms():
     tree, _ = load_tree(xml=MILAN)
     assert parse_config(tree, "8x16").describe() == "8x16"  # needs a latent group of 2 L3s
