@@ -107,8 +107,8 @@ def _tokens_alone_and_batched(engine, prompts: dict[str, list[int]], new: int) -
 def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    spec = resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=4, kv_dtype="float32",
-                            dtype="float32")
+    spec = resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=8, kv_dtype="float32",
+                            dtype="float32")  # the build the CLI tests below reuse
     engine, compiled = open_engine(spec)
     try:
         assert compiled.stage == Stage(0, 2, 0, 1)
@@ -150,7 +150,7 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case):
 
 @pytest.mark.compile
 @two_cpus
-@pytest.mark.parametrize("hf_case", ["mha-untied"], indirect=True)
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
 def test_generate_runs_a_two_stage_plan_file(hf_case, tmp_path):
     model_dir, hf = hf_case
     plan = _plan(tmp_path, processes=2, tp=1, pp=2, prefill_cpus=[[CPUS[0]], [CPUS[1]]],
@@ -188,7 +188,7 @@ def test_the_server_runs_two_stages_with_eight_requests_at_once(hf_case, tmp_pat
     from sandwich_tvm.model.tokenizer import load_model_tokenizer, placeholder_tokenizer
 
     src, hf = hf_case
-    model_dir = tmp_path / "model"
+    model_dir = tmp_path / src.name  # the same name: the same compiled stages as the tests above
     shutil.copytree(src, model_dir)
     cfg = load_config(model_dir)
     placeholder_tokenizer(cfg.vocab_size).save(str(model_dir / "tokenizer.json"))
