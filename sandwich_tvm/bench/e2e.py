@@ -324,7 +324,7 @@ def bench_e2e(args, console: Console) -> dict:
     return {"cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
             "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["e2e"])),
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.name, "plan": plan.describe(),
-            "threads": threads, "processes": plan.tp,
+            "threads": threads, "processes": plan.processes,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes, "repeat": max(1, args.repeat),
