@@ -198,7 +198,7 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
                                weight_bytes=weight_bytes, kv_bytes=kv_bytes)
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
-                    **allreduce})
+                    "llc_roof_gbs": measured.llc_gbs_per_core * len(plan.all_decode_cpus), **allreduce})
     return out
 
 
@@ -310,7 +310,7 @@ def bench_e2e(args, console: Console) -> dict:
         if source:
             pr = next(x for x in source if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
-            r["decode_bandwidth_gbs"] = pr["decode_gbs"]
+            r["decode_bandwidth_gbs"], r["llc_roof_gbs"] = pr["decode_gbs"], pr["llc_roof_gbs"]
             if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
                 r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
                 r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
@@ -345,16 +345,25 @@ def decode_weight_bytes(cfg: LlamaConfig, dtype: str) -> float:
 def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
     """Each row's ``weight_read_gbs``: the decode step's weight bytes over its median TPOT (the
     KV cache and activations it also reads are left out, so this is a floor); Sandwich's rows
-    also get that over the streaming-read bandwidth sampled around their requests."""
+    also get that over the streaming-read (DRAM) bandwidth sampled around their requests, and
+    which level served the weights: the last-level cache when they fit it and were read faster
+    than DRAM streams."""
+    from ..host import last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
     for r in rows:
         if not r.get("tpot_ms"):
             continue
         r_dtype = r.get("weights", dtype)
         if r_dtype not in DTYPE_BYTES:
             continue
-        r["weight_read_gbs"] = decode_weight_bytes(cfg, r_dtype) / (r["tpot_ms"] * 1e6)
+        nbytes = decode_weight_bytes(cfg, r_dtype)
+        r["weight_bytes"], r["llc_bytes"] = nbytes, llc
+        r["weight_read_gbs"] = nbytes / (r["tpot_ms"] * 1e6)
         if r.get("decode_bandwidth_gbs"):
             r["weight_read_vs_stream"] = r["weight_read_gbs"] / r["decode_bandwidth_gbs"]
+            above = r["weight_read_vs_stream"] > 1
+            r["weights_served_from"] = "last-level cache" if above and nbytes <= llc else "DRAM"
 
 
 def print_e2e(result: dict, console: Console) -> None:
@@ -383,10 +392,12 @@ def print_e2e(result: dict, console: Console) -> None:
                           f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")
     for r in result["rows"]:
         if r.get("weight_read_vs_stream") is not None:
-            console.print(f"{r['system']} at {r['prompt']} tokens reads its weights at "
-                          f"{r['weight_read_gbs']:.1f} "
+            console.print(f"{r['system']} at {r['prompt']} tokens reads its {r['weight_bytes'] / 1e6:.0f} MB "
+                          f"of weights at {r['weight_read_gbs']:.1f} "
                           f"GB/s while decoding: {r['weight_read_vs_stream']:.2f}x the streaming-read "
-                          f"bandwidth sampled around its requests ({r['decode_bandwidth_gbs']:.1f} GB/s)")
+                          f"bandwidth sampled around its requests ({r['decode_bandwidth_gbs']:.1f} GB/s; "
+                          f"LLC roof {r.get('llc_roof_gbs') or 0:.1f} GB/s): served from "
+                          f"{r['weights_served_from']}")
     for n in result["notes"]:
         console.print(n)
 

@@ -6,7 +6,8 @@
   a Zen 5 it reached half the AVX-512 FMA peak, and the bf16 kernels, at 0.84 of twice the
   peak, beat the simulator's prefill by 1.9x.)
 * memory: a TVM-compiled streaming read of a 1 GiB buffer with 1..n threads pinned to the
-  cores of one NUMA node, giving that node's bandwidth curve;
+  cores of one NUMA node, giving that node's bandwidth curve; the same read of half the
+  last-level cache, read again and again (so it stays there), gives the LLC roof per core;
 * attention: Sandwich's prefill attention kernel on one core, as a fraction of that roof.
 """
 
@@ -20,11 +21,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..host import cache_dir, cold_weight_bytes, save_atomic
+from ..host import cache_dir, cold_weight_bytes, last_level_cache_bytes, save_atomic
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
-PROFILE_VERSION = 4  # bump when a measurement changes, so cached profiles are re-measured
+PROFILE_VERSION = 5  # bump when a measurement changes, so cached profiles are re-measured
 
 
 def sgemm_gflops(cpu: int, n: int = 1536, repeats: int = 5) -> float:
@@ -83,7 +84,7 @@ class BandwidthProbe:
         from ..tvm_compat import host_target, tvm
 
         nbytes = cold_weight_bytes(256 << 20) if nbytes is None else nbytes
-        k = 2048
+        k = max(64, min(2048, nbytes // (64 * 32 * 4)))  # 64 rows at least: one per thread and more
         rows = max(nbytes // (k * 32 * 4), 64)
         exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
         # Huge pages, as the runtime's weights use (a 4 KiB-page read runs ~1.4x slower).
@@ -174,6 +175,10 @@ def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
     gflops = fma_gflops(cpus[0])
     log(f"microbenchmark: streaming read with 1..{len(cpus)} cores ...")
     curve = read_bandwidth(cpus)
+    llc = last_level_cache_bytes()
+    log(f"microbenchmark: reading {llc // 2 >> 20} MiB (half the last-level cache) again and again "
+        f"with {len(cpus)} cores ...")
+    llc_gbs = BandwidthProbe(cpus, llc // 2).sample()
     log("microbenchmark: prefill attention on one core ...")
     attention = attention_gflops(cpus[0])
     profile = MachineProfile(
@@ -185,6 +190,7 @@ def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
         pu_count=len(tree.pus),
         source="measured",
         allreduce_gbs=round(curve[-1] / 2, 2),
+        llc_gbs_per_core=round(llc_gbs / len(cpus), 2),
         attention_efficiency=round(min(1.0, attention / gflops), 3),
         notes=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
     )

@@ -133,3 +133,24 @@ def test_bench_e2e_interleaves_torch_and_both_llama_cpp_rows(monkeypatch):
         assert r["same_tokens_as_llamacpp_mlock"] is True
     torch_rows = [r for r in result["rows"] if r["system"] == "torch"]
     assert all(len(r["tpot_runs_ms"]) == 2 and np.isfinite(r["tpot_ms"]) for r in torch_rows)
+
+
+def test_decode_weight_reads_say_which_level_served_them(monkeypatch):
+    from sandwich_tvm.bench import e2e
+    from sandwich_tvm.model.config import PRESETS
+
+    cfg = PRESETS["llama-34m"]
+    nbytes = e2e.decode_weight_bytes(cfg, "q4_0")  # 4-bit layers, a q8_0 head
+    layers = cfg.num_hidden_layers * cfg.layer_params()
+    assert nbytes == layers * 18 / 32 + cfg.vocab_size * cfg.hidden_size * 34 / 32
+    monkeypatch.setattr("sandwich_tvm.host.last_level_cache_bytes", lambda: 32 << 20)
+    rows = [{"system": "sandwich", "weights": "q4_0", "tpot_ms": 0.25, "decode_bandwidth_gbs": 30.0},
+            {"system": "sandwich", "weights": "q4_0", "tpot_ms": 1.0, "decode_bandwidth_gbs": 30.0},
+            {"system": "sandwich", "weights": "float32", "tpot_ms": 1.0, "decode_bandwidth_gbs": 30.0},
+            {"system": "llama.cpp", "weights": "q4_0", "tpot_ms": 0.5}]
+    e2e.add_weight_reads(rows, cfg, "q4_0")
+    assert rows[0]["weight_read_gbs"] == pytest.approx(nbytes / 0.25e6)
+    assert rows[0]["weights_served_from"] == "last-level cache"  # 76 GB/s of 19 MB: above DRAM's 30
+    assert rows[1]["weights_served_from"] == "DRAM"  # 19 GB/s: not above the streaming roof
+    assert rows[2]["weights_served_from"] == "DRAM"  # 120 MB of fp32 weights do not fit 32 MiB
+    assert "weights_served_from" not in rows[3] and rows[3]["weight_read_gbs"] > 0  # no probe there
