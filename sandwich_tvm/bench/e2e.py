@@ -310,7 +310,7 @@ def bench_e2e(args, console: Console) -> dict:
         if source:
             pr = next(x for x in source if x["prompt"] == r["prompt"])
             r["predicted_ttft_ms"], r["predicted_tpot_ms"] = pr["ttft_ms"], pr["tpot_ms"]
-            r["decode_bandwidth_gbs"], r["llc_roof_gbs"] = pr["decode_gbs"], pr["llc_roof_gbs"]
+            r["decode_bandwidth_gbs"], r["llc_roof_gbs"] = pr["decode_gbs"], pr.get("llc_roof_gbs")
             if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
                 r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
                 r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
