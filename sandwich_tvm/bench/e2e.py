@@ -346,8 +346,8 @@ def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
     """Each row's ``weight_read_gbs``: the decode step's weight bytes over its median TPOT (the
     KV cache and activations it also reads are left out, so this is a floor); Sandwich's rows
     also get that over the streaming-read (DRAM) bandwidth sampled around their requests, and
-    which level served the weights: the last-level cache when they fit it and were read faster
-    than DRAM streams."""
+    which level served the weights: DRAM when they do not fit the last-level cache, the LLC when
+    they fit it and were read faster than DRAM streams (else the run cannot tell)."""
     from ..host import last_level_cache_bytes
 
     llc = last_level_cache_bytes()
@@ -363,7 +363,9 @@ def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
         if r.get("decode_bandwidth_gbs"):
             r["weight_read_vs_stream"] = r["weight_read_gbs"] / r["decode_bandwidth_gbs"]
             above = r["weight_read_vs_stream"] > 1
-            r["weights_served_from"] = "last-level cache" if above and nbytes <= llc else "DRAM"
+            r["weights_served_from"] = ("DRAM" if nbytes > llc else "last-level cache" if above else
+                                        "undetermined: they fit the last-level cache, but decode read "
+                                        "them slower than DRAM streams")
 
 
 def print_e2e(result: dict, console: Console) -> None:

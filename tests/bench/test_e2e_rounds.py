@@ -151,6 +151,6 @@ def test_decode_weight_reads_say_which_level_served_them(monkeypatch):
     e2e.add_weight_reads(rows, cfg, "q4_0")
     assert rows[0]["weight_read_gbs"] == pytest.approx(nbytes / 0.25e6)
     assert rows[0]["weights_served_from"] == "last-level cache"  # 76 GB/s of 19 MB: above DRAM's 30
-    assert rows[1]["weights_served_from"] == "DRAM"  # 19 GB/s: not above the streaming roof
+    assert rows[1]["weights_served_from"].startswith("undetermined")  # they fit, but 19 GB/s < 30
     assert rows[2]["weights_served_from"] == "DRAM"  # 120 MB of fp32 weights do not fit 32 MiB
     assert "weights_served_from" not in rows[3] and rows[3]["weight_read_gbs"] > 0  # no probe there
