@@ -32,7 +32,7 @@ from rich.table import Table
 
 from ..cli.common import print_error
 from ..cli.options import add_model_args, spec_from_args, synthetic_prompt
-from ..host import cpu_flags, host_isa, host_signature
+from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..model.config import LlamaConfig
 from ..spec import DTYPE_BYTES, RunSpec
@@ -348,8 +348,6 @@ def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
     also get that over the streaming-read (DRAM) bandwidth sampled around their requests, and
     which level served the weights: DRAM when they do not fit the last-level cache, the LLC when
     they fit it and were read faster than DRAM streams (else the run cannot tell)."""
-    from ..host import last_level_cache_bytes
-
     llc = last_level_cache_bytes()
     for r in rows:
         if not r.get("tpot_ms"):

@@ -74,7 +74,6 @@ def main_structured(args: argparse.Namespace, console: Console) -> int:
     from ..cli.common import print_error
     from ..cli.options import LOAD_ERRORS
     from ..host import host_signature
-    from ..model.config import load_config
     from ..model.tokenizer import load_model_tokenizer
     from ..runtime.grammar import Grammars, grammar_from_json_schema
     from ..runtime.loader import open_engine
@@ -92,13 +91,12 @@ def main_structured(args: argparse.Namespace, console: Console) -> int:
         prompts = [tok.encode(tok.render_chat([{"role": "user", "content": QUESTION + text[
             i * args.prompt_chars:(i + 1) * args.prompt_chars]}])) for i in range(args.batch)]
         need = max(len(p) for p in prompts) + args.max_tokens
-        cfg = load_config(args.model)
-        if need > cfg.max_position_embeddings:
-            raise SpecError(f"a prompt of {need - args.max_tokens} tokens + --max-tokens {args.max_tokens} "
-                            f"exceeds the model's context of {cfg.max_position_embeddings}; lower "
-                            "--prompt-chars or --max-tokens")
         spec = resolve_run_spec(args.model, dtype=args.dtype, max_batch=args.batch, log=log,
                                 needed_tokens=need, kv_tokens=args.batch * (need + 16))
+        if need > spec.config.max_position_embeddings:
+            raise SpecError(f"a prompt of {need - args.max_tokens} tokens + --max-tokens {args.max_tokens} "
+                            f"exceeds the model's context of {spec.config.max_position_embeddings}; lower "
+                            "--prompt-chars or --max-tokens")
     except (SpecError, ValueError, *LOAD_ERRORS) as exc:
         print_error(console, exc)
         return 2

@@ -143,7 +143,7 @@ def test_decode_weight_reads_say_which_level_served_them(monkeypatch):
     nbytes = e2e.decode_weight_bytes(cfg, "q4_0")  # 4-bit layers, a q8_0 head
     layers = cfg.num_hidden_layers * cfg.layer_params()
     assert nbytes == layers * 18 / 32 + cfg.vocab_size * cfg.hidden_size * 34 / 32
-    monkeypatch.setattr("sandwich_tvm.host.last_level_cache_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(e2e, "last_level_cache_bytes", lambda: 32 << 20)
     rows = [{"system": "sandwich", "weights": "q4_0", "tpot_ms": 0.25, "decode_bandwidth_gbs": 30.0},
             {"system": "sandwich", "weights": "q4_0", "tpot_ms": 1.0, "decode_bandwidth_gbs": 30.0},
             {"system": "sandwich", "weights": "float32", "tpot_ms": 1.0, "decode_bandwidth_gbs": 30.0},
