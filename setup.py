@@ -14,7 +14,7 @@ setup(
     package_data={
         "sandwich_tvm.topology": ["profiles/*.json"],
         "sandwich_tvm.collective": ["*.cc"],
-        "sandwich_tvm": ["records/README.md", "records/*/t*/*.json"],
+        "sandwich_tvm": ["records/README.md", "records/*/t*/*.json", "records/*/t*/measured/*.jsonl"],
     },
     include_package_data=False,
     install_requires=[

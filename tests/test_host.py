@@ -51,7 +51,8 @@ def test_tune_plan_refuses_an_unwritable_out_before_exploring(tmp_path, capsys):
     assert "cannot write to the --out directory" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("option", ["--max-m 0", "--max-m -4", "--window 0", "--threads -1", "--threads x"])
+@pytest.mark.parametrize("option", ["--max-m 0", "--max-m -4", "--window 0", "--threads -1", "--threads x",
+                                    "--budget 0", "--budget x", "--search fast"])
 def test_tune_kernels_refuses_nonsense_options(option, capsys):
     from sandwich_tvm.cli import tune
 

@@ -33,7 +33,8 @@ def test_the_wheel_holds_every_package_and_its_data(wheel):
     assert not missing, f"subpackages left out of the wheel: {missing}"
     assert "sandwich_tvm/collective/shm_allreduce.cc" in names
     assert any(n.startswith("sandwich_tvm/topology/profiles/") and n.endswith(".json") for n in names)
-    shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "sandwich_tvm" / "records").rglob("*.json")}
+    shipped = {str(p.relative_to(ROOT)) for pattern in ("*.json", "*.jsonl")
+               for p in (ROOT / "sandwich_tvm" / "records").rglob(pattern)}
     assert shipped and shipped <= names
 
 

@@ -37,6 +37,7 @@ from .agreement_cmd import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
 from .attention import add_attention_parser, main_attention
 from .cold import cold_rotation, llc_bytes_of
+from .costmodel import add_costmodel_parser, main_costmodel
 from .e2e import add_e2e_parser, main_e2e
 from .perplexity import add_perplexity_parser, main_perplexity
 from .prefix import add_prefix_parser, main_prefix
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what follows the GEMM, as the model runs it: Sandwich fuses it (its record "
                         "tuned with it), numpy and torch run it after the product: residual (+ R), "
                         "bias (+ b), silu_mul (silu(gate) * up of a gate_up GEMM) (default none)")
+    g.add_argument("--against", type=Path, default=None, metavar="DIR",
+                   help="also time the kernel of another tuning of this GEMM, read from the records "
+                        "directory DIR (e.g. the full search's against the model-guided one's in "
+                        "--schedules), taking turns with the others; rows get ratio_vs_against")
     g.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     g.add_argument("--plot", type=Path, default=Path("out/bench_gemm.png"), help="PNG plot path")
     add_e2e_parser(sub)
@@ -88,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_parser(sub)
     add_speculative_parser(sub)
     add_structured_parser(sub)
+    add_costmodel_parser(sub)
     return parser
 
 
@@ -97,7 +103,7 @@ SPIN_PAUSE_S = 0.3  # after each library's turn: OpenBLAS and OpenMP workers sto
 
 def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, log,
                hot: bool = False, ms_trials: int = 0, ms_m: int = 128, rounds: int = 5,
-               dtype: str = "float32", epilogue: str = "none") -> dict:
+               dtype: str = "float32", epilogue: str = "none", against: Path | None = None) -> dict:
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -115,6 +121,9 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     if epilogue != "none" and ms_trials > 0:
         raise ValueError("--metaschedule-trials tunes the plain GEMM; run it without --epilogue")
     shape = GemmShape(n, k, dtype, epilogue)
+    rec_b = find_record(shape, threads, against) if against is not None else None
+    if against is not None and rec_b is None:
+        raise ValueError(f"--against {against}: no record of {shape.name} for {threads} threads on this CPU")
     rec = find_record(shape, threads, root)
     if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max(ms):
         log(f"tuning n={n} k={k} ({dtype}, epilogue {epilogue}) for m <= {max(ms)} on {threads} threads "
@@ -122,9 +131,13 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         rec = tune_gemm(n, k, threads=threads, max_m=max(ms), root=root, dtype=dtype, epilogue=epilogue,
                         progress=lambda t: log(f"  m={t.m}: {t.schedule.key} "
                                                f"{'' if math.isnan(t.gflops) else f'{t.gflops:.1f} GFLOPS'}"))
-    exe = tvm.compile(tvm.IRModule({"main": linear_primfunc(shape, rec.buckets(), "main")}),
-                      target=host_target(threads))
-    fn = exe.mod["main"]
+    def build(r):
+        return tvm.compile(tvm.IRModule({"main": linear_primfunc(shape, r.buckets(), "main")}),
+                           target=host_target(threads)).mod["main"]
+
+    fn = build(rec)
+    fn_b = build(rec_b) if rec_b is not None else None
+    libraries = ("sandwich", "against", "numpy", "torch") if fn_b is not None else LIBRARIES
     rng = np.random.default_rng(0)
     # Cold weights (default): enough copies to overflow the caches, all CPUs' together, used in
     # turn; checked in the run against a streaming read (bench/cold.py), grown if they were not.
@@ -169,7 +182,10 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         """Each library's call at ``m``, on the next weight copy each time."""
         ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
         ev = [tvm.runtime.tensor(e) for e in extras[m]]
-        return {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps]),
+        out = {"sandwich": rotating(fn, [(ta, wp, *ev, y) for wp in wps])}
+        if fn_b is not None:
+            out["against"] = rotating(fn_b, [(ta, wp, *ev, y) for wp in wps])
+        return out | {
                 "numpy": rotating(numpy_linear, [(xs[m], wi.T, *extras[m]) for wi in ws]),
                 "torch": rotating(torch_linear, [(xt[m], wt, *et[m]) for wt in wts])}
 
@@ -189,6 +205,8 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         if not hot:
             one = {"sandwich": layout.pack(ws[0]).nbytes, "numpy": ws[0].nbytes,
                    "torch": wts[0].element_size() * wts[0].numel()}
+            if fn_b is not None:
+                one["against"] = one["sandwich"]
             cold = cold_rotation(copies, add_copies, lambda: calls_at(1), one, sum(one.values()), cpus, log,
                                  SPIN_PAUSE_S)
             copies = cold["copies"]
@@ -205,12 +223,12 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         # and their ratios are paired: this host's speed drifts by tens of percent over minutes
         # (memory bandwidth and compute alike, on a shared machine). OpenBLAS and OpenMP workers
         # spin for a while after a call, so each library gets the cores to itself after a pause.
-        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in LIBRARIES}
+        sweeps: dict[str, dict[int, list[float]]] = {lib: {m: [] for m in ms} for lib in libraries}
         for r in range(rounds):
-            log(f"round {r + 1}/{rounds}: Sandwich, numpy, torch at each m = {ms[0]}..{ms[-1]}")
+            log(f"round {r + 1}/{rounds}: {', '.join(libraries)} at each m = {ms[0]}..{ms[-1]}")
             for m in ms:
                 calls = calls_at(m)
-                for lib in LIBRARIES:
+                for lib in libraries:
                     sweeps[lib][m].append(median_seconds(calls[lib]))
                     time.sleep(SPIN_PAUSE_S)
     rows = []
@@ -220,7 +238,11 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         row = {"m": m, "sandwich_gflops": flops / float(np.median(sw)) / 1e9,
                "numpy_gflops": flops / float(np.median(nm)) / 1e9,
                "torch_gflops": flops / float(np.median(th)) / 1e9, "max_rel_err": errs[m],
-               "seconds": {lib: sweeps[lib][m] for lib in LIBRARIES}}
+               "seconds": {lib: sweeps[lib][m] for lib in libraries}}
+        if fn_b is not None:
+            row["against_gflops"] = flops / float(np.median(sweeps["against"][m])) / 1e9
+            row["ratio_vs_against"] = paired_median_ratio(sw, sweeps["against"][m])
+            row["against_schedule"] = rec_b.schedule_for(m).key
         row["ratio_vs_torch"] = paired_median_ratio(sw, th)
         row["ratio_vs_best"] = paired_median_ratio(sw, [min(a, b) for a, b in zip(nm, th, strict=True)])
         row["peak_fraction"] = row["sandwich_gflops"] / peak
@@ -235,6 +257,12 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
            "fma_peak_gflops": fma_peak, "weight_copies": copies, "cold_check": cold,
            "tuning_seconds": rec.seconds, "geomean_ratio": float(np.exp(np.mean(np.log(ratios)))),
            "min_ratio": min(ratios), "rows": rows}
+    if rec_b is not None:
+        vs = [r["ratio_vs_against"] for r in rows]
+        out["against"] = {"records": str(against), "search": rec_b.search, "tuning_seconds": rec_b.seconds,
+                          "shape": rec_b.shape.name, "geomean_ratio": float(np.exp(np.mean(np.log(vs)))),
+                          "min_ratio": min(vs)}
+        out["search"] = rec.search
     if ms_row is not None:
         sw = next((r["sandwich_gflops"] for r in rows if r["m"] == ms_m), None)
         if sw is not None:
@@ -313,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "speculative":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_speculative(args, console)
+    if args.what == "costmodel":
+        try:
+            return main_costmodel(args, console)
+        except ValueError as exc:
+            print_error(console, exc)
+            return 2
     if args.what == "structured":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_structured(args, console)
@@ -331,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_gemm(args.n, args.k, ms, threads, args.schedules, console.print,
                             hot=args.hot_weights, ms_trials=args.metaschedule_trials,
                             ms_m=args.metaschedule_m, rounds=args.rounds, dtype=args.dtype,
-                            epilogue=args.epilogue)
+                            epilogue=args.epilogue, against=args.against)
     except (ScheduleDbError, ValueError) as exc:
         print_error(console, exc)
         return 2
@@ -358,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"vs best library {result['geomean_ratio']:.2f}x (min {result['min_ratio']:.2f}x); "
                   f"FMA peak {result['fma_peak_gflops']:.0f} GFLOPS; "
                   f"tuning {result['tuning_seconds']:.0f} s; plot {args.plot}")
+    if "against" in result:
+        a = result["against"]
+        console.print(f"against {a['records']} ({a['search']} search, {a['tuning_seconds']:.0f} s): "
+                      f"geomean {a['geomean_ratio']:.3f}x (min {a['min_ratio']:.2f}x), paired by round")
     return 0
 
 

@@ -21,6 +21,17 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "not a positive integer")
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``--budget 0`` is an error, not "no budget")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} is not a positive number")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _int_at_least(text, 0, "negative")

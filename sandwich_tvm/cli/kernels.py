@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..kernels.costmodel import training_roots
 from ..kernels.database import RECORDS_ENV, record_path
+from ..kernels.guided import tune_gemm_guided
 from ..kernels.search import SequenceTuner
 from ..kernels.tuner import tune_gemm
 from ..model.parallel import check_tp
 from ..model.shapes import linear_shapes
 from ..spec import RunSpec
-from .args import positive_int
+from .args import positive_float, positive_int
 from .options import add_dtype_arg
+
+DEFAULT_BUDGET_MIN = 8.0
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +38,18 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                              "cache; the package's shipped records are read after it)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="P",
                         help="tune one rank's shard shapes of a model split over P processes (default 1)")
+    parser.add_argument("--search", choices=("model", "full"), default="model",
+                        help="model (default): the XGBoost cost model ranks each m's schedules and only "
+                             "its top few are measured, starting from the nearest tuned shapes' records; "
+                             "full: the paper's search, every step measured")
+    parser.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET_MIN, metavar="MIN",
+                        help="model search: minutes for the whole model, spread over its GEMMs and m "
+                             f"best first (default {DEFAULT_BUDGET_MIN:g}); m left untuned reuse their "
+                             "nearest tuned m, and a re-run resumes them")
+    parser.add_argument("--costmodel-data", choices=("all", "records"), default="all",
+                        help="what the cost model learns from: all (default): the records directory and "
+                             "the records and measurements shipped in the package; records: the records "
+                             "directory alone (e.g. to hold shapes or CPUs out)")
     add_dtype_arg(parser)
 
 
@@ -49,18 +66,57 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
     for col in ("gemm", "n", "k", "tuned m", "searched", "best GFLOPS", "seconds", "file"):
         table.add_column(col)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    tops = {name: min(max_m, args.decode_max_m) if name == "lm_head" else max_m  # decode-sized m only
+            for name in shapes}
+    ladders = {name: SequenceTuner(sh.n, sh.k, threads, (), max_m=tops[name]).ladder()
+               for name, sh in shapes.items()}
+    model = _cost_model(args, root, console)
+    start, budget = time.monotonic(), 60.0 * getattr(args, "budget", DEFAULT_BUDGET_MIN)
     with Progress(*columns, console=console) as bar:
-        for name, shape in shapes.items():
-            top = min(max_m, args.decode_max_m) if name == "lm_head" else max_m  # decode-sized m only
-            ladder = SequenceTuner(shape.n, shape.k, threads, (), max_m=top).ladder()
+        for i, (name, shape) in enumerate(shapes.items()):
+            ladder = ladders[name]
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
-            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=top, window=args.window,
-                            root=root, dtype=shape.dtype, epilogue=shape.epilogue,
-                            progress=lambda _t, task=task: bar.advance(task),
-                            log=lambda msg: console.print(msg, markup=False, highlight=False))
+            log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
+            if model is not None:  # this GEMM's share of what is left, by ladder points
+                left = budget - (time.monotonic() - start)
+                rest = sum(len(ladders[n]) for n in list(shapes)[i:])
+                rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=tops[name],
+                                       root=root, dtype=shape.dtype, epilogue=shape.epilogue,
+                                       transfer_roots=training_roots(root, _shipped(args)),
+                                       deadline=time.monotonic() + max(0.0, left) * len(ladder) / rest,
+                                       progress=lambda _t, task=task: bar.advance(task), log=log)
+            else:
+                rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=tops[name], window=args.window,
+                                root=root, dtype=shape.dtype, epilogue=shape.epilogue,
+                                progress=lambda _t, task=task: bar.advance(task), log=log)
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),
                           str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",
                           str(record_path(shape, threads, root)))
     console.print(table)
+    if model is not None:
+        spent = time.monotonic() - start
+        console.print(f"model-guided search: {spent:.0f} s of a {budget / 60:g} min budget")
     return 0
+
+
+def _shipped(args: argparse.Namespace) -> bool:
+    """Whether the cost model and transfer read the shipped records besides the records directory."""
+    return getattr(args, "costmodel_data", "all") == "all"
+
+
+def _cost_model(args: argparse.Namespace, root: Path | None, console: Console):
+    """The cost model for ``--search model``, trained on every record and measurement there is
+    (seconds); None for ``--search full`` or when there is too little to learn from."""
+    if getattr(args, "search", "model") != "model":
+        return None
+    from ..kernels.costmodel import CostModel, training_samples
+
+    samples = training_samples(root, shipped=_shipped(args))
+    try:
+        model = CostModel.train(samples)
+    except ValueError as err:
+        console.print(f"{err}; using the full search", markup=False)
+        return None
+    console.print(f"cost model: XGBoost on {len(samples)} measured schedules (records and measurements)")
+    return model

@@ -16,7 +16,7 @@ from ..model.tokenizer import load_model_tokenizer
 from ..runtime.engine import EngineError
 from ..runtime.scheduler import SchedulerPolicy
 from ..spec import DEFAULT_CONTEXT
-from .args import non_negative_int, positive_int
+from .args import non_negative_int, positive_float, positive_int
 from .common import print_error
 from .options import LOAD_ERRORS, add_model_args, spec_from_args
 
@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding sequences and prompt chunks share steps (chunked prefill on decode)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests waiting for a KV slot before new ones get 429 (default 64)")
+    p.add_argument("--tune-in-background", choices=("off", "idle", "always"), default="off",
+                   help="tune the GEMMs that lack records while serving (the model-guided search, "
+                        "within --tune-budget) and swap each rebuilt model in between two steps: idle: "
+                        "only while no request is running; always: beside them (default off)")
+    p.add_argument("--tune-budget", type=positive_float, default=8.0, metavar="MIN",
+                   help="minutes of background tuning at most (default 8)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         policy = policy_of(args)
         spec = spec_from_args(args, log, context=args.context, kv_tokens=args.kv_cache_tokens, shared_kv=True,
                               prefill_chunk=max(args.prefill_budget, policy.chunk))
+        if args.tune_in_background != "off" and (spec.stock or spec.plan.processes > 1):
+            raise EngineError("--tune-in-background swaps Sandwich kernels in one process: not with --stock "
+                              "or a plan of several processes")
         tok = load_model_tokenizer(args.model)
         log(spec.plan.describe())
         from ..runtime.loader import open_engine
@@ -111,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     # interval it could wait that long behind the HTTP thread, once per call.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     async_engine = AsyncEngine(batch).start()
+    tuner = None
+    if args.tune_in_background != "off":
+        from ..runtime.background_tuning import BackgroundTuner
+
+        tuner = BackgroundTuner(spec, async_engine, args.tune_in_background, args.tune_budget, log).start()
     app = create_app(Server(async_engine, tok, name, metrics))
     log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "
         f"{engine.kv_tokens} tokens in {engine.total_pages} pages, {engine.context} per request, tokenizer: "
@@ -118,5 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
+        if tuner is not None:
+            tuner.stop()
         async_engine.shutdown()
     return 0

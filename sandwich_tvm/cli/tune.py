@@ -47,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sandwich_tvm.tune",
         description="Tune Sandwich for a model on this machine (default: smollm2-135m, "
                     "SmolLM2-135M-Instruct). Stage 'plan': topology -> ranked prefill/decode plans.")
-    parser.add_argument("stage", nargs="?", default="all", choices=["all", "plan", "kernels"],
+    parser.add_argument("stage", nargs="?", default="all", choices=["all", "plan", "kernels", "costmodel"],
                         help="'all' (default): plan -> kernels -> compile -> a short generation "
-                             "against TVM's stock build; or one stage")
+                             "against TVM's stock build; or one stage; 'costmodel' retrains the kernel "
+                             "cost model on every record and measurement and saves it")
     add_machine_args(parser)
     add_kernel_args(parser)
     parser.add_argument("--out", type=Path, default=Path("out"),
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
         print_error(console, too_many)
         return 2
+    if args.stage == "costmodel":
+        from .costmodel import train_cost_model
+
+        return train_cost_model(args.records, console, shipped=args.costmodel_data == "all")
     try:  # the run spec, once: the plan stage ranks plans for the weights the kernels are tuned for
         spec = resolve_run_spec(args.model, dtype=args.dtype, kv_dtype=DEFAULT_KV_DTYPE, records=args.records,
                                 plan=args.plan, log=console.print)

@@ -61,6 +61,8 @@ class KernelRecord:
     cpu: CpuSignature
     tuned: list[Tuned] = field(default_factory=list)
     seconds: float = 0.0
+    search: str = "full"  # "full": every candidate measured; "model": the cost model's top few
+    transferred_from: list[str] = field(default_factory=list)  # records whose schedules seeded it
 
     @property
     def isa(self) -> str:
@@ -102,6 +104,8 @@ class KernelRecord:
             "dtype": self.shape.dtype,
             "epilogue": self.shape.epilogue,
             "seconds": round(self.seconds, 2),
+            "search": self.search,
+            "transferred_from": list(self.transferred_from),
             "tuned": [
                 {"m": t.m, "schedule": t.schedule.to_json(), "searched": t.searched,
                  "gflops": None if math.isnan(t.gflops) else round(t.gflops, 2)}
@@ -121,7 +125,8 @@ class KernelRecord:
         ]
         shape = GemmShape(int(d["n"]), int(d["k"]), d.get("dtype", "float32"), d.get("epilogue", "none"))
         rec = cls(shape, int(d["threads"]), CpuSignature.from_json(d["cpu"]), tuned,
-                  float(d.get("seconds", 0.0)))
+                  float(d.get("seconds", 0.0)), str(d.get("search", "full")),
+                  [str(x) for x in d.get("transferred_from", [])])
         rec.validate()
         return rec
 

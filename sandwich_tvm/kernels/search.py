@@ -100,14 +100,15 @@ def refine(p: Problem, start: GemmSchedule, alternatives: Sequence[GemmSchedule]
     this m's caps, next to ``alternatives``, then fast-start the winner's slice further. A slice
     found at m ~ 100 can starve at m = 512 when k is long (its MC x KC block of A no longer
     stays in cache); growing it here keeps reuse from running into that."""
-    cands = [_clipped(p, s) for s in (start, *alternatives)]
+    cands = [clipped(p, s) for s in (start, *alternatives)]
     gs = yield cands
     i = max(range(len(cands)), key=lambda j: gs[j])
     best, best_g = cands[i], gs[i]
     return (yield from fast_start(p, best.mk, best.poly, start=(best, best_g)))
 
 
-def _clipped(p: Problem, s: GemmSchedule) -> GemmSchedule:
+def clipped(p: Problem, s: GemmSchedule) -> GemmSchedule:
+    """``s`` with its slice cut to ``p``'s caps (a schedule found at another m or shape)."""
     cap = caps(p, s.mk, s.poly)
     return replace(s, slice=Slice(*(min(a, b) for a, b in zip(_t(s.slice), _t(cap), strict=True))))
 
@@ -117,7 +118,7 @@ def finetune(p: Problem, start: GemmSchedule, start_g: float) -> Search:
     best, best_g = start, start_g
     for poly in polymerizations(p.threads):
         cap = caps(p, start.mk, poly)
-        cur = _clipped(p, replace(start, poly=poly))
+        cur = clipped(p, replace(start, poly=poly))
         if poly == start.poly:
             cur_g = start_g
         else:
@@ -310,3 +311,80 @@ def _stable(recent: list[float], g: float, tolerance: float) -> bool:
     """The paper's early stop: the new best is within ``tolerance`` of the recent average."""
     avg = sum(recent) / len(recent)
     return abs(g - avg) <= tolerance * avg
+
+
+# --- the model-guided search: rank the whole space, measure the top few -------------------------
+
+Score = Callable[[Problem, Sequence[GemmSchedule]], Sequence[float]]
+
+
+def _doublings(tile: int, cap: int) -> list[int]:
+    """tile, 2 x tile, 4 x tile, ... up to ``cap``, and ``cap`` itself."""
+    out, x = [], tile
+    while x < cap:
+        out.append(x)
+        x *= 2
+    return [*out, cap]
+
+
+def space(p: Problem, mks: Sequence[MicroKernel]) -> list[GemmSchedule]:
+    """Every micro-kernel x polymerization x slice whose sides are the tile doubled (or the cap):
+    the candidates the cost model ranks."""
+    out = []
+    for mk in mks:
+        for poly in polymerizations(p.threads):
+            cap = caps(p, mk, poly)
+            for mc in _doublings(mk.mr, cap.mc):
+                for nc in _doublings(mk.nr, cap.nc):
+                    for kc in _doublings(mk.kc_align, cap.kc):
+                        out.append(GemmSchedule(mk, Slice(mc, nc, kc), poly))
+    return out
+
+
+def neighbours(p: Problem, s: GemmSchedule) -> list[GemmSchedule]:
+    """One step from ``s``: each slice side doubled, halved or one tile longer or shorter, and the
+    same slice under the other polymerizations."""
+    cap = caps(p, s.mk, s.poly)
+    out = []
+    for dim in ("mc", "nc", "kc"):
+        tile, cur = _tile(s.mk, dim), getattr(s.slice, dim)
+        for v in (cur * 2, cur // 2, cur + tile, cur - tile):
+            v = min(getattr(cap, dim), v - v % tile)
+            if v >= tile and v != cur:
+                out.append(replace(s, slice=replace(s.slice, **{dim: v})))
+    out += [clipped(p, replace(s, poly=q)) for q in polymerizations(p.threads) if q != s.poly]
+    return list(dict.fromkeys(out))
+
+
+def measure_all(cands: Sequence[GemmSchedule]) -> Search:
+    """Measure ``cands`` in one batch; the fastest wins."""
+    gs = yield list(cands)
+    i = max(range(len(gs)), key=gs.__getitem__)
+    return cands[i], gs[i]
+
+
+def ranked(p: Problem, mks: Sequence[MicroKernel], score: Score, guesses: Sequence[GemmSchedule] = (),
+           top: int = 4, steps: int = 2, step_top: int = 2) -> Search:
+    """Measure the cost model's ``top`` schedules of ``space`` beside the ``guesses`` (transferred
+    or reused schedules, clipped to this m); then up to ``steps`` times the best ``step_top`` of the
+    measured winner's unmeasured ``neighbours``, while they gain."""
+    cands = space(p, mks)
+    pred = list(score(p, cands))
+    order = sorted(range(len(cands)), key=lambda i: -pred[i])
+    first = list(dict.fromkeys([*(clipped(p, g) for g in guesses), *(cands[i] for i in order[:top])]))
+    gs = yield first
+    seen = dict(zip(first, gs, strict=True))
+    best = max(seen, key=seen.__getitem__)
+    for _ in range(steps):
+        near = [x for x in neighbours(p, best) if x not in seen]
+        if not near:
+            break
+        pn = list(score(p, near))
+        pick = [near[i] for i in sorted(range(len(near)), key=lambda i: -pn[i])[:step_top]]
+        gs = yield pick
+        seen.update(zip(pick, gs, strict=True))
+        new = max(pick, key=seen.__getitem__)
+        if seen[new] <= seen[best] * GAIN:
+            break
+        best = new
+    return best, seen[best]

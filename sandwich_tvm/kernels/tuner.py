@@ -9,7 +9,7 @@ runner, and every measurement is committed to a MetaSchedule database when one i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
@@ -18,6 +18,7 @@ from ..host import cpu_flags, host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import KernelRecord, ScheduleDbError, load_record, record_path, save_record
 from .defaults import default_schedule
+from .measurements import MeasurementLog
 from .metaschedule import (
     InProcessBuilder,
     InProcessRunner,
@@ -28,7 +29,7 @@ from .metaschedule import (
 )
 from .microkernel import MicroKernel, kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
-from .search import Problem, SequenceTuner, Tuned
+from .search import Problem, Score, SequenceTuner, Tuned, measure_all, ranked
 
 
 class MetaScheduleSearch:
@@ -42,17 +43,37 @@ class MetaScheduleSearch:
         self.cache = KernelCache(target)
         self.builder, self.runner = InProcessBuilder(self.cache), InProcessRunner(self.cache)
         self.trials = 0
+        self.on_measured: Callable[[int, Sequence[GemmSchedule], list[float]], None] | None = None
 
     def __call__(self, p: Problem, mks: list[MicroKernel], finetune_top: int = 2
                  ) -> tuple[GemmSchedule, float]:
-        return self._run(p, mks, SandwichSearchStrategy(p.threads, finetune_top))
+        return self._run(p, mks, SandwichSearchStrategy(p.threads, finetune_top,
+                                                        on_measured=self.on_measured))
 
     def refine(self, p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
         """Re-check a reused schedule at m, next to the default schedule for m, and grow it."""
         default = default_schedule(GemmShape(p.n, p.k, self.dtype), p.m, p.threads, self.isa)
         alternatives = [default] if default != start else []
         return self._run(p, [start.mk], SandwichSearchStrategy(p.threads, start=start,
-                                                               alternatives=alternatives))
+                                                               alternatives=alternatives,
+                                                               on_measured=self.on_measured))
+
+    def ranked(self, p: Problem, mks: Sequence[MicroKernel], score: Score,
+               guesses: Sequence[GemmSchedule] = (), top: int = 4) -> tuple[GemmSchedule, float]:
+        """The model-guided search (``search.ranked``): the ``top`` of the cost model's ranking
+        and the ``guesses`` measured, then the winner's best-ranked neighbours."""
+        strategy = SandwichSearchStrategy(p.threads, on_measured=self.on_measured,
+                                          search=lambda q: ranked(q, mks, score, guesses, top=top))
+        return self._run(p, list(mks[:1]), strategy)
+
+    def measure(self, p: Problem, cands: Sequence[GemmSchedule]) -> list[float]:
+        """GFLOPS of each of ``cands`` at ``p`` (0 for one that failed to build or run)."""
+        got: dict[GemmSchedule, float] = {}
+        strategy = SandwichSearchStrategy(
+            p.threads, search=lambda _q: measure_all(cands),
+            on_measured=lambda _m, schs, gs: got.update(zip(schs, gs, strict=False)))
+        self._run(p, [cands[0].mk], strategy)
+        return [got.get(c, 0.0) for c in cands]
 
     def _run(self, p: Problem, mks: list[MicroKernel], strategy: SandwichSearchStrategy
              ) -> tuple[GemmSchedule, float]:
@@ -114,7 +135,7 @@ def tune_gemm(
     if not microkernels(isa, dtype):
         raise ValueError(f"no {dtype} micro-kernels for this CPU's ISA ({isa})")
     path = record_path(shape, threads, root)
-    rec = _resume(path, log) or KernelRecord(shape, threads, host_signature())
+    rec = resume_record(path, log) or KernelRecord(shape, threads, host_signature())
     done = {t.m: t for t in rec.tuned}
     tuner = SequenceTuner(n, k, threads, microkernels(isa, dtype), max_m=max_m, window=window)
     # resume: replay the window history
@@ -127,6 +148,8 @@ def tune_gemm(
         search_one = MetaScheduleSearch(host_target(threads), isa, db, dtype=dtype, epilogue=epilogue)
     if refine_one is None and isinstance(search_one, MetaScheduleSearch):
         refine_one = search_one.refine
+    if isinstance(search_one, MetaScheduleSearch) and search_one.on_measured is None:
+        search_one.on_measured = MeasurementLog(shape, threads, rec.cpu, root).record
 
     def replay(p: Problem) -> tuple[GemmSchedule, float] | None:
         t = done.get(p.m)
@@ -155,7 +178,7 @@ def tune_gemm(
     return rec
 
 
-def _resume(path: Path, log: Callable[[str], None]) -> KernelRecord | None:
+def resume_record(path: Path, log: Callable[[str], None]) -> KernelRecord | None:
     """The record to resume from; a damaged or foreign file is set aside (kept, renamed), not used."""
     if not path.exists():
         return None

@@ -43,6 +43,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Swap:
+    compiled: object  # a CompiledModel of the same model with other kernels
+    done: threading.Event
+    error: str | None = None
+
+
 class AsyncEngine:
     """``generate`` yields a request's events; leaving the iterator early cancels the request."""
 
@@ -55,6 +62,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.dead: str | None = None
         self._thread = threading.Thread(target=self._run, name="sandwich-engine", daemon=True)
+        self._busy_listener = None
+        self._busy = False
 
     def start(self) -> AsyncEngine:
         self._thread.start()
@@ -103,11 +112,26 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def swap_kernels(self, compiled, timeout: float | None = None) -> str | None:
+        """Have the engine thread run ``compiled`` (the same model, newly tuned kernels) from its
+        next step on; waits for it. Returns None, or why the swap was refused."""
+        item = _Swap(compiled, threading.Event())
+        self._inbox.put(item)
+        if not item.done.wait(timeout):
+            return "the engine did not take the swap in time"
+        return item.error
+
+    def set_busy_listener(self, listener) -> None:
+        """``listener(busy)`` is called on the engine thread when work starts (True) and when the
+        engine goes idle (False): background tuning runs only while it is idle."""
+        self._busy_listener = listener
+
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.batch.has_work())
+                self._set_busy(self.batch.has_work())
                 if self.batch.has_work():
                     for event in self.batch.step():
                         self._send(event)
@@ -130,7 +154,21 @@ class AsyncEngine:
                 item = None
         self.batch.update_gauges()
 
-    def _handle(self, item: _Add | _Abort) -> None:
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self._busy and self._busy_listener is not None:
+            self._busy_listener(busy)
+        self._busy = busy
+
+    def _handle(self, item: _Add | _Abort | _Swap) -> None:
+        if isinstance(item, _Swap):
+            from .engine import EngineError
+
+            try:
+                self.batch.engine.swap_kernels(item.compiled)
+            except EngineError as err:
+                item.error = str(err)
+            item.done.set()
+            return
         if isinstance(item, _Abort):
             event = self.batch.abort(item.request_id)
             if event is not None:

@@ -97,6 +97,11 @@ class EngineBase(ABC):
     @abstractmethod
     def use(self, phase: str) -> float: ...
 
+    def swap_kernels(self, compiled: CompiledModel) -> None:
+        """Run another build of the same model from the next step on (``Engine``'s)."""
+        raise EngineError(f"{type(self).__name__} does not swap kernels while serving: "
+                          "one-process plans only")
+
     @abstractmethod
     def start(self, seq_id: int = 0) -> None: ...
 
@@ -177,6 +182,8 @@ class Engine(EngineBase):
         if len(params) != len(compiled.params):
             raise EngineError(f"{len(params)} weights given, the compiled model takes {len(compiled.params)}")
         self.vm = compiled.load_vm()
+        self._retired: list = []  # modules swapped out (swap_kernels), kept while the cache lives
+        self.kernel_swaps = 0
         self.params = [tensor_from_numpy(a) for a in params]
         g = tvm.get_global_func
         self._add_seq = g("vm.builtin.kv_state_add_sequence")
@@ -197,6 +204,24 @@ class Engine(EngineBase):
 
     def close(self) -> None:
         """Release what the engine holds besides memory (a tensor-parallel engine's processes)."""
+
+    def swap_kernels(self, compiled: CompiledModel) -> None:
+        """Run ``compiled``'s functions from the next step on, over the same weights and KV cache:
+        the same model built with other kernel records (tuning landed). Call it between steps,
+        on the engine's thread; a sequence in flight goes on where it was."""
+        same = ("config", "params", "layouts", "kv_dtype", "dtype", "max_batch", "prefill_threads",
+                "decode_threads", "kernel_isa", "tp", "stage")
+        diff = [k for k in same if compiled.meta.get(k) != self.compiled.meta.get(k)]
+        if diff:
+            raise EngineError(f"{compiled.path} is not the running model with other kernels: it differs in "
+                              f"{', '.join(diff)}")
+        vm = compiled.load_vm()
+        # the cache was made by the first module (its attention functions live there): keep it loaded
+        self._retired.append(self.vm)
+        self.vm, self.compiled = vm, compiled
+        self._prefill, self._decode = vm["prefill"], vm["decode"]
+        self._batch_prefill, self._batch_decode = vm["batch_prefill"], vm["batch_decode"]
+        self.kernel_swaps += 1
 
     # ------------------------------------------------------------------ thread plans
     def use(self, phase: str) -> float:

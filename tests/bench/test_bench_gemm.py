@@ -63,3 +63,31 @@ def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
     assert bench.main(["gemm", "--n", "64", "--k", "72", "--epilogue", epilogue,
                        "--metaschedule-trials", "2", "--schedules", str(tmp_path)]) == 2
     assert "without --epilogue" in capsys.readouterr().out
+
+
+def test_bench_gemm_against_another_tuning_takes_turns_and_pairs_the_ratio(tmp_path, capsys):
+    """``--against DIR``: the kernel of another record of the same GEMM (e.g. the full search's
+    against the guided one's) runs in the same rounds; a GEMM DIR has no record of is refused."""
+    import shutil
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    args = ["gemm", "--n", "40", "--k", "72", "--m", "1,2", "--rounds", "2", "--json",
+            "--plot", str(tmp_path / "gemm.png")]
+    assert bench.main([*args, "--schedules", str(mine), "--against", str(theirs)]) == 2
+    said = capsys.readouterr()
+    assert "no record of n40_k72_float32" in said.out + said.err
+    assert not mine.exists()  # refused before tuning anything
+    assert bench.main([*args, "--schedules", str(mine)]) == 0  # tunes mine on the spot
+    capsys.readouterr()
+    shutil.copytree(mine, theirs)
+    assert bench.main([*args, "--schedules", str(mine), "--against", str(theirs)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["against"]["search"] == "full" and out["against"]["records"] == str(theirs)
+    for r in out["rows"]:
+        secs = r["seconds"]
+        assert set(secs) == {"sandwich", "against", "numpy", "torch"} and len(secs["against"]) == 2
+        pairs = [b / a for a, b in zip(secs["sandwich"], secs["against"], strict=True)]
+        assert r["ratio_vs_against"] == pytest.approx(float(np.median(pairs)))
+        assert r["against_gflops"] > 0 and r["against_schedule"] == r["schedule"]
+    ratios = [r["ratio_vs_against"] for r in out["rows"]]
+    assert out["against"]["geomean_ratio"] == pytest.approx(float(np.exp(np.mean(np.log(ratios)))))

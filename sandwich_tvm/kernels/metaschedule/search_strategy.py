@@ -6,7 +6,7 @@ polymerization) by emitting annotated candidates, or ``refine`` from a reused sc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tvm.ir.utils import derived_object  # noqa: E402,I001
@@ -23,11 +23,15 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
     with ``start``, ``refine`` that reused schedule against ``alternatives`` instead."""
 
     def __init__(self, threads: int, finetune_top: int = 2, start: GemmSchedule | None = None,
-                 alternatives: Sequence[GemmSchedule] = ()) -> None:
+                 alternatives: Sequence[GemmSchedule] = (),
+                 on_measured: Callable[[int, Sequence[GemmSchedule], list[float]], None] | None = None,
+                 search: Callable[[Problem], Search] | None = None) -> None:
         super().__init__()
         self.threads = threads
         self.finetune_top = finetune_top
         self.start, self.alternatives = start, tuple(alternatives)
+        self.on_measured = on_measured  # (m, schedules, GFLOPS) of every timed batch
+        self.search = search  # a search of its own (``ranked``) instead of slice_search / refine
         self.best: tuple[GemmSchedule, float] | None = None
 
     def _initialize_with_tune_context(self, context) -> None:
@@ -38,8 +42,12 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
         m, shape = workload_shape(self.mod)
         self.trials_left = max_trials
         problem = Problem(m, shape.n, shape.k, self.threads)
-        self._search: Search = (slice_search(problem, mks, self.finetune_top) if self.start is None
-                                else refine(problem, self.start, self.alternatives))
+        if self.search is not None:
+            self._search: Search = self.search(problem)
+        elif self.start is None:
+            self._search = slice_search(problem, mks, self.finetune_top)
+        else:
+            self._search = refine(problem, self.start, self.alternatives)
         self._pending: list[GemmSchedule] | None = next(self._search)
         self.best = None
 
@@ -60,6 +68,8 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
             ok = res.error_msg is None and secs
             gflops.append(shape.flops(m) / float(np.median(secs)) / 1e9 if ok else 0.0)
         self.trials_left -= len(results)
+        if self.on_measured is not None and self._pending:
+            self.on_measured(m, self._pending, gflops)
         for s, g in zip(self._pending or [], gflops, strict=False):
             if self.best is None or g > self.best[1]:
                 self.best = (s, g)
@@ -69,4 +79,5 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
             self._pending = None
 
     def clone(self):
-        return SandwichSearchStrategy(self.threads, self.finetune_top, self.start, self.alternatives)
+        return SandwichSearchStrategy(self.threads, self.finetune_top, self.start, self.alternatives,
+                                      self.on_measured, self.search)

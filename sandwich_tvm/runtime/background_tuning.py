@@ -1,0 +1,173 @@
+"""Tuning while serving: the model answers at once on the kernels it has, a worker process tunes
+the GEMMs that lack records (the model-guided search, decode thread count first), rebuilds the
+model after each GEMM lands, and the engine thread swaps to the new build between two steps
+(``Engine.swap_kernels``: same weights, same KV cache, no request dropped).
+
+``mode`` "idle" (``serve --tune-in-background idle``): the worker's process group is stopped
+(SIGSTOP) while the engine has work and continued (SIGCONT) when it goes idle, so tuning takes
+only cores the server is not using; "always": it runs beside the server.
+
+The worker is ``python -m sandwich_tvm.runtime.background_tuning``: it reads the pickled run spec
+and budget on stdin and prints ``landed <gemm>`` and ``compiled <artifact dir>`` lines.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MODES = ("off", "idle", "always")
+
+
+def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
+    """(name, shape, threads, max m) of every GEMM of ``spec`` without a record covering its
+    range: the decode thread count's first (every token pays for them), then the prefill's."""
+    from ..kernels.database import ScheduleDbError, find_record
+    from ..model.shapes import linear_shapes
+
+    plan = spec.plan
+    shapes = linear_shapes(spec.config, spec.weight_dtype, plan.tp)
+    wanted: dict[tuple[str, int], int] = {}  # (gemm, threads) -> largest m; decode's threads first
+    for threads, top in ((plan.decode_threads, spec.max_batch), (plan.prefill_threads, spec.prefill_chunk)):
+        for name in shapes:
+            m = min(top, spec.max_batch) if name == "lm_head" else min(top, 512)
+            wanted[(name, threads)] = max(m, wanted.get((name, threads), 0))
+    out = []
+    for (name, threads), max_m in wanted.items():
+        shape = shapes[name]
+        try:
+            rec = find_record(shape, threads, spec.records)
+        except ScheduleDbError:
+            rec = None
+        if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max_m:
+            out.append((name, shape, threads, max_m))
+    return out
+
+
+def worker(spec, budget_s: float, say: Callable[[str], None]) -> None:
+    """Tune ``spec``'s untuned GEMMs within ``budget_s``, rebuilding the model after each."""
+    from ..compiler.artifact import compile_model
+    from ..kernels.costmodel import CostModel, training_samples
+    from ..kernels.guided import tune_gemm_guided
+    from ..kernels.tuner import tune_gemm
+    from ..tvm_compat import preload_tensor_intrinsics
+
+    todo = gemms_to_tune(spec)
+    if not todo:
+        say("nothing to tune")
+        return
+    try:
+        model = CostModel.train(training_samples(spec.records))
+    except ValueError as err:  # nothing to learn from: the full search, within the same budget
+        say(f"{err}")
+        model = None
+    preload_tensor_intrinsics()  # seconds, once: not out of the first GEMM's share
+    start = time.monotonic()
+    for i, (name, shape, threads, max_m) in enumerate(todo):
+        left = budget_s - (time.monotonic() - start)
+        if left <= 0:
+            break
+        if model is None:
+            rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=max_m, root=spec.records,
+                            dtype=shape.dtype, epilogue=shape.epilogue)
+        else:
+            rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=max_m,
+                                   root=spec.records, dtype=shape.dtype, epilogue=shape.epilogue,
+                                   deadline=time.monotonic() + left / (len(todo) - i))
+        if not rec.tuned:
+            continue
+        say(f"landed {name} {shape.name} t{threads}: {sum(t.searched for t in rec.tuned)} m measured")
+        compiled = compile_model(spec)
+        say(f"compiled {compiled.path}")
+
+
+class BackgroundTuner:
+    """Runs the worker for a serving engine (an ``AsyncEngine``) and swaps in what it builds."""
+
+    def __init__(self, spec, engine, mode: str = "idle", budget_min: float = 8.0,
+                 log: Callable[[str], None] = lambda _m: None) -> None:
+        if mode not in MODES[1:]:
+            raise ValueError(f"background tuning mode {mode!r}; one of {MODES[1:]}")
+        self.spec, self.engine, self.mode, self.budget_s, self.log = spec, engine, mode, 60 * budget_min, log
+        self.proc: subprocess.Popen | None = None
+        self.swaps: list[tuple[float, str]] = []  # (time, artifact) of every build swapped in
+        self._paused = False
+        self._lock = threading.Lock()
+
+    def start(self) -> BackgroundTuner:
+        self.proc = subprocess.Popen([sys.executable, "-m", "sandwich_tvm.runtime.background_tuning"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False,
+                                     start_new_session=True)  # its own group: stopped as one
+        self.proc.stdin.write(pickle.dumps((self.spec, self.budget_s)))
+        self.proc.stdin.close()
+        if self.mode == "idle":
+            self.engine.set_busy_listener(self.busy)
+        threading.Thread(target=self._read, name="sandwich-tuner", daemon=True).start()
+        return self
+
+    def busy(self, busy: bool) -> None:
+        """The engine started (True) or ran out of (False) work: stop or continue the worker."""
+        with self._lock:
+            if self.proc is None or self.proc.poll() is not None or busy == self._paused:
+                return
+            try:
+                os.killpg(self.proc.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+                self._paused = busy
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGCONT)
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _read(self) -> None:
+        from ..compiler.artifact import CompiledModel
+
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("compiled "):
+                path = Path(line.split(" ", 1)[1])
+                err = self.engine.swap_kernels(CompiledModel.load(path))
+                if err is None:
+                    self.swaps.append((time.time(), str(path)))
+                    self.log(f"background tuning: now serving {path.name}")
+                else:
+                    self.log(f"background tuning: kept the running build ({err})")
+            elif line:
+                self.log(f"background tuning: {line}")
+        code = self.proc.wait()
+        if code not in (0, -signal.SIGTERM):
+            self.log(f"background tuning stopped with status {code}; serving goes on with the kernels it has")
+
+
+def main() -> int:
+    spec, budget_s = pickle.load(sys.stdin.buffer)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what tuning and compiling print stays off the protocol
+
+    def say(msg: str) -> None:
+        out.write(msg + "\n")
+
+    worker(spec, budget_s, say)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Tuning while serving: the first request is answered on the kernels the model has, a worker
+tunes and rebuilds, the engine swaps the build in between steps, greedy outputs do not change."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sandwich_tvm.runtime.async_engine import AsyncEngine
+from sandwich_tvm.runtime.background_tuning import BackgroundTuner, gemms_to_tune
+from sandwich_tvm.runtime.batch import BatchEngine
+from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.runtime.sampling import SamplingParams
+from sandwich_tvm.runtime.scheduler import SchedulerPolicy
+from sandwich_tvm.spec import RunSpec
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_busy_engine_stops_the_tuning_worker_and_an_idle_one_continues_it():
+    tuner = BackgroundTuner(None, None, mode="idle")
+    tuner.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        tuner.busy(True)
+        deadline = time.monotonic() + 5
+        while _state(tuner.proc.pid) != "T":
+            assert time.monotonic() < deadline, "the worker was not stopped"
+            time.sleep(0.01)
+        tuner.busy(False)
+        while _state(tuner.proc.pid) == "T":
+            assert time.monotonic() < deadline + 5, "the worker was not continued"
+            time.sleep(0.01)
+    finally:
+        tuner.stop()
+    assert tuner.proc.returncode == -15
+    with pytest.raises(ValueError, match="mode"):
+        BackgroundTuner(None, None, mode="sometimes")
+
+
+async def _ask(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    return [e.token for e in [e async for e in engine.generate(rid, prompt, params)] if e.token is not None]
+
+
+@pytest.mark.compile
+def test_serving_an_untuned_model_answers_at_once_then_swaps_in_tuned_kernels(tiny_model, tmp_path):
+    _, compiled, params, plan = tiny_model
+    cfg = compiled.config
+    spec = RunSpec(cfg.name, cfg, plan, max_batch=8, kv_dtype="float32", records=tmp_path, prefill_chunk=16)
+    todo = gemms_to_tune(spec)
+    assert {name for name, *_ in todo} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(m == (8 if name == "lm_head" else 16) for name, _, _, m in todo)
+    engine = Engine(compiled, params, plan, max_batch=8, prefill_chunk=16)
+    batch = BatchEngine(engine, SchedulerPolicy(max_batch=8, prefill_budget=16, chunk=16))
+    async_engine = AsyncEngine(batch).start()
+    logs: list[str] = []
+    tuner = BackgroundTuner(spec, async_engine, mode="always", budget_min=0.2, log=logs.append).start()
+    prompt = [3, 17, 5, 9, 28, 2, 11]
+    try:
+        first = asyncio.run(_ask(async_engine, "a", prompt))
+        assert first and not tuner.swaps  # answered before any tuning landed
+        deadline = time.monotonic() + 240
+        while not tuner.swaps:
+            assert time.monotonic() < deadline, f"nothing was swapped in: {logs}"
+            assert tuner.proc.poll() is None or tuner.swaps, f"the worker ended: {logs}"
+            time.sleep(0.2)
+        assert engine.kernel_swaps >= 1 and engine.compiled.path != compiled.path
+        assert asyncio.run(_ask(async_engine, "b", prompt)) == first
+    finally:
+        tuner.stop()
+        async_engine.shutdown()
+    assert any(x.startswith("background tuning: landed") for x in logs)
+    assert list(tmp_path.glob("*/t*/linear_*.json"))  # the records it tuned are kept
