@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,14 +82,7 @@ def features(cpu: CpuSignature, threads: int, shape: GemmShape, m: int, s: GemmS
     ]
 
 
-@dataclass(frozen=True)
-class Sample:
-    cpu: CpuSignature
-    threads: int
-    shape: GemmShape
-    m: int
-    schedule: GemmSchedule
-    gflops: float
+Sample = Measurement  # one timed schedule: a measured candidate or a record's winner
 
 
 def record_samples(roots: Sequence[Path]) -> list[Sample]:
@@ -123,8 +115,7 @@ def training_samples(root: Path | None = None, exclude: Iterable[tuple[int, int]
     shapes in ``exclude`` (a held-out family)."""
     skip = set(exclude)
     roots = training_roots(root, shipped)
-    meas: list[Measurement] = [x for base in roots for x in all_measurements(base)]
-    out = [Sample(x.cpu, x.threads, x.shape, x.m, x.schedule, x.gflops) for x in meas]
+    out = [x for base in roots for x in all_measurements(base)]
     out += record_samples(roots)
     return [s for s in out if (s.shape.n, s.shape.k) not in skip]
 

@@ -73,6 +73,11 @@ class KernelRecord:
         """The micro-kernels' ISA: the CPU's, or its bf16 dot-product unit for bf16 weights."""
         return kernel_isa(self.cpu.isa, self.shape.dtype, set(self.cpu.features or ()))
 
+    def add(self, tuned: Tuned, seconds: float = 0.0) -> None:
+        """Keep a newly tuned m (in m order) and the seconds it took."""
+        self.tuned = sorted([*self.tuned, tuned], key=lambda t: t.m)
+        self.seconds += seconds
+
     def buckets(self) -> list[Bucket]:
         """Consecutive tuned m with one schedule merged; each covers up to the next tuned m."""
         out: list[Bucket] = []

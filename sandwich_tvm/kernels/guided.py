@@ -107,8 +107,7 @@ def tune_gemm_guided(
         sch, g = search.ranked(p, fitting(mks, m), score, list(dict.fromkeys(guesses)), top=top)
         t = Tuned(m, sch, g, searched=True)
         now = time.perf_counter()
-        rec.tuned = sorted([*rec.tuned, t], key=lambda x: x.m)
-        rec.seconds += now - last
+        rec.add(t, now - last)
         last = now
         save_record(rec, root)
         if progress:
@@ -117,6 +116,7 @@ def tune_gemm_guided(
     if missing and rec.tuned:
         fill = [Tuned(m, clipped(Problem(m, n, k, threads), nearest_tuned(rec.tuned, m).schedule),
                       math.nan, searched=False) for m in missing]
-        rec.tuned = sorted([*rec.tuned, *fill], key=lambda x: x.m)
+        for t in fill:
+            rec.add(t)
         save_record(rec, root)
     return rec

@@ -167,8 +167,7 @@ def tune_gemm(
         nonlocal last
         if t.m not in done:
             now = time.perf_counter()
-            rec.tuned = sorted([*rec.tuned, t], key=lambda x: x.m)
-            rec.seconds += now - last
+            rec.add(t, now - last)
             last = now
             save_record(rec, root)
         if progress:
