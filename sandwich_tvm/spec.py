@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .host import cpu_flags, isa_of
 from .kernels.attention import DEFAULT_KV_DTYPE, KV_DTYPES
+from .kernels.kv_int8 import row_width
 from .kernels.microkernel import DTYPES, ISAS, kernel_isa
 from .kernels.quant import BLOCK, QTYPES
 from .model.config import LlamaConfig, load_config
@@ -103,9 +104,15 @@ def _check_blocks(cfg: LlamaConfig, dtype: str) -> None:
                             f"{field} is {k}; use --dtype bfloat16")
 
 
+def kv_value_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes the cache takes per K or V value (int8: with its row's scale)."""
+    return row_width(head_dim, kv_dtype) * (1 if kv_dtype == "int8" else DTYPE_BYTES[kv_dtype]) / head_dim
+
+
 def kv_cache_bytes(cfg: LlamaConfig, tokens: int, kv_dtype: str = "float32") -> int:
     """K and V of every layer for ``tokens`` positions, stored as ``kv_dtype``."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype] * tokens
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return round(per_token * kv_value_bytes(kv_dtype, cfg.head_dim) * tokens)
 
 
 def run_context(cfg: LlamaConfig, needed: int) -> int:

@@ -35,7 +35,7 @@ from ..cli.options import add_model_args, spec_from_args, synthetic_prompt
 from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..model.config import LlamaConfig
-from ..spec import DTYPE_BYTES, RunSpec
+from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
 from .rounds import Runner, interleaved, merge_rounds, paired_ratio
 
@@ -283,7 +283,7 @@ def bench_e2e(args, console: Console) -> dict:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
                          gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
-                         kv_bytes=DTYPE_BYTES[spec.kv_dtype])
+                         kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
 
     preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile)}
     if also is not None:

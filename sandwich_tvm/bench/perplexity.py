@@ -59,7 +59,8 @@ def add_perplexity_parser(sub) -> None:
     p.add_argument("--configs", default=None,
                    help="comma-separated DTYPE[/ACTIVATIONS[/KV_DTYPE]] (default: "
                         f"{DEFAULT_CONFIGS} with fp32 activations and KV, each quantized type also with "
-                        "int8 activations where the CPU has VNNI, and bf16 weights with a bf16 KV cache)")
+                        "int8 activations where the CPU has VNNI, bf16 weights with a bf16 KV cache, "
+                        "and fp32 weights with an f16 and an int8 KV cache)")
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens scored in all (default 1024)")
     p.add_argument("--window", type=positive_int, default=256, help="tokens per window (default 256)")
     p.add_argument("--no-torch", action="store_true", help="skip the HF transformers fp32 reference")
@@ -71,7 +72,18 @@ def default_configs(int8: bool) -> list[Config]:
     if int8:
         out += [Config(d, "int8") for d in ("q8_0", "q4_0", "q4_1")]
     out.append(Config("bfloat16", "float32", "bfloat16"))
+    # the int8 KV cache against a 16-bit one (llama.cpp's default f16) on the same weights
+    out += [Config("float32", "float32", "float16"), Config("float32", "float32", "int8")]
     return out
+
+
+def vs_16bit_kv(rows: dict[str, dict]) -> None:
+    """Each int8-KV row's perplexity over the same weights and activations with a 16-bit KV."""
+    for row in rows.values():
+        if row.get("kv_dtype") == "int8":
+            same = [r["ppl"] for r in rows.values() if r.get("kv_dtype") in ("float16", "bfloat16")
+                    and (r["dtype"], r["activations"]) == (row["dtype"], row["activations"])]
+            row["vs_16bit_kv"] = row["ppl"] / same[0] if same else None
 
 
 def sharegpt_text(chars: int) -> str:
@@ -191,6 +203,7 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
     ref = rows.get(Config("float32").name)
     for row in rows.values():
         row["vs_fp32"] = row["ppl"] / ref["ppl"] if ref else None
+    vs_16bit_kv(rows)
     cpu = host_signature()
     out = {"model": base.config.name, "cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
            "tokens": scored, "window": args.window,
@@ -201,10 +214,11 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(out, indent=1))
         return 0
     table = Table(title=f"Perplexity of {out['model']} on {scored} ShareGPT tokens ({out['cpu']})")
-    for col in ("system", "perplexity", "vs fp32", "NLL / token"):
+    for col in ("system", "perplexity", "vs fp32", "int8 KV vs 16-bit KV", "NLL / token"):
         table.add_column(col)
     for name, row in rows.items():
         ratio = f"{row['vs_fp32']:.4f}" if row["vs_fp32"] else "-"
-        table.add_row(name, f"{row['ppl']:.4f}", ratio, f"{row['nll']:.4f}")
+        kv = f"{row['vs_16bit_kv']:.4f}" if row.get("vs_16bit_kv") else "-"
+        table.add_row(name, f"{row['ppl']:.4f}", ratio, kv, f"{row['nll']:.4f}")
     console.print(table)
     return 0

@@ -22,7 +22,7 @@ from rich.text import Text
 from ..host import HostError, cache_dir, ensure_writable
 from ..kernels.attention import DEFAULT_KV_DTYPE
 from ..model.config import ModelConfigError
-from ..spec import DTYPE_BYTES, RunSpec, SpecError, resolve_run_spec
+from ..spec import DTYPE_BYTES, RunSpec, SpecError, kv_value_bytes, resolve_run_spec
 from ..topology.hwobj import TopologyError
 from ..topology.plan import ExecPlan, PlanError, save_plans
 from ..topology.profile import ProfileError
@@ -125,7 +125,8 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
             result = run_search(
                 args, tree, model, profile, trace,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total),
-                weight_bytes=DTYPE_BYTES[spec.weight_dtype], kv_bytes=DTYPE_BYTES[spec.kv_dtype])
+                weight_bytes=DTYPE_BYTES[spec.weight_dtype],
+                kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
         print_error(console, exc)
         return None

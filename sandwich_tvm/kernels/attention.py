@@ -33,10 +33,11 @@ from functools import cache
 
 from ..host import host_isa
 from ..tvm_compat import parse_tvmscript, tvm
+from .kv_int8 import quantize_row, row_width, scale_expr
 from .microkernel import ISAS
 from .vecmath import LOG2E, exp2, load_f32, store_as
 
-KV_DTYPES = ("float32", "float16", "bfloat16")  # the cache's storage; every kernel computes in fp32
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8")  # the cache's storage; kernels compute in fp32
 DEFAULT_KV_DTYPE = "float16"  # llama.cpp's default: half the bytes of fp32 K/V, 10 mantissa bits
 KEYS = 8    # keys per online-softmax step in prefill
 KTILE = 4   # keys per score register tile: 4 keys x 2 vectors = 8 accumulators
@@ -61,7 +62,10 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
     """One tile of ``ROWS`` query rows against every visible key. ``page`` = 0: keys ragged in
     ``k``/``v`` (``kv_indptr``); else keys in the paged cache (``pages``, ``page_indptr``,
     ``page_values``, ``length_info``), each key block's pages and slots looked up once. Q, K, V
-    and the output are ``dtype``; everything is computed in fp32."""
+    and the output are ``dtype``; everything is computed in fp32. int8 rows (``kv_int8``): each
+    row's scale is read once (q per row, k and v per key), K's applied to the key's scores and
+    V's to its loads; the output row is quantized again."""
+    q8 = dtype == "int8"
     qlen = "(q_indptr[b + 1] - q_indptr[b])"
     if page:
         npages = "(page_indptr[b + 1] - page_indptr[b])"
@@ -73,17 +77,34 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
     i = f"(task // {h_kv})"
     tile, kvh = f"T.if_then_else({i} % 2 == 0, {i} // 2, {ntiles} - 1 - {i} // 2)", f"(task % {h_kv})"
     row = f"T.min({tile} * {ROWS} + r, {rows} - 1)"  # rows past the end repeat the last one
-    qload = load_f32("q[q_indptr[b] + tok[r], hd[r], dd]", dtype)
-    ostore = store_as("acc[dd, r] / sm[r]", dtype)
+    qrow = "q[q_indptr[b] + tok[r], hd[r], {}]"
+    qload = load_f32(qrow.format("dd"), dtype) + (" * qsc[r]" if q8 else "")
     if page:
-        kj = load_f32(f"pages[kp[jt * {KTILE} + j], 0, {kvh}, ks[jt * {KTILE} + j], dd]", dtype)
-        vj = load_f32(f"pages[kp[j], 1, {kvh}, ks[j], dc * {DCOLS} + c]", dtype)
+        krow, vrow = (f"pages[kp[{{j}}], {t}, {kvh}, ks[{{j}}], {{{{}}}}]" for t in (0, 1))
         keys = (f"kp[j] = page_values[page_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1) // {page}]\n"
                 f"        ks[j] = T.min(kb * {KEYS} + j, {klen} - 1) % {page}")
     else:
-        kj = load_f32(f"k[ko[jt * {KTILE} + j], {kvh}, dd]", dtype)
-        vj = load_f32(f"v[ko[j], {kvh}, dc * {DCOLS} + c]", dtype)
+        krow, vrow = f"k[ko[{{j}}], {kvh}, {{{{}}}}]", f"v[ko[{{j}}], {kvh}, {{{{}}}}]"
         keys = f"ko[j] = kv_indptr[b] + T.min(kb * {KEYS} + j, {klen} - 1)"
+    kj = load_f32(krow.format(j=f"jt * {KTILE} + j").format("dd"), dtype)
+    vj = load_f32(vrow.format(j="j").format(f"dc * {DCOLS} + c"), dtype) + (" * vsc[j]" if q8 else "")
+    qscale, kscale, kapply, ostore = "", "", "", f"""for dd in range({d}):
+            output[q_indptr[b] + tok[r], hd[r], dd] = {store_as("acc[dd, r] / sm[r]", dtype)}"""
+    scales = ""
+    if q8:
+        scales = "".join(f'{name} = T.sblock_alloc_buffer(({size},), "float32", scope="global")\n'
+                         for name, size in (("qsc", ROWS), ("ksc", KEYS), ("vsc", KEYS), ("ob", d),
+                                            ("oz", 2)))
+        qscale = f"\n    qsc[r] = {scale_expr(qrow, d)}"
+        kscale = (f"\n        ksc[j] = {scale_expr(krow.format(j='j'), d)}"
+                  f"\n        vsc[j] = {scale_expr(vrow.format(j='j'), d)}")
+        kapply = f"""
+        for j in T.unroll({KTILE}):
+            for r in T.vectorized({ROWS}):
+                s[jt * {KTILE} + j, r] = s[jt * {KTILE} + j, r] * ksc[jt * {KTILE} + j]"""
+        ostore = f"""for dd in range({d}):
+            ob[dd] = acc[dd, r] / sm[r]
+{quantize_row("ob[{}]", "output[q_indptr[b] + tok[r], hd[r], {}]", d, "oz", 8)}"""
     return f'''
 qt = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
 acc = T.sblock_alloc_buffer(({d}, {ROWS}), "float32", scope="global")
@@ -99,9 +120,9 @@ hd = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")
 ko = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
 kp = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
 ks = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
-for r in range({ROWS}):
+{scales}for r in range({ROWS}):
     tok[r] = {row} // {group}
-    hd[r] = {kvh} * {group} + {row} % {group}
+    hd[r] = {kvh} * {group} + {row} % {group}{qscale}
     vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen})
     mx[r] = T.float32(-5e4)
     sm[r] = T.float32(1)
@@ -111,7 +132,7 @@ for dd in range({d}):
         acc[dd, r] = T.float32(0)
 for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
     for j in range({KEYS}):
-        {keys}
+        {keys}{kscale}
     for jt in range({KEYS // KTILE}):
         for j in T.unroll({KTILE}):
             for r in T.vectorized({ROWS}):
@@ -119,7 +140,7 @@ for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
         for dd in range({d}):
             for j in T.unroll({KTILE}):
                 for r in T.vectorized({ROWS}):
-                    s[jt * {KTILE} + j, r] = s[jt * {KTILE} + j, r] + {kj} * qt[dd, r]
+                    s[jt * {KTILE} + j, r] = s[jt * {KTILE} + j, r] + {kj} * qt[dd, r]{kapply}
     for r in T.vectorized({ROWS}):
         mn[r] = mx[r]
     for j in range({KEYS}):
@@ -149,8 +170,7 @@ for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
                 acc[dc * {DCOLS} + c, r] = ar[c, r]
 for r in range({ROWS}):
     if {tile} * {ROWS} + r < {rows}:
-        for dd in range({d}):
-            output[q_indptr[b] + tok[r], hd[r], dd] = {ostore}
+        {ostore}
         lse[q_indptr[b] + tok[r], hd[r]] = mx[r] + T.log2(sm[r])
 '''
 
@@ -158,6 +178,7 @@ for r in range({ROWS}):
 def ragged_prefill_source(h_kv: int, h_q: int, d: int, dtype: str, root: str) -> str:
     """TVMScript of ``batch_prefill_ragged_kv`` (the signature the KV cache calls) whose root
     block holds the statements ``root``."""
+    w = row_width(d, dtype)
     return f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -174,14 +195,14 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
     kv_off = T.int32()
     qr_off = T.int32()
     kr_off = T.int32()
-    q = T.match_buffer(var_q, (qo_len, {h_q}, {d}), "{dtype}")
+    q = T.match_buffer(var_q, (qo_len, {h_q}, {w}), "{dtype}")
     q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_off)
-    k = T.match_buffer(var_k, (kv_len, {h_kv}, {d}), "{dtype}")
-    v = T.match_buffer(var_v, (kv_len, {h_kv}, {d}), "{dtype}")
+    k = T.match_buffer(var_k, (kv_len, {h_kv}, {w}), "{dtype}")
+    v = T.match_buffer(var_v, (kv_len, {h_kv}, {w}), "{dtype}")
     kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_off)
     q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=qr_off)
     k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=kr_off)
-    output = T.match_buffer(var_output, (qo_len, {h_q}, {d}), "{dtype}")
+    output = T.match_buffer(var_output, (qo_len, {h_q}, {w}), "{dtype}")
     lse = T.match_buffer(var_lse, (qo_len, {h_q}), "float32")
     with T.sblock("root"):
 {textwrap.indent(root.strip(chr(10)), " " * 8)}
@@ -210,6 +231,7 @@ for b in range(batch_size):
 def paged_prefill_source(h_kv: int, h_q: int, d: int, page: int, dtype: str, root: str) -> str:
     """TVMScript of ``batch_prefill_paged_kv_cpu`` (the signature the KV cache calls) whose root
     block holds the statements ``root``."""
+    w = row_width(d, dtype)
     return f'''
 @D.prim_func(s_tir=True)
 def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -230,15 +252,15 @@ def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_page
     o4 = T.int32()
     o5 = T.int32()
     o6 = T.int32()
-    q = T.match_buffer(var_q, (total_len, {h_q}, {d}), "{dtype}")
+    q = T.match_buffer(var_q, (total_len, {h_q}, {w}), "{dtype}")
     q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=o1)
-    pages = T.match_buffer(var_pages, (max_num_pages, 2, {h_kv}, {page}, {d}), "{dtype}")
+    pages = T.match_buffer(var_pages, (max_num_pages, 2, {h_kv}, {page}, {w}), "{dtype}")
     page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=o2)
     page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=o3)
     length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=o4)
     k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=o5)
     q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=o6)
-    output = T.match_buffer(var_output, (total_len, {h_q}, {d}), "{dtype}")
+    output = T.match_buffer(var_output, (total_len, {h_q}, {w}), "{dtype}")
     lse = T.match_buffer(var_lse, (total_len, {h_q}), "float32")
     with T.sblock("root"):
 {textwrap.indent(root.strip(chr(10)), " " * 8)}
@@ -278,6 +300,14 @@ def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: in
     dots = " + ".join(f"part[h, {lane}]" for lane in range(LANES))
     qi, ki = load_f32(f"Q[{b}, {hq}, {i}]", dtype), load_f32(f"pages[{base}, 0, kvh, j, {i}]", dtype)
     vi = load_f32(f"pages[{base}, 1, kvh, j, i]", dtype)
+    scales, qscale, kscale, qk = "", "", "", f"sm_scale * T.float32({LOG2E!r})"
+    if dtype == "int8":  # q scaled per head, K per key on its score, V per key on its loads
+        scales = "".join(f'{name} = T.sblock_alloc_buffer({size}, "float32", scope="global")\n'
+                         for name, size in (("qsc", f"({h_q},)"), ("kvs", f"(2, {page})")))
+        qscale = f"\n    qsc[h] = {scale_expr(f'Q[{b}, h, {{}}]', d)}"
+        kscale = "".join(f"\n            kvs[{t}, j] = {scale_expr(f'pages[{base}, {t}, kvh, j, {{}}]', d)}"
+                         for t in (0, 1))
+        qk, vi = f"{qk} * qsc[{hq}] * kvs[0, j]", f"{vi} * kvs[1, j]"
     return f'''
 part = T.sblock_alloc_buffer(({group}, {LANES}), "float32", scope="global")
 s = T.sblock_alloc_buffer(({group}, {page}), "float32", scope="global")
@@ -286,14 +316,14 @@ mx = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
 sm = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
 mn = T.sblock_alloc_buffer(({group},), "float32", scope="global")
 sc = T.sblock_alloc_buffer(({group},), "float32", scope="global")
-for h in range({h_q}):
+{scales}for h in range({h_q}):{qscale}
     mx[h] = T.float32(-5e4)
     sm[h] = T.float32(1)
     for i in T.vectorized({d}):
         cacc[{b}, {c}, h, i] = T.float32(0)
 for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
     for kvh in range({h_kv}):
-        for j in range({keys}):
+        for j in range({keys}):{kscale}
             for h in T.unroll({group}):
                 for l in T.vectorized({LANES}):
                     part[h, l] = T.float32(0)
@@ -302,7 +332,7 @@ for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
                     for l in T.vectorized({LANES}):
                         part[h, l] = part[h, l] + {qi} * {ki}
             for h in T.unroll({group}):
-                s[h, j] = ({dots}) * sm_scale * T.float32({LOG2E!r})
+                s[h, j] = ({dots}) * {qk}
         for h in range({group}):
             mn[h] = mx[{hq}]
             for j in range({keys}):
@@ -332,6 +362,13 @@ for h in range({h_q}):
 def _merge_body(h_q: int, d: int, split: int, dtype: str = "float32") -> str:
     """Combine the chunks' (max, sum, accumulator) of one (sequence, head)."""
     b, h = f"(task // {h_q})", f"(task % {h_q})"
+    store = f"""for i in T.vectorized({d}):
+    output[{b}, {h}, i] = {store_as("o[i] / st[1]", dtype)}"""
+    if dtype == "int8":
+        store = f"""oz = T.sblock_alloc_buffer((2,), "float32", scope="global")
+for i in T.vectorized({d}):
+    o[i] = o[i] / st[1]
+{quantize_row("o[{}]", f"output[{b}, {h}, {{}}]", d, "oz")}"""
     return f'''
 w = T.sblock_alloc_buffer(({split},), "float32", scope="global")
 st = T.sblock_alloc_buffer((2,), "float32", scope="global")
@@ -348,8 +385,7 @@ for c in range({split}):
     st[1] = st[1] + w[c] * csm[{b}, c, {h}]
     for i in T.vectorized({d}):
         o[i] = o[i] + w[c] * cacc[{b}, c, {h}, i]
-for i in T.vectorized({d}):
-    output[{b}, {h}, i] = {store_as("o[i] / st[1]", dtype)}
+{store}
 lse[{b}, {h}] = st[0] + T.log2(st[1])
 '''
 
@@ -363,6 +399,7 @@ def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, split: in
     group, lanes = h_q // h_kv, vector_lanes(isa or host_isa(), d)
     body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes, dtype), " " * 16)
     merge = textwrap.indent(_merge_body(h_q, d, split, dtype), " " * 16)
+    w = row_width(d, dtype)
     src = f'''
 @D.prim_func(s_tir=True)
 def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
@@ -380,13 +417,13 @@ def batch_decode_paged_kv_cpu(Q_handle: T.handle, pages_handle: T.handle, page_t
     o3 = T.int32()
     o4 = T.int32()
     o5 = T.int32()
-    Q = T.match_buffer(Q_handle, (B, {h_q}, {d}), "{dtype}")
-    pages = T.match_buffer(pages_handle, (max_num_pages, 2, {h_kv}, {page}, {d}), "{dtype}")
+    Q = T.match_buffer(Q_handle, (B, {h_q}, {w}), "{dtype}")
+    pages = T.match_buffer(pages_handle, (max_num_pages, 2, {h_kv}, {page}, {w}), "{dtype}")
     page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=o1)
     page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=o2)
     k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=o3)
     q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=o4)
-    output = T.match_buffer(output_handle, (B, {h_q}, {d}), "{dtype}")
+    output = T.match_buffer(output_handle, (B, {h_q}, {w}), "{dtype}")
     lse = T.match_buffer(lse_handle, (B, {h_q}), "float32")
     length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=o5)
     with T.sblock("root"):

@@ -4,7 +4,8 @@ TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and 
 inverse frequencies (Llama-3 scaling included, as HF computes them) are constants of the
 kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses them.
 Same signature as TVM's ``fused_rope``; swapped in by ``compiler.kv_cache``. ``freqs`` are the
-model's inverse frequencies (``model.rope.inv_freq``), ``dtype`` the KV cache's storage.
+model's inverse frequencies (``model.rope.inv_freq``), ``dtype`` the KV cache's storage; int8
+rows (``kernels.kv_int8``) are dequantized, rotated and quantized again, V's copied as bytes.
 """
 
 from __future__ import annotations
@@ -12,16 +13,35 @@ from __future__ import annotations
 from functools import cache
 
 from ..tvm_compat import parse_tvmscript, tvm
+from .kv_int8 import quantize_row, row_width, scale_expr
 from .vecmath import load_f32, store_as
 
 
 @cache
 def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                    dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    half, heads = d // 2, h_q + 2 * h_kv
+    half, heads, w = d // 2, h_q + 2 * h_kv, row_width(d, dtype)
     lo, hi = load_f32("qkv[s, h, j]", dtype), load_f32(f"qkv[s, h, j + {half}]", dtype)
     first = store_as(f"cs[j] * {lo} - sn[j] * {hi}", dtype)
     second = store_as(f"cs[j] * {hi} + sn[j] * {lo}", dtype)
+    rotate = f"""for j in T.vectorized({half}):
+                        if h < {h_q}:
+                            q[s, h, j] = {first}
+                            q[s, h, j + {half}] = {second}
+                        else:
+                            k[s, h - {h_q}, j] = {first}
+                            k[s, h - {h_q}, j + {half}] = {second}"""
+    if dtype == "int8":
+        store_q = quantize_row("t[{}]", "q[s, h, {}]", d, "tmp", 28)
+        store_k = quantize_row("t[{}]", f"k[s, h - {h_q}, {{}}]", d, "tmp", 28)
+        rotate = f"""tmp[0] = {scale_expr("qkv[s, h, {}]", d)}
+                    for j in T.vectorized({half}):
+                        t[j] = (cs[j] * {lo} - sn[j] * {hi}) * tmp[0]
+                        t[j + {half}] = (cs[j] * {hi} + sn[j] * {lo}) * tmp[0]
+                    if h < {h_q}:
+{store_q}
+                    else:
+{store_k}"""
     on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
     init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
     src = f'''
@@ -30,17 +50,19 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                var_v: T.handle, apply_rope: T.int64):
     T.func_attr({{"global_symbol": "fused_rope", "tir.noalias": True, "tirx.is_scheduled": True}})
     seq_len = T.int32()
-    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {d}), "{dtype}")
+    qkv = T.match_buffer(var_qkv, (seq_len, {heads}, {w}), "{dtype}")
     position_map = T.match_buffer(var_position_map, (seq_len,), "int32", offset_factor=1)
-    q = T.match_buffer(var_q, (seq_len, {h_q}, {d}), "{dtype}")
-    k = T.match_buffer(var_k, (seq_len, {h_kv}, {d}), "{dtype}")
-    v = T.match_buffer(var_v, (seq_len, {h_kv}, {d}), "{dtype}")
+    q = T.match_buffer(var_q, (seq_len, {h_q}, {w}), "{dtype}")
+    k = T.match_buffer(var_k, (seq_len, {h_kv}, {w}), "{dtype}")
+    v = T.match_buffer(var_v, (seq_len, {h_kv}, {w}), "{dtype}")
     with T.sblock("root"):
         for s in T.parallel(seq_len):
             with T.sblock("token"):
                 f = T.sblock_alloc_buffer(({half},), "float32", scope="global")
                 cs = T.sblock_alloc_buffer(({d},), "float32", scope="global")
                 sn = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+                t = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+                tmp = T.sblock_alloc_buffer((2,), "float32", scope="global")
 {init}
                 for i in range({half}):
                     cs[i] = T.if_then_else({on}, T.cos({angle}), T.float32(1))
@@ -48,15 +70,9 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                     cs[i + {half}] = cs[i]
                     sn[i + {half}] = sn[i]
                 for h in range({h_q + h_kv}):
-                    for j in T.vectorized({half}):
-                        if h < {h_q}:
-                            q[s, h, j] = {first}
-                            q[s, h, j + {half}] = {second}
-                        else:
-                            k[s, h - {h_q}, j] = {first}
-                            k[s, h - {h_q}, j + {half}] = {second}
+                    {rotate}
                 for h in range({h_kv}):
-                    for j in T.vectorized({d}):
+                    for j in T.vectorized({w}):
                         v[s, h, j] = qkv[s, h + {h_q + h_kv}, j]
 '''
     return parse_tvmscript(src)

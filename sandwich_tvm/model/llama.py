@@ -13,12 +13,17 @@ stages between the embedding and the head.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 from tvm import relax, te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from ..kernels.codegen import fuses_silu_mul
+from ..kernels.kv_int8 import dequantize_rows_primfunc, quantize_rows_primfunc, row_width
 from ..kernels.packing import WeightLayout
 from ..tvm_compat import host_target
 from .config import LlamaConfig
@@ -60,6 +65,29 @@ def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ACT_DTYPE, kernels.isa)
 
 
+@contextlib.contextmanager
+def native_stderr_off() -> Iterator[None]:
+    """Native code's writes to stderr (TVM's C++ log) discarded; Python's errors still raise."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _rows(func: tirx.PrimFunc, x: nn.Tensor, heads: int, dtype: str, width: int) -> nn.Tensor:
+    """``x`` (b, s, heads, ·) through the row kernel ``func``: into or out of the int8 cache's
+    row format."""
+    b, s = x.shape[0], x.shape[1]
+    flat = op.reshape(x, (b * s, heads, x.shape[3]))
+    y = op.tensor_ir_op(func, func.attrs["global_symbol"], args=[flat],
+                        out=nn.Tensor.placeholder((b * s, heads, width), dtype))
+    return op.reshape(y, (b, s, heads, width))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // tp,
@@ -75,10 +103,17 @@ class Attention(nn.Module):
         """``residual + o_proj(attention(x))``."""
         b, s, _ = x.shape
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
-        if self.kv_dtype != self.dtype:  # the cache stores (and its kernels read) 16-bit K/V
+        if self.kv_dtype == "int8":  # int8 rows with their scales (kernels.kv_int8)
+            heads = self.heads + 2 * self.kv_heads
+            qkv = _rows(quantize_rows_primfunc(heads, self.head_dim), qkv, heads, "int8",
+                        row_width(self.head_dim, "int8"))
+        elif self.kv_dtype != self.dtype:  # the cache stores (and its kernels read) 16-bit K/V
             qkv = op.astype(qkv, self.kv_dtype)
         out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
-        if self.kv_dtype != self.dtype:
+        if self.kv_dtype == "int8":
+            out = _rows(dequantize_rows_primfunc(self.heads, self.head_dim), out, self.heads, self.dtype,
+                        self.head_dim)
+        elif self.kv_dtype != self.dtype:
             out = op.astype(out, self.dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
 
@@ -234,14 +269,25 @@ class LlamaForCausalLM(nn.Module):
                               support_sliding_window: tirx.Var) -> PagedKVCache:
         cfg = self.cfg
         layers = cfg.num_hidden_layers if self.stage is None else self.stage.layers
+        # an int8 cache: TVM's own kernels for it warn of int8 stores as they are built; the ones
+        # this model calls are replaced (compiler.kv_cache), the tree-mask ones never called
+        with native_stderr_off() if self.kv_dtype == "int8" else contextlib.nullcontext():
+            return self._kv_cache(cfg, layers, max_batch_size, max_total_seq_len, prefill_chunk_size,
+                                  page_size, support_sliding_window)
+
+    def _kv_cache(self, cfg: LlamaConfig, layers: int, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                  support_sliding_window: tirx.Var) -> PagedKVCache:
         return TIRPagedKVCache(
             attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
             support_sliding_window=support_sliding_window,
             layer_partition=relax.ShapeExpr([0, layers]),
             num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads // self.tp,
-            num_key_value_heads=cfg.num_key_value_heads // self.tp, qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim, mla_original_qk_head_dim=0, mla_original_v_head_dim=0,
+            num_key_value_heads=cfg.num_key_value_heads // self.tp,
+            qk_head_dim=row_width(cfg.head_dim, self.kv_dtype),
+            v_head_dim=row_width(cfg.head_dim, self.kv_dtype), mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
             rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
             rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=self.kv_dtype,

@@ -80,3 +80,14 @@ def test_fp32_perplexity_equals_transformers(tmp_path, capsys):
     assert ours["ppl"] == pytest.approx(hf["ppl"], rel=1e-4)
     assert rows["q8_0, float32 KV"]["ppl"] != ours["ppl"]
     assert "perplexity" in out["command"] and out["cpu"]
+
+
+def test_int8_kv_rows_are_compared_with_the_16_bit_kv_of_the_same_weights():
+    from sandwich_tvm.bench.perplexity import vs_16bit_kv
+
+    rows = {"a": {"ppl": 8.0, "dtype": "float32", "activations": "float32", "kv_dtype": "float16"},
+            "b": {"ppl": 8.04, "dtype": "float32", "activations": "float32", "kv_dtype": "int8"},
+            "c": {"ppl": 9.0, "dtype": "q8_0", "activations": "float32", "kv_dtype": "int8"}}
+    vs_16bit_kv(rows)
+    assert rows["b"]["vs_16bit_kv"] == pytest.approx(1.005) and rows["c"]["vs_16bit_kv"] is None
+    assert "vs_16bit_kv" not in rows["a"]

@@ -182,6 +182,17 @@ def test_bench_attention_compares_with_tvms_kernels(capsys):
         assert row["max_abs_diff"] < 1e-4
         assert row["sandwich_ms"] > 0 and row["tvm_ms"] > 0
         assert row["ratio"] == pytest.approx(row["sandwich_ms"] / row["tvm_ms"])
+    f16, int8 = result["kv_dtypes"]  # the decode kernel on a 16-bit and an int8 cache, taking turns
+    assert (f16["kv_dtype"], int8["kv_dtype"], f16["vs_first"]) == ("float16", "int8", 1.0)
+    assert int8["max_abs_diff_vs_first"] < 0.05 and int8["ms"] > 0 and int8["rounds"] == 5
+
+
+def test_bench_attention_refuses_an_unknown_kv_dtype(capsys):
+    from sandwich_tvm.bench import cli as bench
+
+    assert bench.main(["attention", "--kv-dtypes", "float16,int4"]) == 2
+    out = capsys.readouterr()
+    assert "int4" in out.err + out.out
 
 
 @every_isa

@@ -120,6 +120,7 @@ def test_kv_cache_is_sized_to_the_run(small):
     assert run_context(cfg, 300) == 128  # capped at the model's context
     assert kv_cache_bytes(cfg, 100) == 2 * 2 * 2 * 16 * 4 * 100
     assert kv_cache_bytes(cfg, 100, "float16") == 2 * 2 * 2 * 16 * 2 * 100  # the cache's own dtype
+    assert kv_cache_bytes(cfg, 100, "int8") == 2 * 2 * 2 * (16 + 4) * 100  # each row with its fp32 scale
     with pytest.raises(SpecError, match="--context 2000000000 exceeds the model's context of 1000000000"):
         check_context(huge, 2 * 10**9)
     need = "KV cache of 1000000000 tokens needs 476.8 GiB but only 1.0 GiB"

@@ -36,7 +36,7 @@ def _specs(base, **kw) -> list[RunSpec]:
 warm_up(__name__, "test_prefill_and_decode_match_hf",
         lambda base: _specs(base) + _specs(base, stock=True))
 warm_up(__name__, "test_chunked_prefill_matches_hf",
-        lambda base: _specs(base, kv_dtype="bfloat16") + _specs(base, kv_dtype="float16"))
+        lambda base: [s for kv in ("bfloat16", "float16", "int8") for s in _specs(base, kv_dtype=kv)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,8 +96,9 @@ def test_prefill_and_decode_match_hf(hf_case, stock, precompiler):
     os.sched_setaffinity(0, CPUS)
 
 
-# fp32: HF's numerics; 16-bit K/V (llama.cpp's default): rounding of every cached K and V
-KV_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2}
+# fp32: HF's numerics; 16-bit K/V (llama.cpp's default): rounding of every cached K and V; int8:
+# q, k, v and the attention output quantized per row (kernels.kv_int8)
+KV_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2, "int8": 1e-2}
 
 
 @pytest.mark.compile
