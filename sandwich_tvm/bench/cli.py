@@ -1,6 +1,6 @@
 """`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
-speculative|structured`: Sandwich's dynamic-shape GEMM against numpy and torch (``e2e``: the whole model,
-see ``bench/e2e.py``;
+speculative|structured|costmodel|tuning-curve`: Sandwich's dynamic-shape GEMM against numpy and
+torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
 ``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
@@ -8,7 +8,9 @@ the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/s
 ``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``prefix-cache``:
 TTFT of a request whose long prefix is cached, ``bench/prefix.py``; ``speculative``: decode speed
 with prompt-lookup drafts, ``bench/speculative.py``; ``structured``: what JSON-schema requests
-cost the requests batched with them, ``bench/structured.py``).
+cost the requests batched with them, ``bench/structured.py``; ``costmodel``: the learned cost
+model's ranking on held-out shapes, ``bench/costmodel.py``; ``tuning-curve``: a served model's
+tokens/s as background tuning lands records, ``bench/tuning_curve.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -45,6 +47,7 @@ from .serve_cmd import add_serve_parser, main_serve
 from .speculative import add_speculative_parser, main_speculative
 from .structured import add_structured_parser, main_structured
 from .timing import median_seconds, paired_median_ratio, rotating
+from .tuning_curve import add_tuning_curve_parser, main_tuning_curve
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512"
 
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_parser(sub)
     add_structured_parser(sub)
     add_costmodel_parser(sub)
+    add_tuning_curve_parser(sub)
     return parser
 
 
@@ -347,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print_error(console, exc)
             return 2
+    if args.what == "tuning-curve":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_tuning_curve(args, console)
     if args.what == "structured":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_structured(args, console)

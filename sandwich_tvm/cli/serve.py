@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune_in_background != "off":
         from ..runtime.background_tuning import BackgroundTuner
 
-        tuner = BackgroundTuner(spec, async_engine, args.tune_in_background, args.tune_budget, log).start()
+        tuner = BackgroundTuner(spec, async_engine, args.tune_in_background, args.tune_budget, log,
+                                metrics=metrics).start()
     app = create_app(Server(async_engine, tok, name, metrics))
     log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "
         f"{engine.kv_tokens} tokens in {engine.total_pages} pages, {engine.context} per request, tokenizer: "

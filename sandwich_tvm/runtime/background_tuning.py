@@ -92,10 +92,14 @@ class BackgroundTuner:
     """Runs the worker for a serving engine (an ``AsyncEngine``) and swaps in what it builds."""
 
     def __init__(self, spec, engine, mode: str = "idle", budget_min: float = 8.0,
-                 log: Callable[[str], None] = lambda _m: None) -> None:
+                 log: Callable[[str], None] = lambda _m: None, metrics=None) -> None:
+        """``metrics``: a ``ServingMetrics`` whose background-tuning gauge and counters follow
+        the worker (running, GEMMs landed, builds swapped in)."""
         if mode not in MODES[1:]:
             raise ValueError(f"background tuning mode {mode!r}; one of {MODES[1:]}")
         self.spec, self.engine, self.mode, self.budget_s, self.log = spec, engine, mode, 60 * budget_min, log
+        self.metrics = metrics
+        self._reader: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.swaps: list[tuple[float, str]] = []  # (time, artifact) of every build swapped in
         self._paused = False
@@ -107,9 +111,12 @@ class BackgroundTuner:
                                      start_new_session=True)  # its own group: stopped as one
         self.proc.stdin.write(pickle.dumps((self.spec, self.budget_s)))
         self.proc.stdin.close()
+        if self.metrics is not None:
+            self.metrics.tuning_running.set(1)
         if self.mode == "idle":
             self.engine.set_busy_listener(self.busy)
-        threading.Thread(target=self._read, name="sandwich-tuner", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="sandwich-tuner", daemon=True)
+        self._reader.start()
         return self
 
     def busy(self, busy: bool) -> None:
@@ -136,6 +143,8 @@ class BackgroundTuner:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._reader is not None:
+            self._reader.join(10)
 
     def _read(self) -> None:
         from ..compiler.artifact import CompiledModel
@@ -148,11 +157,17 @@ class BackgroundTuner:
                 if err is None:
                     self.swaps.append((time.time(), str(path)))
                     self.log(f"background tuning: now serving {path.name}")
+                    if self.metrics is not None:
+                        self.metrics.kernel_swaps.inc()
                 else:
                     self.log(f"background tuning: kept the running build ({err})")
             elif line:
                 self.log(f"background tuning: {line}")
+                if line.startswith("landed ") and self.metrics is not None:
+                    self.metrics.tuned_gemms.inc()
         code = self.proc.wait()
+        if self.metrics is not None:
+            self.metrics.tuning_running.set(0)
         if code not in (0, -signal.SIGTERM):
             self.log(f"background tuning stopped with status {code}; serving goes on with the kernels it has")
 

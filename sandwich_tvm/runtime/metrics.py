@@ -59,6 +59,10 @@ class ServingMetrics:
         self.generation_tokens = counter("generation_tokens", "Output tokens sampled")
         self.switches = counter("plan_switches", "Thread-pool switches between the prefill and decode plans")
         self.preemptions = counter("num_preemptions", "Sequences preempted (cache dropped, recomputed)")
+        self.tuning_running = gauge("background_tuning_running",
+                                    "1 while a background tuning worker runs (serve --tune-in-background)")
+        self.tuned_gemms = counter("background_tuned_gemms", "GEMMs background tuning has landed records for")
+        self.kernel_swaps = counter("kernel_swaps", "Builds with newly tuned kernels swapped in (serving)")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token")

@@ -14,6 +14,7 @@ from sandwich_tvm.runtime.async_engine import AsyncEngine
 from sandwich_tvm.runtime.background_tuning import BackgroundTuner, gemms_to_tune
 from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.runtime.metrics import ServingMetrics
 from sandwich_tvm.runtime.sampling import SamplingParams
 from sandwich_tvm.runtime.scheduler import SchedulerPolicy
 from sandwich_tvm.spec import RunSpec
@@ -60,7 +61,10 @@ def test_serving_an_untuned_model_answers_at_once_then_swaps_in_tuned_kernels(ti
     batch = BatchEngine(engine, SchedulerPolicy(max_batch=8, prefill_budget=16, chunk=16))
     async_engine = AsyncEngine(batch).start()
     logs: list[str] = []
-    tuner = BackgroundTuner(spec, async_engine, mode="always", budget_min=0.2, log=logs.append).start()
+    metrics = ServingMetrics("tiny")
+    tuner = BackgroundTuner(spec, async_engine, mode="always", budget_min=0.2, log=logs.append,
+                            metrics=metrics).start()
+    assert metrics.tuning_running._value.get() == 1
     prompt = [3, 17, 5, 9, 28, 2, 11]
     try:
         first = asyncio.run(_ask(async_engine, "a", prompt))
@@ -72,8 +76,11 @@ def test_serving_an_untuned_model_answers_at_once_then_swaps_in_tuned_kernels(ti
             time.sleep(0.2)
         assert engine.kernel_swaps >= 1 and engine.compiled.path != compiled.path
         assert asyncio.run(_ask(async_engine, "b", prompt)) == first
+        assert metrics.kernel_swaps._value.get() == len(tuner.swaps) >= 1
+        assert metrics.tuned_gemms._value.get() >= 1
     finally:
         tuner.stop()
         async_engine.shutdown()
+    assert metrics.tuning_running._value.get() == 0  # /metrics shows the worker gone
     assert any(x.startswith("background tuning: landed") for x in logs)
     assert list(tmp_path.glob("*/t*/linear_*.json"))  # the records it tuned are kept
