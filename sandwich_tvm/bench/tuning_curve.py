@@ -78,10 +78,9 @@ def stream_once(client: httpx.Client, base: str, body: dict) -> dict:
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             obj = json.loads(line[5:])
-            piece = (obj.get("choices") or [{}])[0].get("text") or ""
-            if piece:
+            if obj.get("choices"):  # one chunk per token, its text possibly held back (UTF-8)
                 stamps.append(time.perf_counter() - t0)
-                text.append(piece)
+                text.append(obj["choices"][0].get("text") or "")
             if isinstance(obj.get("usage"), dict):
                 tokens = obj["usage"].get("completion_tokens")
     tokens = tokens or len(stamps)
@@ -95,20 +94,26 @@ def stream_once(client: httpx.Client, base: str, body: dict) -> dict:
 
 def summarize(points: list[dict]) -> dict:
     """Requests before any swap (untuned) against the ones on the last build: medians of TPOT
-    and tokens/s, their ratio, and how many greedy texts the requests gave."""
-    untuned = [p for p in points if not p["swaps"]] or points[:1]
-    tuned = [p for p in points if p["after_tuning"]] or points[-1:]
+    and tokens/s, their ratio, and how many greedy texts the requests gave. A request during
+    which a build was swapped in counts for neither; with no untuned request there is no ratio."""
+    steady = [p for p in points if not p.get("swapped_during")]  # one build from first to last token
+    untuned = [p for p in steady if not p["swaps"]]
+    tuned = [p for p in steady if p["after_tuning"]] or steady[-1:]
 
-    def med(rows: list[dict], key: str) -> float:
-        return float(np.median([p[key] for p in rows]))
+    def med(rows: list[dict], key: str) -> float | None:
+        return float(np.median([p[key] for p in rows])) if rows else None
+
+    def ratio(key: str) -> float | None:
+        a, b = med(tuned, key), med(untuned, key)
+        return None if a is None or b is None else a / b
 
     return {"untuned_tokens_per_s": med(untuned, "tokens_per_s"), "untuned_tpot_ms": med(untuned, "tpot_ms"),
             "untuned_requests": len(untuned), "tuned_tokens_per_s": med(tuned, "tokens_per_s"),
             "tuned_tpot_ms": med(tuned, "tpot_ms"), "tuned_requests": len(tuned),
-            "speedup": med(tuned, "tokens_per_s") / med(untuned, "tokens_per_s"),
+            "speedup": ratio("tokens_per_s"),
             "untuned_prefill_tokens_per_s": med(untuned, "prefill_tokens_per_s"),
             "tuned_prefill_tokens_per_s": med(tuned, "prefill_tokens_per_s"),
-            "prefill_speedup": med(tuned, "prefill_tokens_per_s") / med(untuned, "prefill_tokens_per_s"),
+            "prefill_speedup": ratio("prefill_tokens_per_s"),
             "swaps": points[-1]["swaps"], "gemms_landed": points[-1]["landed"],
             "distinct_texts": len({p["text"] for p in points}),
             "texts_by_swaps": {str(int(k)): len({p["text"] for p in points if p["swaps"] == k})
@@ -171,7 +176,9 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
             while time.monotonic() - t0 < args.timeout:
                 before = scrape(client.get(srv.base_url + "/metrics").text)
                 row = stream_once(client, srv.base_url, body)
-                row |= {"t_s": time.monotonic() - t0, **before, "after_tuning": ended_at is not None}
+                after = scrape(client.get(srv.base_url + "/metrics").text)
+                row |= {"t_s": time.monotonic() - t0, **before, "after_tuning": ended_at is not None,
+                        "swapped_during": after["swaps"] != before["swaps"]}
                 points.append(row)
                 log(f"t={row['t_s']:6.0f} s  {row['tokens_per_s']:7.1f} tokens/s  TPOT {row['tpot_ms']:.1f} "
                     f"ms  GEMMs landed {before['landed']:.0f}, builds swapped in {before['swaps']:.0f}")
@@ -211,9 +218,13 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
                           f"{p['ttft_ms']:.1f}", f"{p['prefill_tokens_per_s']:.0f}", f"{p['tpot_ms']:.2f}",
                           f"{p['tokens_per_s']:.1f}")
         console.print(table)
-        console.print(f"prompt tokens/s {s['untuned_prefill_tokens_per_s']:.0f} untuned -> "
-                      f"{s['tuned_prefill_tokens_per_s']:.0f} tuned ({s['prefill_speedup']:.2f}x); decode "
-                      f"tokens/s {s['untuned_tokens_per_s']:.1f} -> {s['tuned_tokens_per_s']:.1f} "
-                      f"({s['speedup']:.2f}x); {s['distinct_texts']} distinct greedy text(s) over "
-                      f"{len(points)} requests and {s['swaps']:.0f} swaps")
+        if s["speedup"] is None:
+            console.print("no request ran before the first swap: nothing untuned to compare with")
+        else:
+            console.print(f"prompt tokens/s {s['untuned_prefill_tokens_per_s']:.0f} untuned -> "
+                          f"{s['tuned_prefill_tokens_per_s']:.0f} tuned ({s['prefill_speedup']:.2f}x); "
+                          f"decode tokens/s {s['untuned_tokens_per_s']:.1f} -> {s['tuned_tokens_per_s']:.1f} "
+                          f"({s['speedup']:.2f}x)")
+        console.print(f"{s['distinct_texts']} distinct greedy text(s) over {len(points)} requests and "
+                      f"{s['swaps']:.0f} swaps")
     return 0

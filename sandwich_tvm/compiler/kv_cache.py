@@ -3,7 +3,9 @@
 TVM's ``PagedKVCache`` compiles its own CPU kernels (serial scalar loop nests); ours keep their
 names and signatures (``kernels.attention``, ``kernels.attention_amx``, ``kernels.rope``), so
 the cache's runtime calls them unchanged. An int8 cache (``kernels.kv_int8``) also swaps the
-merge of a prompt's new keys with its cached prefix, which must read and write int8 rows.
+merge of a prompt's new keys with its cached prefix, which must read and write int8 rows. TVM
+still builds its sliding-window and tree-mask kernels for such a cache, which would read the
+rows' bytes as numbers; the engine never calls them (no sliding window, no token trees).
 """
 
 from __future__ import annotations

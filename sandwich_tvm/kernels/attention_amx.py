@@ -200,6 +200,9 @@ def _root(h_kv: int, h_q: int, d: int, dtype: str, keys: tuple[str, str], max_ke
     """The kernel's root block: K/V tiles for up to ``max_keys`` keys, per sequence the packing
     and a parallel loop over (16-row tile, KV head) tasks."""
     check_kv_dtype(dtype)
+    if dtype == "int8":
+        raise ValueError("the AMX attention kernels read 16-bit or fp32 caches; an int8 cache's rows carry "
+                         "scales (kernels.kv_int8) that only the vector kernels read")
     if not supports(d):
         raise ValueError(f"the AMX attention kernel needs head_dim a multiple of 32, at most 128 (got {d})")
     group = h_q // h_kv

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Iterator
 
 from tvm import relax, te, tirx
@@ -65,17 +67,24 @@ def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ACT_DTYPE, kernels.isa)
 
 
+_STDERR_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def native_stderr_off() -> Iterator[None]:
-    """Native code's writes to stderr (TVM's C++ log) discarded; Python's errors still raise."""
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    """Native code's writes to stderr (TVM's C++ log) discarded; Python's errors still raise.
+    Process-wide (file descriptor 2), so one at a time, and Python's buffer flushed around it."""
+    with _STDERR_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 2)
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _rows(func: tirx.PrimFunc, x: nn.Tensor, heads: int, dtype: str, width: int) -> nn.Tensor:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 MODES = ("off", "idle", "always")
+SWAP_TIMEOUT_S = 600.0  # a swap waits for the engine's current step; an engine this slow is stuck
 
 
 def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
@@ -147,18 +148,28 @@ class BackgroundTuner:
             self._reader.join(10)
 
     def _read(self) -> None:
+        try:
+            self._follow()
+        finally:
+            if self.metrics is not None:
+                self.metrics.tuning_running.set(0)
+
+    def _follow(self) -> None:
         from ..compiler.artifact import CompiledModel
 
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").strip()
             if line.startswith("compiled "):
                 path = Path(line.split(" ", 1)[1])
-                err = self.engine.swap_kernels(CompiledModel.load(path))
+                try:
+                    err = self.engine.swap_kernels(CompiledModel.load(path), timeout=SWAP_TIMEOUT_S)
+                except Exception as exc:  # a damaged build: keep serving on the running one
+                    err = f"{type(exc).__name__}: {exc}"
                 if err is None:
+                    if self.metrics is not None:  # counted before ``swaps`` shows it
+                        self.metrics.kernel_swaps.inc()
                     self.swaps.append((time.time(), str(path)))
                     self.log(f"background tuning: now serving {path.name}")
-                    if self.metrics is not None:
-                        self.metrics.kernel_swaps.inc()
                 else:
                     self.log(f"background tuning: kept the running build ({err})")
             elif line:
@@ -166,8 +177,6 @@ class BackgroundTuner:
                 if line.startswith("landed ") and self.metrics is not None:
                     self.metrics.tuned_gemms.inc()
         code = self.proc.wait()
-        if self.metrics is not None:
-            self.metrics.tuning_running.set(0)
         if code not in (0, -signal.SIGTERM):
             self.log(f"background tuning stopped with status {code}; serving goes on with the kernels it has")
 

@@ -34,5 +34,8 @@ def test_summary_compares_the_untuned_requests_with_the_ones_on_the_last_build()
     assert (s["untuned_requests"], s["tuned_requests"]) == (3, 3)
     assert s["prefill_speedup"] == pytest.approx(2.0) and s["tuned_prefill_tokens_per_s"] == 2000
     assert s["speedup"] == pytest.approx(2.0) and s["distinct_texts"] == 1
+    mixed = summarize([*points, _point(1000, 5, True) | {"swapped_during": True}])
+    assert mixed["tuned_tokens_per_s"] == 200  # a request over a swap counts for neither side
+    assert summarize(points[3:])["speedup"] is None  # nothing ran untuned
     changed = summarize([*points, _point(200, 5, True, "b")])
     assert changed["distinct_texts"] == 2 and changed["texts_by_swaps"] == {"0": 1, "2": 1, "5": 2}

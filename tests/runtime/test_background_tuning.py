@@ -76,7 +76,7 @@ def test_serving_an_untuned_model_answers_at_once_then_swaps_in_tuned_kernels(ti
             time.sleep(0.2)
         assert engine.kernel_swaps >= 1 and engine.compiled.path != compiled.path
         assert asyncio.run(_ask(async_engine, "b", prompt)) == first
-        assert metrics.kernel_swaps._value.get() == len(tuner.swaps) >= 1
+        assert metrics.kernel_swaps._value.get() >= 1
         assert metrics.tuned_gemms._value.get() >= 1
     finally:
         tuner.stop()

@@ -1,7 +1,8 @@
-"""A minute of overload with faults: Poisson arrivals far past what the tiny model serves, mixed
-with clients that vanish mid-stream, malformed and over-long requests, invalid schemas and
-structured requests. The server answers every request that stays (200, or 400/429 naming the
-problem; never a 5xx), never dies, and ends with every KV page free or cached."""
+"""Half a minute (``SANDWICH_LOAD_SECONDS`` to soak longer) of overload with faults: Poisson
+arrivals far past what the tiny model serves, mixed with clients that vanish mid-stream,
+malformed and over-long requests, invalid schemas and structured requests. The server answers
+every request that stays (200, or 400/429 naming the problem; never a 5xx), never dies, and
+ends with every KV page free or cached."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from .conftest import CONTEXT, MODEL
 
 pytestmark = pytest.mark.compile
-DURATION_S = float(os.environ.get("SANDWICH_LOAD_SECONDS", "60"))
+DURATION_S = float(os.environ.get("SANDWICH_LOAD_SECONDS", "30"))
 RATE = 100.0  # requests/s: past what the tiny model finishes at 8 slots (429s show the overload)
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["x"], "additionalProperties": False}
@@ -94,7 +95,7 @@ def _metric(served, name: str) -> float:
     return float(next(ln for ln in text.splitlines() if ln.startswith(name + "{")).rsplit(" ", 1)[1])
 
 
-def test_a_minute_of_overload_with_faults(served):
+def test_overload_with_faults(served):
     outcomes = asyncio.run(_load(served.url, served.engine.cfg.vocab_size))
     assert len(outcomes) > RATE * DURATION_S / 2
     failed = [o for o in outcomes if o[1] == -1 or o[1] >= 500]
