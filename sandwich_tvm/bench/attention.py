@@ -20,16 +20,20 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cli.common import print_error
+from ..host import host_signature
 from ..kernels.attention import check_kv_dtype
 from ..model.config import ModelConfigError, load_config
 from .timing import median_seconds
 
 
-def _cpu_name() -> str:
-    from ..host import host_signature
+def _page_table(context: int, npages: int) -> list:
+    """The decode kernel's page arguments for one sequence of ``context`` keys in ``npages``
+    consecutive pages: indptr, page indices, last page's length, two zero RoPE offsets."""
+    from ..tvm_compat import tvm
 
-    cpu = host_signature()
-    return f"{cpu.model_name} ({cpu.slug})"
+    return [tvm.runtime.tensor(a) for a in (
+        np.array([0, npages], np.int32), np.arange(npages, dtype=np.int32),
+        np.array([context - (npages - 1) * PAGE], np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32))]
 
 PAGE = 16
 
@@ -98,9 +102,7 @@ def bench_decode(h_kv: int, h_q: int, d: int, context: int, layers: int, log) ->
     rng = np.random.default_rng(0)
     npages = -(-context // PAGE)
     q = tvm.runtime.tensor(rng.standard_normal((1, h_q, d), dtype=np.float32))
-    meta = [tvm.runtime.tensor(a) for a in (
-        np.array([0, npages], np.int32), np.arange(npages, dtype=np.int32),
-        np.array([context - (npages - 1) * PAGE], np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32))]
+    meta = _page_table(context, npages)
     caches = [tvm.runtime.tensor(rng.standard_normal((npages, 2, h_kv, PAGE, d), dtype=np.float32))
               for _ in range(layers)]
     row = {"kernel": "decode", "context": context, "layers": layers}
@@ -138,9 +140,7 @@ def bench_decode_kv_dtypes(h_kv: int, h_q: int, d: int, context: int, layers: in
     npages = -(-context // PAGE)
     values = [rng.standard_normal((npages, 2, h_kv, PAGE, d), dtype=np.float32) for _ in range(layers)]
     q32 = rng.standard_normal((1, h_q, d), dtype=np.float32)
-    meta = [tvm.runtime.tensor(a) for a in (
-        np.array([0, npages], np.int32), np.arange(npages, dtype=np.int32),
-        np.array([context - (npages - 1) * PAGE], np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32))]
+    meta = _page_table(context, npages)
     split, steps, outs, times = 2 * len(PROCESS_CPUS), {}, {}, {t: [] for t in dtypes}
     for dtype in dtypes:
         log(f"decode attention, context {context} x {layers} layers: {dtype} KV cache")
@@ -193,6 +193,7 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
         return 2
     h_kv, h_q, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     layers = args.layers or cfg.num_hidden_layers
+    cpu = host_signature()
     rows = [bench_prefill(h_kv, h_q, d, args.prompt, console.print),
             bench_decode(h_kv, h_q, d, args.context, layers, console.print)]
     by_dtype = (bench_decode_kv_dtypes(h_kv, h_q, d, args.context, layers, dtypes, max(1, args.rounds),
@@ -201,7 +202,7 @@ def main_attention(args: argparse.Namespace, console: Console) -> int:
     bad += [f"{r['kv_dtype']} decode" for r in by_dtype if r["max_abs_diff_vs_first"] > 0.05]
     bad += ["AMX prefill"] * any(r.get("amx_max_abs_diff", 0) > 0.1 for r in rows)  # bf16 operands
     result = {"model": cfg.name, "heads": h_q, "kv_heads": h_kv, "head_dim": d, "rows": rows,
-              "kv_dtypes": by_dtype, "cpu": _cpu_name()}
+              "kv_dtypes": by_dtype, "cpu": f"{cpu.model_name} ({cpu.slug})"}
     if args.json:
         print(json.dumps(result, indent=1))
     else:

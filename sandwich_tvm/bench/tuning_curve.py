@@ -144,7 +144,7 @@ def plot_curve(points: list[dict], path: Path, title: str) -> None:
 
 def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
     from ..cli.common import print_error
-    from ..host import host_signature
+    from ..host import host_signature, save_atomic
     from ..model.tokenizer import load_model_tokenizer
     from .baselines.server_process import ServerProcess, ServerStartError, free_port
     from .perplexity import sharegpt_text
@@ -200,9 +200,7 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
            "idle_s": args.idle, "records": str(records), "points": points, "summary": summarize(points),
            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["tuning-curve"]))}
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(args.out)
+        save_atomic(args.out, json.dumps(out, indent=1))
     if args.plot:
         plot_curve(points, args.plot, f"{out['model']} on {out['cpu']}: serve --tune-in-background idle")
     s = out["summary"]

@@ -57,6 +57,12 @@ def vector_lanes(isa: str, d: int) -> int:
     return lanes
 
 
+def _f32_buffers(**shapes: tuple[int, ...]) -> str:
+    """TVMScript lines allocating a block's fp32 buffers, one per keyword."""
+    return "".join(f'{name} = T.sblock_alloc_buffer({shape}, "float32", scope="global")\n'
+                   for name, shape in shapes.items())
+
+
 def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # noqa: N803
                   dtype: str = "float32") -> str:
     """One tile of ``ROWS`` query rows against every visible key. ``page`` = 0: keys ragged in
@@ -92,9 +98,7 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
             output[q_indptr[b] + tok[r], hd[r], dd] = {store_as("acc[dd, r] / sm[r]", dtype)}"""
     scales = ""
     if q8:
-        scales = "".join(f'{name} = T.sblock_alloc_buffer(({size},), "float32", scope="global")\n'
-                         for name, size in (("qsc", ROWS), ("ksc", KEYS), ("vsc", KEYS), ("ob", d),
-                                            ("oz", 2)))
+        scales = _f32_buffers(qsc=(ROWS,), ksc=(KEYS,), vsc=(KEYS,), ob=(d,), oz=(2,))
         qscale = f"\n    qsc[r] = {scale_expr(qrow, d)}"
         kscale = (f"\n        ksc[j] = {scale_expr(krow.format(j='j'), d)}"
                   f"\n        vsc[j] = {scale_expr(vrow.format(j='j'), d)}")
@@ -302,8 +306,7 @@ def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: in
     vi = load_f32(f"pages[{base}, 1, kvh, j, i]", dtype)
     scales, qscale, kscale, qk = "", "", "", f"sm_scale * T.float32({LOG2E!r})"
     if dtype == "int8":  # q scaled per head, K per key on its score, V per key on its loads
-        scales = "".join(f'{name} = T.sblock_alloc_buffer({size}, "float32", scope="global")\n'
-                         for name, size in (("qsc", f"({h_q},)"), ("kvs", f"(2, {page})")))
+        scales = _f32_buffers(qsc=(h_q,), kvs=(2, page))
         qscale = f"\n    qsc[h] = {scale_expr(f'Q[{b}, h, {{}}]', d)}"
         kscale = "".join(f"\n            kvs[{t}, j] = {scale_expr(f'pages[{base}, {t}, kvh, j, {{}}]', d)}"
                          for t in (0, 1))

@@ -25,7 +25,7 @@ from .microkernel import ISAS, MicroKernel, kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 from .search import Problem, SequenceTuner, Tuned, clipped
 from .transfer import guess, transfer_sources
-from .tuner import MetaScheduleSearch, resume_record
+from .tuner import MetaScheduleSearch, record_writer, resume_record
 
 
 def best_first(ladder: list[int]) -> list[int]:
@@ -89,7 +89,11 @@ def tune_gemm_guided(
         search = MetaScheduleSearch(host_target(threads), isa, None, dtype=dtype, epilogue=epilogue)
     search.on_measured = MeasurementLog(shape, threads, here, root).record
     ladder = SequenceTuner(n, k, threads, (), max_m=max_m).ladder()
-    last = time.perf_counter()
+
+    def score(q: Problem, schs: list[GemmSchedule]) -> list[float]:
+        return list(model.predict(here, threads, shape, q.m, schs))
+
+    write = record_writer(rec, root, progress)
     for m in best_first(ladder):
         if any(t.m == m for t in rec.tuned):
             continue
@@ -100,18 +104,8 @@ def tune_gemm_guided(
         guesses: list[GemmSchedule] = [g for src, _ in sources if (g := guess(src, shape, m, threads, isa))]
         near = nearest_tuned(rec.tuned, m)
         guesses += [near.schedule] if near else [default_schedule(shape, m, threads, isa)]
-
-        def score(q: Problem, schs: list[GemmSchedule]) -> list[float]:
-            return list(model.predict(here, threads, shape, q.m, schs))
-
         sch, g = search.ranked(p, fitting(mks, m), score, list(dict.fromkeys(guesses)), top=top)
-        t = Tuned(m, sch, g, searched=True)
-        now = time.perf_counter()
-        rec.add(t, now - last)
-        last = now
-        save_record(rec, root)
-        if progress:
-            progress(t)
+        write(Tuned(m, sch, g, searched=True))
     missing = [m for m in ladder if not any(t.m == m for t in rec.tuned)]
     if missing and rec.tuned:
         fill = [Tuned(m, clipped(Problem(m, n, k, threads), nearest_tuned(rec.tuned, m).schedule),

@@ -31,7 +31,11 @@ def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                         else:
                             k[s, h - {h_q}, j] = {first}
                             k[s, h - {h_q}, j + {half}] = {second}"""
+    rows = ""  # int8: a rotated row before it is quantized, and its scale
     if dtype == "int8":
+        rows = f"""
+                t = T.sblock_alloc_buffer(({d},), "float32", scope="global")
+                tmp = T.sblock_alloc_buffer((2,), "float32", scope="global")"""
         store_q = quantize_row("t[{}]", "q[s, h, {}]", d, "tmp", 28)
         store_k = quantize_row("t[{}]", f"k[s, h - {h_q}, {{}}]", d, "tmp", 28)
         rotate = f"""tmp[0] = {scale_expr("qkv[s, h, {}]", d)}
@@ -60,9 +64,7 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
             with T.sblock("token"):
                 f = T.sblock_alloc_buffer(({half},), "float32", scope="global")
                 cs = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                sn = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                t = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                tmp = T.sblock_alloc_buffer((2,), "float32", scope="global")
+                sn = T.sblock_alloc_buffer(({d},), "float32", scope="global"){rows}
 {init}
                 for i in range({half}):
                     cs[i] = T.if_then_else({on}, T.cos({angle}), T.float32(1))

@@ -9,7 +9,7 @@ runner, and every measurement is committed to a MetaSchedule database when one i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
@@ -161,11 +161,21 @@ def tune_gemm(
     def cached_refine(p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
         return replay(p) or refine_one(p, start)
 
+    tuner.tune(cached, record_writer(rec, root, progress, skip=done),
+               cached_refine if refine_one is not None else None)
+    return rec
+
+
+def record_writer(rec: KernelRecord, root: Path | None, progress: Callable[[Tuned], None] | None = None,
+                  skip: Container[int] = ()) -> Callable[[Tuned], None]:
+    """What a tuner calls with each tuned m: added to ``rec`` with the seconds since the previous
+    one (an m in ``skip``, replayed from a resumed record, is not) and saved at once; then
+    ``progress``."""
     last = time.perf_counter()
 
-    def on_tuned(t: Tuned) -> None:
+    def write(t: Tuned) -> None:
         nonlocal last
-        if t.m not in done:
+        if t.m not in skip:
             now = time.perf_counter()
             rec.add(t, now - last)
             last = now
@@ -173,8 +183,7 @@ def tune_gemm(
         if progress:
             progress(t)
 
-    tuner.tune(cached, on_tuned, cached_refine if refine_one is not None else None)
-    return rec
+    return write
 
 
 def resume_record(path: Path, log: Callable[[str], None]) -> KernelRecord | None:
