@@ -33,6 +33,7 @@ LLVM_FEATURES: dict[str, str] = {
     "amx_tile": "amx-tile", "amx_bf16": "amx-bf16", "amx_int8": "amx-int8",
     # Arm (the cpuinfo "Features" line)
     "asimd": "neon", "asimdhp": "fullfp16", "sve": "sve", "sve2": "sve2", "bf16": "bf16", "i8mm": "i8mm",
+    "asimddp": "dotprod",
 }
 _X86_FAMILIES = ("avx512f", "amx_tile", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 
@@ -107,11 +108,15 @@ def host_isa() -> str:
 _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"},
               "avx512bf16": {"avx512f", "avx2", "fma", "avx512_bf16"}, "neonbf16": {"asimd", "bf16"},
               "amx": {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"},
-              "avx512vnni": {"avx512f", "avx2", "fma", "avx512_vnni"}}
+              "avx512vnni": {"avx512f", "avx2", "fma", "avx512_vnni"},
+              "amxint8": {"avx512f", "avx2", "fma", "avx512_vnni", "amx_tile", "amx_int8"},
+              "avxvnni": {"avx2", "fma", "avx_vnni"}, "neondot": {"asimd", "asimddp"}}
 # vector ISA -> the bf16 units a CPU of it may have, best first
 BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amx", "avx512bf16"), "neon": ("neonbf16",)}
 # vector ISA -> the int8 dot-product units a CPU of it may have (block-quantized weights)
-INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("avx512vnni",)}
+INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amxint8", "avx512vnni"), "avx2": ("avxvnni",),
+                                          "neon": ("neondot",)}
+TILE_ISAS = ("amx", "amxint8")  # need the kernel's permission for the tile state
 
 
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
@@ -134,7 +139,7 @@ def enable_amx() -> bool:
 def can_run(isa: str) -> bool:
     """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code); AMX
     also needs the kernel's permission, which this asks for."""
-    if isa == "amx" and not enable_amx():
+    if isa in TILE_ISAS and not enable_amx():
         return False
     return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
 

@@ -131,6 +131,10 @@ _ISA_TARGETS = {
     "amx": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
             "mattr": ["+avx512bf16", "+amx-tile", "+amx-bf16"]},
     "avx512vnni": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4", "mattr": ["+avx512vnni"]},
+    "amxint8": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
+                "mattr": ["+avx512vnni", "+amx-tile", "+amx-int8"]},
+    "avxvnni": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3", "mattr": ["+avxvnni"]},
+    "neondot": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+dotprod"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
     "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},
 }

@@ -8,6 +8,11 @@ intrinsics (``llvm.x86.tileloadd64`` ...: tile registers are immediates), called
 ``T.call_llvm_intrin``; the target must carry ``+amx-tile,+amx-bf16`` (``host_target`` adds
 them from the CPU flags) and the process must hold the kernel's permission
 (``host.enable_amx``).
+
+AMX-INT8 (``gemm_q*_amxint8_*``): ``tdpbsud C, A, B`` adds A (16 rows x 32 signed bytes: one
+32-k block of int8 activations) times B (8 k-quad rows x 16 columns of 4 unsigned weight bytes:
+the block's ``avx512vnni`` quads) into C (16 x 16 int32); the A tiles are 16 x 32 bytes, the B
+tiles 8 x 64 (``int8_tile_shapes``).
 """
 
 from __future__ import annotations
@@ -32,17 +37,19 @@ def amx(intrinsic: str, *args: object) -> str:
     return f'T.evaluate(T.call_llvm_intrin("void", "llvm.x86.{intrinsic}"{", " if text else ""}{text}))'
 
 
-def tile_config(rows: int = TILE_ROWS, colsb: int = TILE_BYTES) -> list[str]:
-    """Load the tile configuration (palette 1, all eight tiles ``rows`` x ``colsb`` bytes) for
-    this thread: tile state is per thread, so each parallel task loads it before its first tile."""
+def tile_config(rows: int = TILE_ROWS, colsb: int = TILE_BYTES,
+                shapes: list[tuple[int, int]] | None = None) -> list[str]:
+    """Load the tile configuration (palette 1; all eight tiles ``rows`` x ``colsb`` bytes, or
+    tile r ``shapes[r]``) for this thread: tile state is per thread, so each parallel task loads
+    it before its first tile."""
+    shapes = shapes or [(rows, colsb)] * 8
     return ['with T.sblock("amx_config"):',
             '    cfg = T.sblock_alloc_buffer((64,), "uint8", scope="global")',
             "    for i in range(64):",
             "        cfg[i] = T.uint8(0)",
             "    cfg[0] = T.uint8(1)",
-            "    for r in range(8):",
-            f"        cfg[16 + 2 * r] = T.uint8({colsb})",
-            f"        cfg[48 + r] = T.uint8({rows})",
+            *[line for r, (rw, cb) in enumerate(shapes)
+              for line in (f"    cfg[{16 + 2 * r}] = T.uint8({cb})", f"    cfg[{48 + r}] = T.uint8({rw})")],
             "    " + amx("ldtilecfg", "T.address_of(cfg[0])")]
 
 
@@ -67,3 +74,9 @@ def tile_kloop(tm: int, tn: int, pairs: int, a_tile: Callable[[int], str],
     if tm >= PREFETCH_ROWS:  # the B tiles PREFETCH steps ahead, a cache line per tile row
         body += [prefetch(b_tile(j, f"(kq + {PREFETCH})", r)) for j in range(tn) for r in range(TILE_ROWS)]
     return [f"for kq in range({pairs // PAIRS}):", *["    " + line for line in body]]
+
+
+def int8_tile_shapes(tm: int, tn: int) -> list[tuple[int, int]]:
+    """(rows, bytes per row) of each tile register of a tm x tn int8 grid: the int32
+    accumulators, then the A tiles (16 x 32 bytes), then the B tiles (8 quads x 64 bytes)."""
+    return [(TILE_ROWS, TILE_BYTES)] * (tm * tn) + [(TILE_ROWS, 32)] * tm + [(8, TILE_BYTES)] * tn

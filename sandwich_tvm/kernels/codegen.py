@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..tvm_compat import parse_tvmscript, tvm
-from .amx import amx, tile_config, tile_kloop
+from .amx import amx, int8_tile_shapes, tile_config, tile_kloop
 from .microkernel import ISAS, STACK_BYTES
 from .packing import KernelError, WeightLayout
 from .quant import BLOCK, qtype
@@ -218,18 +218,25 @@ DPBF16_LL = {isa: _DPBF16_TEMPLATE.format(L=lanes, L2=2 * lanes, intrinsic=intri
                                            ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
 
 
-# ``vpdpbusd``: per int32 lane i, acc[i] + the dot product of the 4 unsigned bytes of a[i] and
-# the 4 signed bytes of b[i] (AVX512-VNNI); the same bitcast wrapper as the bf16 pairs'.
-DPBUSD_LL = """
-declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)
-define linkonce_odr <16 x i32> @sandwich_dpbusd(<16 x i32> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {
-  %ab = bitcast <16 x i32> %a to <64 x i8>
-  %bb = bitcast <16 x i32> %b to <64 x i8>
-  %r = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %acc, <64 x i8> %ab, <64 x i8> %bb)
-  ret <16 x i32> %r
-}
+# The int8 dot products: per int32 lane i, acc[i] + the dot product of the 4 bytes of a[i] and
+# the 4 of b[i]; ``vpdpbusd`` (AVX512-VNNI, and VEX-encoded AVX-VNNI in 8 lanes) multiplies
+# unsigned a by signed b, Arm's ``sdot`` signed by signed. The same bitcast wrapper as the bf16
+# pairs'.
+_DOT4_TEMPLATE = """
+declare <{L} x i32> @{intrinsic}(<{L} x i32>, <{B} x i8>, <{B} x i8>)
+define linkonce_odr <{L} x i32> @sandwich_dot4(<{L} x i32> %acc, <{L} x i32> %a,
+                                               <{L} x i32> %b) alwaysinline {{
+  %ab = bitcast <{L} x i32> %a to <{B} x i8>
+  %bb = bitcast <{L} x i32> %b to <{B} x i8>
+  %r = call <{L} x i32> @{intrinsic}(<{L} x i32> %acc, <{B} x i8> %ab, <{B} x i8> %bb)
+  ret <{L} x i32> %r
+}}
 """
-DOT_LL = {**DPBF16_LL, "avx512vnni": DPBUSD_LL}
+DOT4_LL = {isa: _DOT4_TEMPLATE.format(L=lanes, B=4 * lanes, intrinsic=intrinsic)
+           for isa, lanes, intrinsic in (("avx512vnni", 16, "llvm.x86.avx512.vpdpbusd.512"),
+                                         ("avxvnni", 8, "llvm.x86.avx512.vpdpbusd.256"),
+                                         ("neondot", 4, "llvm.aarch64.neon.sdot.v4i32.v16i8"))}
+DOT_LL = {**DPBF16_LL, **DOT4_LL}
 
 
 def _layout_isa(isas: set[str]) -> str:
@@ -285,7 +292,15 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
         conds.append(f"{pc} < {kb}")
 
     out = [f'with T.sblock("v{v}"):']
-    if tiles:  # A in 16 x 32-bf16 tiles, 1 KB each: Ap[row tile, k tile, row, k]
+    if tiles and int8:  # A in 16 x 32-byte int8 tiles, a block each: Ap[row tile, block, row, quad]
+        out += [f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // BLOCK}, 16, 8), "int32")',
+                f'    Ad{v} = T.sblock_alloc_buffer(({mt} * {tm}, {k // BLOCK}, 16), "float32")',
+                f'    As{v} = T.sblock_alloc_buffer(({mt} * {tm}, {k // BLOCK}, 16), "float32")',
+                f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")',
+                f'    I{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "int32")']
+        if quant.bits == 4:  # a block's B tiles, unpacked to one byte a value
+            out.append(f'    Bq{v} = T.sblock_alloc_buffer(({threads}, {tn}, 8, 16), "int32")')
+    elif tiles:  # A in 16 x 32-bf16 tiles, 1 KB each: Ap[row tile, k tile, row, k]
         out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 32), "uint16")')
         out.append(f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")')
     elif int8:  # A as int8 quads, and per (row, block) its scale and scale x sum of values
@@ -300,11 +315,13 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     if p.pk > 1:
         out.append(f'    {part} = T.sblock_alloc_buffer(({p.pk - 1}, m, {n}), "float32")')
     if tiles:
+        pack = _pack_a_int8(v, 16, k_full, tiles=True) if int8 else _pack_a_tiles(ap, k_full, k // 16)
+        config = tile_config(shapes=int8_tile_shapes(tm, tn)) if int8 else tile_config(16, 64)
         out += [
             f"    for it in T.parallel({mt} * {tm}):",
-            *_indent(_pack_a_tiles(ap, k_full, k // 16), 2),
+            *_indent(pack, 2),
             f"    for t in T.parallel({threads}):",
-            *_indent(tile_config(16, 64), 2),
+            *_indent(config, 2),
         ]
     else:
         pack = _pack_a_int8(v, mr, k_full) if int8 else _pack_a_panel(ap, sch, k_full)
@@ -327,9 +344,9 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     tile = acc.alloc()
     if pairs:
         tile.append(f'ep = T.sblock_alloc_buffer((2, {lanes}), "float32", scope="global")')
-    if quant is not None:  # the current block's d and offset per vector column
+    if quant is not None and not tiles:  # the current block's d and offset per vector column
         tile.append(f'qs = T.sblock_alloc_buffer(({nv}, 2, {lanes}), "float32", scope="global")')
-    if int8:  # the current block's int32 sums
+    if int8 and not tiles:  # the current block's int32 sums
         tile.append(f'isum = T.sblock_alloc_buffer(({mr}, {nr}), "int32", scope="global")')
     if not tiles:
         tile += [f"for u, ii in T.grid({ku}, {mr}):"]
@@ -404,8 +421,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             return f"{jt} * {nv} + {q}"
 
         def scales(q: str) -> list[str]:
-            off = (f'T.Cast("float32", Wh[{panel(q)}, {blk}, {lanes} + w])' if quant.has_min
-                   else f"qs[{q}, 0, w] * T.float32({-(1 << (quant.bits - 1))})")
+            off = _int8_offset(mk.isa, quant, f"qs[{q}, 0, w]", panel(q), blk, lanes)
             return [f"for w in T.vectorized({lanes}):",
                     f'    qs[{q}, 0, w] = T.Cast("float32", Wh[{panel(q)}, {blk}, w])',
                     f"    qs[{q}, 1, w] = {off}"]
@@ -419,7 +435,7 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
 
             def step(w: str, quad: str) -> str:
                 a = f"T.Broadcast({ap}[{it}, {blk} * 8 + {quad}, ii], {lanes})"
-                return f'{cell} = T.call_pure_extern("int32x{lanes}", "sandwich_dpbusd", {cell}, {w}, {a})'
+                return f'{cell} = T.call_pure_extern("int32x{lanes}", "sandwich_dot4", {cell}, {w}, {a})'
 
             if quant.bits == 8:
                 return [step(word, "j")]
@@ -441,7 +457,42 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
                 f"        for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, dot), 3),
                 f"    for ii in T.unroll({mr}):", *_indent(acc.vectors(nv, scale), 2)]
 
+    def amx_ikloop(length: int) -> list[str]:
+        """The k loop of AMX-INT8 tiles, one 32-k block a step: (q4: each B tile's nibbles
+        unpacked to bytes in this thread's ``Bq``), ``tdpbsud`` of every A and B tile into
+        zeroed int32 tiles, stored to ``I`` and added into the fp32 tile ``C`` as
+        sum x d x d_A + offset x d_A x sum(A), 16 lanes at a time."""
+        blk, head = f"({pc} * {kc // BLOCK} + kb)", 2 * quant.header * lanes
+        a_reg, b_reg = tm * tn, tm * tn + tm
+        body = []
+        if quant.bits == 4:
+            mask = f"T.int32({0x0F0F0F0F})"
+            for j in range(tn):
+                word = f"Ww[{jt} * {nv} + {j}, {blk}, {head // 4} + j * {lanes} + w]"
+                body += ["for j in T.unroll(4):", f"    for w in T.vectorized({lanes}):",
+                         f"        Bq{v}[t, {j}, j, w] = {word} & {mask}",
+                         f"        Bq{v}[t, {j}, j + 4, w] = T.shift_right({word}, T.int32(4)) & {mask}"]
+        body += [amx("tilezero", c) for c in range(tm * tn)]
+        body += [amx("tileloadd64", a_reg + i, f"T.address_of({ap}[{it} * {tm} + {i}, {blk}, 0, 0])",
+                     "T.int64(32)") for i in range(tm)]
+        b_tile = (f"Wi[{jt} * {nv} + {{j}}, {blk}, {head}]" if quant.bits == 8 else f"Bq{v}[t, {{j}}, 0, 0]")
+        body += [amx("tileloadd64", b_reg + j, f"T.address_of({b_tile.format(j=j)})", "T.int64(64)")
+                 for j in range(tn)]
+        body += [amx("tdpbsud", i * tn + j, a_reg + i, b_reg + j) for i in range(tm) for j in range(tn)]
+        body += [amx("tilestored64", i * tn + j, f"T.address_of(I{v}[t, {i * 16}, {j * 16}])",
+                     f"T.int64({nr * 4})") for i in range(tm) for j in range(tn)]
+        row = f"{it} * {tm} + ii // 16, {blk}, ii % 16"
+        d = f'T.Cast("float32", Wh[{jt} * {nv} + q, {blk}, w])'
+        body += [f"for ii in range({mr}):", f"    for q in T.unroll({tn}):",
+                 f"        for w in T.vectorized({lanes}):",
+                 f"            C{v}[t, ii, q * {lanes} + w] = C{v}[t, ii, q * {lanes} + w] + "
+                 f'T.Cast("float32", I{v}[t, ii, q * {lanes} + w]) * ({d} * Ad{v}[{row}]) + '
+                 f"{_int8_offset(mk.isa, quant, d, f'{jt} * {nv} + q', blk, lanes)} * As{v}[{row}]"]
+        return [f"for kb in range({length // BLOCK}):", *_indent(body, 1)]
+
     def kloop(length: int) -> list[str]:
+        if int8 and tiles:
+            return amx_ikloop(length)
         if int8:
             return ikloop(length)
         if quant is not None:
@@ -461,13 +512,16 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             lines += _indent(fma(f"{pc} * {kc} + {length - length % ku} + kr", "0"), 1)
         return lines
 
-    if tiles:
+    if tiles and int8:  # the fp32 tile the blocks add into
+        tile += [f"for ii in range({mr}):", f"    for jj in T.vectorized({nr}):",
+                 f"        C{v}[t, ii, jj] = T.float32(0)"]
+    elif tiles:
         tile += [amx("tilezero", c) for c in range(tm * tn)]
     if ktail == kc:
         tile += kloop(kc)
     else:
         tile += [f"if {pc} < {kb - 1}:"] + _indent(kloop(kc), 1) + ["else:"] + _indent(kloop(ktail), 1)
-    if tiles:  # the accumulator tiles to this thread's C slot (row stride NR floats)
+    if tiles and not int8:  # the accumulator tiles to this thread's C slot (row stride NR floats)
         tile += [amx("tilestored64", i * tn + j, f"T.address_of(C{v}[t, {i * 16}, {j * 16}])",
                       f"T.int64({nr * 4})") for i in range(tm) for j in range(tn)]
 
@@ -621,11 +675,24 @@ def _pack_a_panel(ap: str, sch: GemmSchedule, k: int) -> list[str]:
     return out
 
 
-def _pack_a_int8(v: int, mr: int, k: int) -> list[str]:
+def _int8_offset(isa: str, quant, d: str, panel: str, blk: str, lanes: int) -> str:
+    """A block's offset per weight column for the int8 dot products (TIR text, lane ``w``): q4_1's
+    minimum m, q4_0's -8 d, and q8_0's -128 d where its values are stored unsigned (none where
+    the dot product is signed by signed)."""
+    if quant.has_min:
+        return f'T.Cast("float32", Wh[{panel}, {blk}, {lanes} + w])'
+    if quant.bits == 8 and ISAS[isa].signed_dot:
+        return "T.float32(0)"
+    return f"{d} * T.float32({-(1 << (quant.bits - 1))})"
+
+
+def _pack_a_int8(v: int, mr: int, k: int, tiles: bool = False) -> list[str]:
     """Row panel ``it`` of A quantized per row and block of 32 (llama.cpp's q8_0 activations):
-    d = max |a| / 127, q = round(a / d) as int8 quads ``Ap[it, k / 4, ii]``, with
+    d = max |a| / 127, q = round(a / d) as int8 quads ``Ap[it, k / 4, ii]`` (``tiles``: a block's
+    8 quads of a row side by side, ``Ap[it, block, ii, quad]``, the rows of an AMX A tile), with
     ``Ad[it, block, ii] = d`` and ``As[it, block, ii] = d x sum(q)``; rows past m are zero."""
     row = f"it * {mr} + ii"
+    dst = f"Ap{v}[it, b, ii, j]" if tiles else f"Ap{v}[it, b * 8 + j, ii]"
     quad = " | ".join(f'((T.Cast("int32", qa[4 * j + {b}]) & 255) << {8 * b})' for b in range(4))
     return [
         f"for b, ii in T.grid({k // BLOCK}, {mr}):",
@@ -645,7 +712,7 @@ def _pack_a_int8(v: int, mr: int, k: int) -> list[str]:
         *_tree("qa[c] + qa[c + 16]", "", "st[1]"),
         f"        As{v}[it, b, ii] = Ad{v}[it, b, ii] * st[1]",
         "        for j in range(8):",
-        f"            Ap{v}[it, b * 8 + j, ii] = {quad}",
+        f"            {dst} = {quad}",
     ]
 
 

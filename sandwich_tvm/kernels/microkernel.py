@@ -27,7 +27,13 @@ registers on every vector ISA (the block's d times the widened value, then the f
 int8 as the kernel packs A (llama.cpp's q8_0 activations), ``vpdpbusd`` multiplies 4 unsigned
 weight bytes by 4 signed activation bytes per int32 lane, and each block's int32 sums are scaled
 into the fp32 tile. A tile keeps int32 block sums beside its fp32 accumulators, so it holds half
-the rows of an fp32 one.
+the rows of an fp32 one. ``avxvnni`` is the same kernel in 8 lanes on AVX2 CPUs with AVX-VNNI
+(the VEX-encoded ``{vex} vpdpbusd``), ``neondot`` on Arm's dot-product extension (``sdot``:
+signed by signed bytes, so q8_0's values stay signed, ``signed_dot``). ``amxint8`` multiplies
+16 x 32 int8 A tiles by 8 (k-quads) x 16 B tiles with ``tdpbsud`` (signed activations, unsigned
+weights: the ``avx512vnni`` layout, whose small m it also runs) one 32-k block at a time, and
+scales each block's 16 x 16 int32 tile into fp32 with AVX-512 (llama.cpp's AMX path does the
+same: the scales change every block).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Isa:
     extends: tuple[str, ...] = ()  # ISAs whose micro-kernels also serve this one's layout
     peak_ratio: float = 1.0  # peak MACs per cycle over the vector ISA's (AMX bf16: 512 vs 64)
     int8_dot: bool = False  # quantized weights times int8 activations (vpdpbusd)
+    signed_dot: bool = False  # the int8 dot multiplies signed weights (sdot), not unsigned
 
     @property
     def max_nr(self) -> int:
@@ -89,11 +96,25 @@ ISAS: dict[str, Isa] = {
     "avx512vnni": Isa("avx512vnni", lanes=16, registers=32,
                       default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
                       dtypes=tuple(QTYPES), needs=("avx512_vnni",), int8_dot=True, peak_ratio=2.0),
+    "avxvnni": Isa("avxvnni", lanes=8, registers=16,
+                   default_tiles=((1, 1, 2), (2, 2, 2), (4, 4, 1), (_LARGE, 6, 1)),
+                   dtypes=tuple(QTYPES), needs=("avx_vnni",), int8_dot=True, peak_ratio=2.0),
+    "neondot": Isa("neondot", lanes=4, registers=32,
+                   default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
+                   dtypes=tuple(QTYPES), needs=("asimddp",), int8_dot=True, signed_dot=True,
+                   peak_ratio=2.0),
     # registers: tile registers; default tiles 16x32 and 32x32 (MR, NR in 16-column tiles)
     "amx": Isa("amx", lanes=16, registers=8,
                default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 4), (15, 4, 4), (31, 16, 2), (_LARGE, 32, 2)),
                dtypes=("bfloat16",), k_pack=2, needs=("amx_bf16", "amx_tile", "avx512_bf16"),
                tile_rows=16, k_align=16, extends=("avx512bf16",), peak_ratio=8.0),
+    # tdpbsud per 32-k block, then the block's scales in AVX-512. Untuned, every m runs the
+    # avx512vnni tiles: the AMX grids' per-block scaling made them 0.75-1.1x the VNNI tiles on a
+    # Xeon (docs/quant/xeon/crosscheck.json); the search weighs both.
+    "amxint8": Isa("amxint8", lanes=16, registers=8,
+                   default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
+                   dtypes=tuple(QTYPES), needs=("amx_int8", "amx_tile", "avx512_vnni"), tile_rows=16,
+                   extends=("avx512vnni",), int8_dot=True, peak_ratio=8.0),
 }
 DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 

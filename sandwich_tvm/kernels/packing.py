@@ -80,6 +80,11 @@ class WeightLayout:
         return ISAS[self.isa].int8_dot
 
     @property
+    def signed(self) -> bool:
+        """q8_0's values kept signed in the quads (a signed-by-signed dot product)."""
+        return ISAS[self.isa].signed_dot
+
+    @property
     def quant(self):
         """The block type of a quantized weight (``kernels.quant.QType``), else None."""
         return qtype(self.dtype)
@@ -117,7 +122,7 @@ class WeightLayout:
             raw = w.raw if isinstance(w, QuantBlocks) and w.qtype == q else q.quantize(np.asarray(w))
             if self.interleave:
                 raw = interleave_gate_up(raw, self.lanes)
-            return q.to_panels(raw, panels, self.lanes, out, quads=self.quads)
+            return q.to_panels(raw, panels, self.lanes, out, quads=self.quads, signed=self.signed)
         w = np.asarray(w)
         if self.interleave:
             w = interleave_gate_up(w, self.lanes)
@@ -141,7 +146,7 @@ class WeightLayout:
         from tvm import tirx
 
         if self.quant is not None:
-            return _quant_element(self.quant, self.lanes, wp, n, k, self.quads)
+            return _quant_element(self.quant, self.lanes, wp, n, k, self.quads, self.signed)
         if self.k_pack == 1:
             return wp[n // self.lanes, k, n % self.lanes].astype("float32")
 
@@ -160,7 +165,8 @@ class WeightLayout:
         """The float32 ``W[n, k]`` a packed array holds (tests, debugging)."""
         panels, kp, lanes = wp.shape
         if self.quant is not None:
-            full = self.quant.dequantize(self.quant.from_panels(wp, panels * self.lanes, self.quads))
+            raw = self.quant.from_panels(wp, panels * self.lanes, self.quads, self.signed)
+            full = self.quant.dequantize(raw)
         elif self.k_pack == 1:
             full = wp.transpose(0, 2, 1).reshape(panels * lanes, kp).astype(np.float32)
         else:
@@ -173,7 +179,7 @@ class WeightLayout:
         return w
 
 
-def _quant_element(q, lanes: int, wp, n, k, quads: bool = False):
+def _quant_element(q, lanes: int, wp, n, k, quads: bool = False, signed: bool = False):
     """``W[n, k]`` of quantized panels as an fp32 TE/TIR expression (the embedding gather,
     MetaSchedule's workload): the block's fp16 d (and m) from their two bytes, times the value."""
     from tvm import tirx
@@ -191,7 +197,7 @@ def _quant_element(q, lanes: int, wp, n, k, quads: bool = False):
 
     if q.bits == 8:
         byte = wp[p, b, at(r)]
-        if quads:  # stored as q + 128
+        if quads and not signed:  # stored as q + 128
             byte = byte ^ tirx.const(0x80, "uint8")
         return tirx.reinterpret("int8", byte).astype("float32") * half(0)
     byte = wp[p, b, at(r % 16)]

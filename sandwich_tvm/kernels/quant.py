@@ -17,7 +17,8 @@ own reference code (``gguf.quants``), so both give llama.cpp's values.
 The int8 dot-product layout (``quads``, for ``vpdpbusd``) keeps 4 consecutive k of a column in
 one 32-bit word, ``[quad][lane][4]``, and stores q8_0's values offset to unsigned (q + 128, a
 flip of the sign bit): the instruction multiplies unsigned by signed bytes, and the offset is
-taken back with the activations' block sums. A q4 byte of quad j holds elements 4j..4j+3 in its
+taken back with the activations' block sums (Arm's ``sdot`` multiplies signed bytes: there the
+values stay as they are). A q4 byte of quad j holds elements 4j..4j+3 in its
 low nibbles and 16 + 4j.. in its high ones, which is GGUF's own byte order.
 """
 
@@ -84,9 +85,10 @@ class QType:
         return gguf.GGMLQuantizationType[self.gguf]
 
     def to_panels(self, raw: np.ndarray, panels: int, lanes: int,
-                  out: np.ndarray | None = None, quads: bool = False) -> np.ndarray:
+                  out: np.ndarray | None = None, quads: bool = False, signed: bool = False) -> np.ndarray:
         """GGUF blocks of ``n <= panels * lanes`` rows -> ``[panels, k / 32, lanes * block_bytes]``
-        uint8 (rows past n are zero blocks: d = 0); ``quads``: the int8 dot-product layout."""
+        uint8 (rows past n are zero blocks: d = 0); ``quads``: the int8 dot-product layout, q8_0's
+        values offset to unsigned unless the dot product is ``signed`` (Arm's sdot)."""
         n, nbytes = raw.shape
         kb = nbytes // self.block_bytes
         rows = np.zeros((panels * lanes, kb, self.block_bytes), np.uint8)
@@ -98,7 +100,7 @@ class QType:
         values = grid[:, :, head:]  # [panel, block, byte, lane]
         if quads:  # [quad, 4, lane] -> [quad, lane, 4]
             values = values.reshape(panels, kb, -1, 4, lanes).transpose(0, 1, 2, 4, 3)
-            if self.bits == 8:
+            if self.bits == 8 and not signed:
                 values = values ^ np.uint8(0x80)
         packed = np.concatenate([halves.reshape(panels, kb, head * lanes),
                                  values.reshape(panels, kb, self.value_bytes * lanes)], axis=2)
@@ -107,7 +109,8 @@ class QType:
         out[...] = packed
         return out
 
-    def from_panels(self, packed: np.ndarray, n: int, quads: bool = False) -> np.ndarray:
+    def from_panels(self, packed: np.ndarray, n: int, quads: bool = False,
+                    signed: bool = False) -> np.ndarray:
         """The inverse of ``to_panels``: GGUF blocks of the first ``n`` rows."""
         panels, kb, pbb = packed.shape
         lanes = pbb // self.block_bytes
@@ -118,7 +121,7 @@ class QType:
         if quads:
             values = values.reshape(panels, kb, -1, lanes, 4).transpose(0, 1, 2, 4, 3)
             values = values.reshape(panels, kb, self.value_bytes, lanes)
-            if self.bits == 8:
+            if self.bits == 8 and not signed:
                 values = values ^ np.uint8(0x80)
         grid = np.concatenate([halves.reshape(panels, kb, head, lanes), values], axis=2)
         rows = grid.transpose(0, 3, 1, 2).reshape(panels * lanes, kb * self.block_bytes)

@@ -18,7 +18,7 @@ from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks, head_dtype
 from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
 from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
 
-from ..isas import QUANT_CASES, VECTOR_REGISTER, assembly, require_runnable
+from ..isas import DOT_INSTRUCTION, QUANT_CASES, VECTOR_REGISTER, assembly, require_runnable
 
 quant_cases = pytest.mark.parametrize(("isa", "dtype"), QUANT_CASES)
 
@@ -31,7 +31,8 @@ def _weight(n: int, k: int, seed: int = 0) -> np.ndarray:
     return w
 
 
-LAYOUT_ISAS = ["avx512", "avx512vnni"]  # values [k][lane]; 4-k words [quad][lane][4] (q8_0 offset)
+# values [k][lane]; 4-k words [quad][lane][4] (q8_0 offset, and signed for sdot)
+LAYOUT_ISAS = ["avx512", "avx512vnni", "neondot"]
 
 
 @pytest.mark.parametrize("dtype", sorted(QTYPES))
@@ -45,10 +46,10 @@ def test_gguf_blocks_pack_and_unpack_bit_for_bit(dtype, interleave, isa):
     layout = WeightLayout(isa, dtype, interleave)
     packed = layout.pack(QuantBlocks(raw, q, k))
     assert packed.dtype == np.uint8 and packed.shape == layout.shape(n, k)
-    assert packed.shape[2] == 16 * q.block_bytes  # 8.5, 4.5, 5 bits a weight, as in GGUF
+    assert packed.shape[2] == layout.lanes * q.block_bytes  # 8.5, 4.5, 5 bits a weight, as in GGUF
     np.testing.assert_array_equal(layout.unpack(packed, n, k), q.dequantize(raw))
     if not interleave:
-        np.testing.assert_array_equal(q.from_panels(packed, n, layout.quads), raw)  # the GGUF bytes, moved
+        np.testing.assert_array_equal(q.from_panels(packed, n, layout.quads, layout.signed), raw)  # moved
     # a float weight is quantized by gguf's reference code (llama.cpp's rounding): the same bytes
     np.testing.assert_array_equal(layout.pack(_weight(n, k)), packed)
 
@@ -164,10 +165,13 @@ def test_default_kernel_builds_for_every_isa_and_type(isa, dtype):
     """Built (not run) for every ISA: its registers in the assembly, and micro-kernels enumerated."""
     assert microkernels(isa, dtype) and all(mk.kc_align % 32 == 0 for mk in microkernels(isa, dtype))
     shape = GemmShape(8 * ISAS[isa].lanes, 128, dtype)
-    func = linear_primfunc(shape, default_buckets(shape, 2, None, isa))
+    buckets = default_buckets(shape, 2, None, isa)
+    if ISAS[isa].tile_rows:  # untuned, AMX-INT8 runs the VNNI tiles: a tile grid for large m
+        buckets[-1] = Bucket(1 << 62, _sch(isa, dtype, 32, 2, 64, 4, 64))
+    func = linear_primfunc(shape, buckets)
     asm = assembly(tvm.compile(tvm.IRModule({"linear": func}), target=isa_target(isa, 2)))
     assert VECTOR_REGISTER[isa] in asm
-    if isa == "avx2":
+    if isa in ("avx2", "avxvnni"):
         assert "%zmm" not in asm
     if ISAS[isa].int8_dot:
-        assert "vpdpbusd" in asm
+        assert DOT_INSTRUCTION[isa] in asm
