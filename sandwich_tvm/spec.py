@@ -73,7 +73,7 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
                             f"{weight_dtype}")
         return False
     flags = cpu_flags() if flags is None else flags
-    unit = ISAS[kernel_isa(isa_of(flags), weight_dtype, flags)].int8_dot
+    unit = ISAS[kernel_isa(isa_of(flags), weight_dtype, flags)].quantized_unit
     if choice == "int8" and not unit:
         raise SpecError("--activations int8 needs an int8 dot-product unit (AVX512-VNNI) this CPU does not "
                         "have; use --activations auto")

@@ -20,10 +20,10 @@ QUANT_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dt
 # What a vector register looks like in each ISA's assembly.
 VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "avx512vnni": "%zmm",
                    "avxvnni": "%ymm", "neon": ".4s", "neonbf16": ".4s", "neondot": ".4s", "amx": "%tmm",
-                   "amxint8": "%tmm"}
+                   "amxint8": "%tmm", "amxdq": "%tmm"}
 # The int8 dot-product instruction of each int8 ISA, as its assembly spells it.
 DOT_INSTRUCTION = {"avx512vnni": "vpdpbusd", "avxvnni": "{vex}\tvpdpbusd", "neondot": "sdot",
-                   "amxint8": "tdpbsud"}
+                   "amxint8": "tdpbsud", "amxdq": "tdpbf16ps"}
 
 
 def require_runnable(isa: str) -> None:

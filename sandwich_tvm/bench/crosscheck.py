@@ -45,6 +45,40 @@ def quantized_a(a: np.ndarray) -> np.ndarray:
     return (np.round(blocks * inv) * (amax / np.float32(127))).reshape(a.shape)
 
 
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to bf16 (to nearest even) and back, as the tile kernels pack them."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(
+        np.float32)
+
+
+def product_as_seen(a: np.ndarray, w: np.ndarray, mode: str) -> np.ndarray:
+    """``A @ W.T`` as a kernel computes it: ``int8`` quantizes A per row and block, ``bf16``
+    rounds both operands to bf16 (amxdq's tiles), ``float32`` takes them as they are."""
+    if mode == "int8":
+        return quantized_a(a) @ w.T
+    if mode == "bf16":
+        return bf16_rounded(a) @ bf16_rounded(w).T
+    return a @ w.T
+
+
+def operand_mode(isa: str) -> str:
+    """What the micro-kernels of ``isa`` multiply quantized weights by (``product_as_seen``)."""
+    from ..kernels.microkernel import ISAS
+
+    spec = ISAS[isa]
+    return "int8" if spec.int8_dot else "bf16" if spec.tile_rows else "float32"
+
+
+def modes_by_m(buckets) -> list[tuple[int, str]]:
+    """``(m_max, operand mode)`` of each bucket, in order."""
+    return [(b.m_max, operand_mode(b.schedule.mk.isa)) for b in buckets]
+
+
+def mode_at(modes: list, m: int) -> str:
+    return next(mode for top, mode in modes if m <= top)
+
+
 # --- build (needs TVM's compiler) -----------------------------------------------------------
 
 def _weight(n: int, k: int, seed: int) -> np.ndarray:
@@ -55,7 +89,7 @@ def _weight(n: int, k: int, seed: int) -> np.ndarray:
     return w
 
 
-def _check_buckets(isa: str, dtype: str):
+def check_buckets(isa: str, dtype: str):
     """The unit test's buckets: a 1-row tile, a 2-row one, split-K, and a large tile with a
     tail KC block (AMX tiles where the ISA has them)."""
     from ..kernels.codegen import Bucket
@@ -102,9 +136,9 @@ def build(isas: list[str], out: Path, dtypes: list[str],
     data.update({f"s{m}": rng.standard_normal((m, k_silu)).astype(np.float32) for m in (1, 3, 33, 200)})
     cases, timings = [], []
     for isa in isas:
-        if isa not in ISAS or not ISAS[isa].int8_dot:
-            raise SystemExit(f"error: {isa!r} is not an int8 ISA; one of "
-                             f"{', '.join(i for i in ISAS if ISAS[i].int8_dot)}")
+        if isa not in ISAS or not ISAS[isa].quantized_unit:
+            raise SystemExit(f"error: {isa!r} is not a quantized-weight unit; one of "
+                             f"{', '.join(i for i in ISAS if ISAS[i].quantized_unit)}")
         target, lanes = isa_target(isa, 2), ISAS[isa].lanes
         if str(target.attrs.get("mtriple", "")).split("-")[0] not in ("", platform.machine()):
             raise SystemExit(f"error: {isa} kernels are for {target.attrs['mtriple']}, and this "
@@ -117,19 +151,22 @@ def build(isas: list[str], out: Path, dtypes: list[str],
             data[f"{name}_wp"], data[f"{name}_w"] = wp, layout.unpack(wp, n, k)
             data[f"{name}_r"] = rng.standard_normal((max(CHECK_M), n)).astype(np.float32)
             for epilogue in ("none", "residual"):
-                func = linear_primfunc(GemmShape(n, k, dtype, epilogue), _check_buckets(isa, dtype))
+                buckets = check_buckets(isa, dtype)
+                func = linear_primfunc(GemmShape(n, k, dtype, epilogue), buckets)
                 _export(func, target, out / f"{name}_{epilogue}.so")
                 cases.append({"isa": isa, "dtype": dtype, "epilogue": epilogue, "n": n, "k": k,
-                              "lib": f"{name}_{epilogue}.so", "weight": name})
+                              "lib": f"{name}_{epilogue}.so", "weight": name,
+                              "modes": modes_by_m(buckets)})
             n2 = 2 * 3 * lanes
             shape = GemmShape(n2, k_silu, dtype, "silu_mul")
             silu = WeightLayout(isa, dtype, interleave=True)
             wp2 = silu.pack(_weight(n2, k_silu, 3))
             data[f"{name}_silu_wp"], data[f"{name}_silu_w"] = wp2, silu.unpack(wp2, n2, k_silu)
-            _export(linear_primfunc(shape, default_buckets(shape, 2, None, isa)), target,
-                    out / f"{name}_silu_mul.so")
+            buckets = default_buckets(shape, 2, None, isa)
+            _export(linear_primfunc(shape, buckets), target, out / f"{name}_silu_mul.so")
             cases.append({"isa": isa, "dtype": dtype, "epilogue": "silu_mul", "n": n2, "k": k_silu,
-                          "lib": f"{name}_silu_mul.so", "weight": f"{name}_silu"})
+                          "lib": f"{name}_silu_mul.so", "weight": f"{name}_silu",
+                          "modes": modes_by_m(buckets)})
             for tn, tk in time_shapes:
                 shape = GemmShape(tn, tk, dtype)
                 lib = f"time_{name}_{tn}x{tk}.so"
@@ -155,7 +192,7 @@ def _check(fn, case: dict, data, tvm) -> dict:
     if case["epilogue"] == "silu_mul":
         for m in (1, 3, 33, 200):
             a = data[f"s{m}"]
-            g, u = np.split(quantized_a(a) @ w.T, 2, axis=1)
+            g, u = np.split(product_as_seen(a, w, mode_at(case["modes"], m)), 2, axis=1)
             want = g / (1 + np.exp(-g)) * u
             y = tvm.runtime.empty((m, n // 2), "float32", dev)
             fn(tvm.runtime.tensor(a), wp, y)
@@ -164,7 +201,7 @@ def _check(fn, case: dict, data, tvm) -> dict:
         return {"ok": worst <= 0, "excess": worst}
     for m in CHECK_M:
         a = data[f"a{m}"]
-        want = quantized_a(a) @ w.T
+        want = product_as_seen(a, w, mode_at(case["modes"], m))
         y = tvm.runtime.empty((m, n), "float32", dev)
         args = [tvm.runtime.tensor(a), wp]
         if case["epilogue"] == "residual":
@@ -251,7 +288,8 @@ def add_crosscheck_parser(sub) -> None:
 def _arguments(p: argparse.ArgumentParser) -> None:
     verbs = p.add_subparsers(dest="verb", required=True)
     b = verbs.add_parser("build", help="build the kernels, weights and inputs into a bundle")
-    b.add_argument("--isas", default="amxint8,avxvnni,avx512vnni", help="comma-separated int8 ISAs")
+    b.add_argument("--isas", default="amxdq,amxint8,avxvnni,avx512vnni",
+                   help="comma-separated quantized-weight units (default amxdq,amxint8,avxvnni,avx512vnni)")
     b.add_argument("--dtypes", default="q8_0,q4_0,q4_1", help="comma-separated quantized weight types")
     b.add_argument("--out", type=Path, required=True, help="the bundle directory")
     b.add_argument("--no-timing", action="store_true", help="build the checked kernels only")

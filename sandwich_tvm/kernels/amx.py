@@ -60,7 +60,7 @@ def prefetch(element: str) -> str:
 
 
 def tile_kloop(tm: int, tn: int, pairs: int, a_tile: Callable[[int], str],
-               b_tile: Callable[..., str]) -> list[str]:
+               b_tile: Callable[..., str], prefetch_b: bool = True) -> list[str]:
     """The k loop of a tm x tn tile grid over ``pairs`` k-pairs (a multiple of 16): per step
     ``kq``, load A tiles ``a_tile(i)`` and B tiles ``b_tile(j)`` (buffer elements, 64-byte rows;
     ``b_tile(j, step, row)``: row ``row`` of the tile at k step ``step``) and add every product.
@@ -71,7 +71,7 @@ def tile_kloop(tm: int, tn: int, pairs: int, a_tile: Callable[[int], str],
     body += [amx("tileloadd64", b_reg + j, f"T.address_of({b_tile(j)})", f"T.int64({TILE_BYTES})")
              for j in range(tn)]
     body += [amx("tdpbf16ps", i * tn + j, a_reg + i, b_reg + j) for i in range(tm) for j in range(tn)]
-    if tm >= PREFETCH_ROWS:  # the B tiles PREFETCH steps ahead, a cache line per tile row
+    if prefetch_b and tm >= PREFETCH_ROWS:  # the B tiles PREFETCH steps ahead, a cache line per tile row
         body += [prefetch(b_tile(j, f"(kq + {PREFETCH})", r)) for j in range(tn) for r in range(TILE_ROWS)]
     return [f"for kq in range({pairs // PAIRS}):", *["    " + line for line in body]]
 

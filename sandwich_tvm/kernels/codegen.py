@@ -262,10 +262,13 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     tiles = ISAS[mk.isa].tile_rows > 0  # an AMX tile grid
     quant = qtype(mk.dtype)  # block-quantized weights (kernels.quant)
     int8 = ISAS[mk.isa].int8_dot  # ... times int8 activations (vpdpbusd)
+    dq = tiles and quant is not None and not int8  # bf16 tiles on a dequantized slice (amxdq)
     tm, tn = mk.tiles
-    # AMX walks the padded k (16 pairs per tile; A and W are zero there)
+    # AMX walks the padded k (16 pairs per tile; A and W are zero there); amxdq k-pairs
     k = WeightLayout(mk.isa, mk.dtype).reduction(k_full) if tiles else cdiv(k_full, mk.k_pack)
     kc = min(s.kc, k)
+    if dq:
+        k, kc = k_full // 2, min(s.kc // 2, k_full // 2)
     mct, nct = s.mc // mr, s.nc // nr
     kb, ktail = cdiv(k, kc), k - (cdiv(k, kc) - 1) * kc
     nt, full_nt = cdiv(n, nr), n // nr
@@ -303,6 +306,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     elif tiles:  # A in 16 x 32-bf16 tiles, 1 KB each: Ap[row tile, k tile, row, k]
         out.append(f'    {ap} = T.sblock_alloc_buffer(({mt} * {tm}, {k // 16}, 16, 32), "uint16")')
         out.append(f'    C{v} = T.sblock_alloc_buffer(({threads}, {mr}, {nr}), "float32")')
+        if dq:  # each thread's KC x NC slice of the weight as bf16 pairs: Wb[t, panel, pair, lane]
+            out.append(f'    Wb{v} = T.sblock_alloc_buffer(({threads}, {nct * nv}, {kc}, 16), "uint32")')
     elif int8:  # A as int8 quads, and per (row, block) its scale and scale x sum of values
         out += [f'    {ap} = T.sblock_alloc_buffer(({mt}, {k // 4}, {mr}), "int32")',
                 f'    Ad{v} = T.sblock_alloc_buffer(({mt}, {k // BLOCK}, {mr}), "float32")',
@@ -333,6 +338,8 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     out += [
         f"        for jc in range({cdiv(nchunk, nct)}):",
         f"            for pcl in range({kchunk}):",
+        *(_indent(_dequant_slice(v, quant, mk, f"({b} * {nchunk} + jc * {nct} + jd)", pc, nct, nchunk,
+                                 nt, kc, k, kb), 4) if dq else []),
         f"                for ic in range(({mchunk} + T.int64({mct - 1})) // T.int64({mct})):",
         f"                    for jr in range({nct}):",
         f"                        for ir in range({mct}):",
@@ -495,14 +502,17 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             return amx_ikloop(length)
         if int8:
             return ikloop(length)
-        if quant is not None:
+        if quant is not None and not tiles:
             return qkloop(length)
         if tiles:  # A tile (it, kb) and the B tile of 16 pairs of panel jt * tn + j, from kq
             def b_tile(j: int, q: str = "kq", r: int = 0) -> str:
+                if dq:  # the slice's panel jr * tn + j
+                    return f"Wb{v}[t, jr * {nv} + {j}, {q} * 16 + {r}, 0]"
                 return f"Wp[{jt} * {nv} + {j}, {pc} * {kc} + {q} * 16 + {r}, 0]"
 
             return tile_kloop(tm, tn, length,
-                              lambda i: f"{ap}[{it} * {tm} + {i}, {pc} * {kc // 16} + kq, 0, 0]", b_tile)
+                              lambda i: f"{ap}[{it} * {tm} + {i}, {pc} * {kc // 16} + kq, 0, 0]", b_tile,
+                              prefetch_b=not dq)
         lines = []
         if length // ku:
             lines += [f"for kq in range({length // ku}):", f"    for u in T.unroll({ku}):"]
@@ -684,6 +694,43 @@ def _int8_offset(isa: str, quant, d: str, panel: str, blk: str, lanes: int) -> s
     if quant.bits == 8 and ISAS[isa].signed_dot:
         return "T.float32(0)"
     return f"{d} * T.float32({-(1 << (quant.bits - 1))})"
+
+
+def _dequant_slice(v: int, quant, mk, jt: str, pc: str, nct: int, nchunk: int, nt: int, kc: int,
+                   k: int, kb: int) -> list[str]:
+    """This thread's KC x NC slice of a quantized weight (the avx512vnni layout) as bf16 pairs
+    ``Wb[t, slice panel, pair, lane]`` for amxdq's tiles: per panel and block, d and the offset
+    to registers, then for every pair of k the two values out of their quad words (q8_0 bytes
+    stored + 128; a q4 word's low nibbles are quad j, its high ones quad j + 4), scaled and
+    rounded to bf16. ``jt`` is the tile index with the slice's ``jd``; ``kc``, ``k`` in pairs."""
+    head = 2 * quant.header * 16
+    blk, panel = f"({pc} * {kc // 16} + bb)", f"{jt} * {mk.nr // 16} + j"
+    off = _int8_offset(mk.isa, quant, "qd[0, w]", panel, blk, 16)
+
+    def value(e: int) -> str:
+        quad, byte = "(p // 2)", f"(2 * (p % 2) + {e})"
+        if quant.bits == 8:
+            word, bits, mask = f"{quad} * 16", f"8 * {byte}", 255
+        else:
+            word, bits, mask = f"{quad} % 4 * 16", f"8 * {byte} + 4 * ({quad} // 4)", 15
+        q = f"(T.shift_right(Ww[{panel}, {blk}, {head // 4} + {word} + w], {bits}) & T.int32({mask}))"
+        return f'T.Cast("float32", {q}) * qd[0, w] + qd[1, w]'
+
+    return [
+        f"for jd in range({nct}):",
+        f"    if {jt} < {nt} and jc * {nct} + jd < {nchunk} and {pc} < {kb}:",
+        f"        for j, bb in T.grid({mk.nr // 16}, {kc // 16}):",
+        f"            if {pc} * {kc} + bb * 16 < {k}:",
+        '                with T.sblock("dequant"):',
+        '                    qd = T.sblock_alloc_buffer((2, 16), "float32", scope="global")',
+        "                    for w in T.vectorized(16):",
+        f'                        qd[0, w] = T.Cast("float32", Wh[{panel}, {blk}, w])',
+        f"                        qd[1, w] = {off}",
+        "                    for p in T.unroll(16):",
+        "                        for w in T.vectorized(16):",
+        f"                            Wb{v}[t, jd * {mk.nr // 16} + j, bb * 16 + p, w] = "
+        f"{bf16_bits(value(0))} | ({bf16_bits(value(1))} << T.uint32(16))",
+    ]
 
 
 def _pack_a_int8(v: int, mr: int, k: int, tiles: bool = False) -> list[str]:

@@ -68,6 +68,13 @@ class Isa:
     peak_ratio: float = 1.0  # peak MACs per cycle over the vector ISA's (AMX bf16: 512 vs 64)
     int8_dot: bool = False  # quantized weights times int8 activations (vpdpbusd)
     signed_dot: bool = False  # the int8 dot multiplies signed weights (sdot), not unsigned
+    quads: bool = False  # reads the int8 dot products' weight layout with 16-bit activations (amxdq)
+
+    @property
+    def quantized_unit(self) -> bool:
+        """A unit for quantized weights beside the vector ISA's dequantizing loads (int8 dot
+        products, or AMX tiles on dequantized slices): what ``--activations auto`` picks."""
+        return self.int8_dot or self.quads
 
     @property
     def max_nr(self) -> int:
@@ -110,11 +117,20 @@ ISAS: dict[str, Isa] = {
                tile_rows=16, k_align=16, extends=("avx512bf16",), peak_ratio=8.0),
     # tdpbsud per 32-k block, then the block's scales in AVX-512. Untuned, every m runs the
     # avx512vnni tiles: the AMX grids' per-block scaling made them 0.75-1.1x the VNNI tiles on a
-    # Xeon (docs/quant/xeon/crosscheck.json); the search weighs both.
+    # Xeon (docs/quant/xeon/crosscheck.json); the search weighs both. peak_ratio: as measured.
     "amxint8": Isa("amxint8", lanes=16, registers=8,
                    default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
                    dtypes=tuple(QTYPES), needs=("amx_int8", "amx_tile", "avx512_vnni"), tile_rows=16,
-                   extends=("avx512vnni",), int8_dot=True, peak_ratio=8.0),
+                   extends=("avx512vnni",), int8_dot=True, peak_ratio=1.8),
+    # AMX-BF16 tiles on quantized weights: each thread dequantizes its KC x NC slice of the
+    # avx512vnni layout to bf16 pairs once per call and runs amx's tdpbf16ps grids on it (A in
+    # bf16), as oneDNN's weight-only quantization does. Untuned: m < 32 on avx512vnni tiles (a
+    # 16x32 grid ran 0.55-0.7x them at m = 16), 32x32 grids above (1.2-1.8x them at m = 64-512 on
+    # a Xeon, docs/quant/xeon/crosscheck_amxdq.json). peak_ratio: as measured.
+    "amxdq": Isa("amxdq", lanes=16, registers=8,
+                 default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (31, 6, 2), (_LARGE, 32, 2)),
+                 dtypes=tuple(QTYPES), needs=("amx_bf16", "amx_tile", "avx512_vnni"), tile_rows=16,
+                 extends=("avx512vnni", "amxint8"), quads=True, peak_ratio=3.5),
 }
 DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 

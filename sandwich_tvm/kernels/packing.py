@@ -77,7 +77,7 @@ class WeightLayout:
     @property
     def quads(self) -> bool:
         """Quantized values in 4-k words for the int8 dot product (``kernels.quant``)."""
-        return ISAS[self.isa].int8_dot
+        return ISAS[self.isa].int8_dot or ISAS[self.isa].quads
 
     @property
     def signed(self) -> bool:

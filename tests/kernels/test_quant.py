@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sandwich_tvm.bench.crosscheck import check_buckets, mode_at, modes_by_m, product_as_seen
 from sandwich_tvm.kernels.codegen import Bucket, KernelError, linear_primfunc
 from sandwich_tvm.kernels.defaults import default_buckets
 from sandwich_tvm.kernels.microkernel import ISAS, MicroKernel, microkernels
@@ -85,18 +86,6 @@ def test_head_stays_at_8_bits_under_4_bit_weights():
     assert head_dtype("q8_0") == "q8_0" and head_dtype("bfloat16") == "bfloat16"
 
 
-def _a_as_the_kernel_sees_it(a: np.ndarray, isa: str) -> np.ndarray:
-    """A itself, or for an int8 dot-product ISA A quantized per row and block of 32 (d = max |a| /
-    127, q = round(a x 127 / max |a|)) and dequantized."""
-    if not ISAS[isa].int8_dot:
-        return a
-    blocks = a.reshape(a.shape[0], -1, 32).astype(np.float32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.round(blocks * inv)
-    return (q * (amax / np.float32(127))).reshape(a.shape)
-
-
 def _sch(isa, dtype, mr, vectors, mc, nc_vectors, kc, pm=1, pn=2, pk=1) -> GemmSchedule:
     lanes = ISAS[isa].lanes
     return GemmSchedule(MicroKernel(isa, mr, vectors * lanes, dtype), Slice(mc, nc_vectors * lanes, kc),
@@ -118,16 +107,14 @@ def test_every_m_with_tails_epilogues_and_split_k(isa, dtype):
     layout = WeightLayout(isa, dtype)
     wp = layout.pack(_weight(n, k, 1))
     w = layout.unpack(wp, n, k)
-    buckets = [Bucket(1, _sch(isa, dtype, 1, 2, 1, 4, 64)),
-               Bucket(5, _sch(isa, dtype, 2, 3, 4, 6, 32, pm=2, pn=1)),
-               Bucket(40, _sch(isa, dtype, 4, 2, 8, 4, 64, pm=1, pn=1, pk=2)),  # split-K
-               Bucket(1 << 62, _sch(isa, dtype, 6, 1, 12, 4, 96, pm=2, pn=1))]
+    buckets = check_buckets(isa, dtype)  # 1 and 2-row tiles, split-K, a KC tail (AMX grids on AMX)
+    modes = modes_by_m(buckets)
     fn = _build(shape, buckets)
     res_fn = _build(GemmShape(n, k, dtype, "residual"), buckets)
     wt = tvm.runtime.tensor(wp)
     for m in [*range(1, 9), 17, 40, 41, 64, 127, 300]:
         a = rng.standard_normal((m, k)).astype(np.float32)
-        want = _a_as_the_kernel_sees_it(a, isa) @ w.T
+        want = product_as_seen(a, w, mode_at(modes, m))
         y = tvm.runtime.empty((m, n), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), wt, y)
         np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=f"m={m}")
@@ -135,7 +122,7 @@ def test_every_m_with_tails_epilogues_and_split_k(isa, dtype):
         res_fn(tvm.runtime.tensor(a), wt, tvm.runtime.tensor(r), y)
         np.testing.assert_allclose(y.numpy(), want + r, rtol=1e-4, atol=1e-4 * np.sqrt(k),
                                    err_msg=f"m={m}")
-        if ISAS[isa].int8_dot:  # int8 activations: within their rounding of the fp32 product
+        if ISAS[isa].quantized_unit:  # int8 (or bf16) operands: within their rounding of the fp32 product
             np.testing.assert_allclose(y.numpy() - r, a @ w.T, atol=0.03 * np.abs(a @ w.T).max())
 
 
@@ -149,11 +136,13 @@ def test_silu_mul_on_an_interleaved_quantized_gate_up(isa, dtype):
     gate_up = _weight(n, k, 3)
     wp = layout.pack(gate_up)
     w = layout.unpack(wp, n, k)  # de-interleaved: cat(gate, up)
-    fn = _build(shape, default_buckets(shape, 2, None, isa))
+    buckets = default_buckets(shape, 2, None, isa)
+    modes = modes_by_m(buckets)
+    fn = _build(shape, buckets)
     rng = np.random.default_rng(4)
     for m in (1, 3, 33, 200):
         a = rng.standard_normal((m, k)).astype(np.float32)
-        g, u = np.split(_a_as_the_kernel_sees_it(a, isa) @ w.T, 2, axis=1)
+        g, u = np.split(product_as_seen(a, w, mode_at(modes, m)), 2, axis=1)
         y = tvm.runtime.empty((m, n // 2), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), tvm.runtime.tensor(wp), y)
         np.testing.assert_allclose(y.numpy(), g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-3,
@@ -173,5 +162,5 @@ def test_default_kernel_builds_for_every_isa_and_type(isa, dtype):
     assert VECTOR_REGISTER[isa] in asm
     if isa in ("avx2", "avxvnni"):
         assert "%zmm" not in asm
-    if ISAS[isa].int8_dot:
+    if isa in DOT_INSTRUCTION:
         assert DOT_INSTRUCTION[isa] in asm
