@@ -110,7 +110,7 @@ _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "ne
               "amx": {"avx512f", "avx2", "fma", "avx512_bf16", "amx_tile", "amx_bf16"},
               "avx512vnni": {"avx512f", "avx2", "fma", "avx512_vnni"},
               "amxint8": {"avx512f", "avx2", "fma", "avx512_vnni", "amx_tile", "amx_int8"},
-              "amxdq": {"avx512f", "avx2", "fma", "avx512_vnni", "amx_tile", "amx_bf16"},
+              "amxdq": {"avx512f", "avx2", "fma", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"},
               "avxvnni": {"avx2", "fma", "avx_vnni"}, "neondot": {"asimd", "asimddp"}}
 # vector ISA -> the bf16 units a CPU of it may have, best first
 BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amx", "avx512bf16"), "neon": ("neonbf16",)}

@@ -134,7 +134,7 @@ _ISA_TARGETS = {
     "amxint8": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
                 "mattr": ["+avx512vnni", "+amx-tile", "+amx-int8"]},
     "amxdq": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4",
-              "mattr": ["+avx512vnni", "+amx-tile", "+amx-bf16"]},
+              "mattr": ["+avx512vnni", "+avx512bf16", "+amx-tile", "+amx-bf16"]},
     "avxvnni": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3", "mattr": ["+avxvnni"]},
     "neondot": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+dotprod"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},

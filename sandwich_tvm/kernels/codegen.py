@@ -179,9 +179,12 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     '''
     lines = textwrap.dedent(head).strip("\n").split("\n")
     base = 3
-    dot = {b.schedule.mk.isa for b in buckets} & set(DOT_LL)
-    if dot:  # the dot-product instruction, inlined from LLVM IR (see DPBF16_LL)
-        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {DOT_LL[dot.pop()]!r}):")
+    # the dot-product instructions (and amxdq's bf16 pair conversion), inlined from LLVM IR
+    # (see DPBF16_LL): one module of IR for the kernel
+    ir = [DOT_LL[i] for i in sorted({b.schedule.mk.isa for b in buckets} & set(DOT_LL))]
+    ir += [BF16_PAIRS_LL] if any(b.schedule.mk.isa == "amxdq" for b in buckets) else []
+    if ir:
+        lines.append(f"            with T.attr(0, \"pragma_import_llvm\", {''.join(ir)!r}):")
         base = 4
     ordered = sorted(buckets, key=lambda b: b.m_max)
     for i, b in enumerate(ordered):
@@ -237,6 +240,21 @@ DOT4_LL = {isa: _DOT4_TEMPLATE.format(L=lanes, B=4 * lanes, intrinsic=intrinsic)
                                          ("avxvnni", 8, "llvm.x86.avx512.vpdpbusd.256"),
                                          ("neondot", 4, "llvm.aarch64.neon.sdot.v4i32.v16i8"))}
 DOT_LL = {**DPBF16_LL, **DOT4_LL}
+
+# Two fp32 vectors (k even, k odd of 16 columns) to 16 bf16 pairs, rounded to nearest even:
+# ``vcvtne2ps2bf16`` puts its second operand's 16 values in the low half and the first's in the
+# high half, and a word shuffle interleaves them (amxdq's dequantized weight slices).
+BF16_PAIRS_LL = """
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
+define linkonce_odr <16 x i32> @sandwich_bf16_pairs(<16 x float> %lo, <16 x float> %hi) alwaysinline {
+  %p = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %hi, <16 x float> %lo)
+  %w = bitcast <32 x bfloat> %p to <32 x i16>
+  %s = shufflevector <32 x i16> %w, <32 x i16> poison, <32 x i32> <""" + ", ".join(
+    f"i32 {i // 2 + 16 * (i % 2)}" for i in range(32)) + """>
+  %r = bitcast <32 x i16> %s to <16 x i32>
+  ret <16 x i32> %r
+}
+"""
 
 
 def _layout_isa(isas: set[str]) -> str:
@@ -707,14 +725,16 @@ def _dequant_slice(v: int, quant, mk, jt: str, pc: str, nct: int, nchunk: int, n
     blk, panel = f"({pc} * {kc // 16} + bb)", f"{jt} * {mk.nr // 16} + j"
     off = _int8_offset(mk.isa, quant, "qd[0, w]", panel, blk, 16)
 
-    def value(e: int) -> str:
+    def value(e: int) -> str:  # 16 lanes of element 2p + e of the block
         quad, byte = "(p // 2)", f"(2 * (p % 2) + {e})"
         if quant.bits == 8:
             word, bits, mask = f"{quad} * 16", f"8 * {byte}", 255
         else:
             word, bits, mask = f"{quad} % 4 * 16", f"8 * {byte} + 4 * ({quad} // 4)", 15
-        q = f"(T.shift_right(Ww[{panel}, {blk}, {head // 4} + {word} + w], {bits}) & T.int32({mask}))"
-        return f'T.Cast("float32", {q}) * qd[0, w] + qd[1, w]'
+        lanes = "T.ramp(0, 1, 16)"
+        q = (f"(T.shift_right(Ww[{panel}, {blk}, {head // 4} + {word} + {lanes}], T.Broadcast({bits}, 16))"
+             f" & T.Broadcast(T.int32({mask}), 16))")
+        return f'T.Cast("float32x16", {q}) * qd[0, {lanes}] + qd[1, {lanes}]'
 
     return [
         f"for jd in range({nct}):",
@@ -727,9 +747,8 @@ def _dequant_slice(v: int, quant, mk, jt: str, pc: str, nct: int, nchunk: int, n
         f'                        qd[0, w] = T.Cast("float32", Wh[{panel}, {blk}, w])',
         f"                        qd[1, w] = {off}",
         "                    for p in T.unroll(16):",
-        "                        for w in T.vectorized(16):",
-        f"                            Wb{v}[t, jd * {mk.nr // 16} + j, bb * 16 + p, w] = "
-        f"{bf16_bits(value(0))} | ({bf16_bits(value(1))} << T.uint32(16))",
+        f"                        Wb{v}[t, jd * {mk.nr // 16} + j, bb * 16 + p, T.ramp(0, 1, 16)] = "
+        f'T.call_pure_extern("uint32x16", "sandwich_bf16_pairs", {value(0)}, {value(1)})',
     ]
 
 

@@ -129,8 +129,8 @@ ISAS: dict[str, Isa] = {
     # a Xeon, docs/quant/xeon/crosscheck_amxdq.json). peak_ratio: as measured.
     "amxdq": Isa("amxdq", lanes=16, registers=8,
                  default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (31, 6, 2), (_LARGE, 32, 2)),
-                 dtypes=tuple(QTYPES), needs=("amx_bf16", "amx_tile", "avx512_vnni"), tile_rows=16,
-                 extends=("avx512vnni", "amxint8"), quads=True, peak_ratio=3.5),
+                 dtypes=tuple(QTYPES), needs=("amx_bf16", "amx_tile", "avx512_vnni", "avx512_bf16"),
+                 tile_rows=16, extends=("avx512vnni", "amxint8"), quads=True, peak_ratio=3.5),
 }
 DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 
