@@ -20,7 +20,7 @@ from ..host import cache_dir
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout, numpy_dtype
 from ..kernels.quant import QuantBlocks, head_dtype
-from ..memory import aligned_empty
+from ..memory import aligned_empty, collapse_huge_pages
 from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, random_checkpoint, read_checkpoint
 from .config import LlamaConfig, model_path
 from .parallel import Shard
@@ -213,6 +213,16 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
     (converted once, then read from the conversion cache); Linear weights in ``dtype``, packed
     as ``layouts`` says (the compiled model's, ``CompiledModel.layouts``) where given; rank
     ``rank``'s shard of a model split over ``tp`` processes (``CompiledModel.shards``)."""
+    arrays = _load_params(spec, cfg, params, isa, seed=seed, log=log, dtype=dtype, layouts=layouts,
+                          shards=shards, rank=rank, tp=tp)
+    collapse_huge_pages(arrays)  # decode streams them every token: all in 2 MiB pages, now
+    return arrays
+
+
+def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
+                 *, seed: int, log: Callable[[str], None], dtype: str,
+                 layouts: dict[str, WeightLayout] | None, shards: dict[str, Shard] | None, rank: int,
+                 tp: int) -> list[np.ndarray]:
     from .config import PRESETS
 
     split = {"shards": shards, "rank": rank, "tp": tp}
