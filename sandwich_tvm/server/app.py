@@ -32,6 +32,7 @@ from ..runtime.scheduler import QueueFull
 from ..runtime.text import Detokenizer, StopMatcher
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .structured import chat_messages, output_grammar, parse_tool_output, tool_grammar, tools_active
+from .tool_stream import ToolCallStream
 
 RETRY_AFTER_S = 1
 
@@ -300,7 +301,7 @@ def create_app(server: Server) -> FastAPI:
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         rid = uuid.uuid4().hex
         constraint = await server.constraint(req, chat)
-        tool_mode = chat and tools_active(req)  # the output is the tool JSON: answered whole, at the end
+        tool_mode = chat and tools_active(req)  # the output is the tool JSON: parsed (streamed: as it grows)
         events = server.run(request, rid, prompt, params, want_lp, constraint)
         try:  # refusals surface before the first event: answer them as errors, not as a stream
             first = await events.__anext__()
@@ -311,12 +312,11 @@ def create_app(server: Server) -> FastAPI:
             reason = _finish(done.finish_reason) if final else None
             if chat:
                 msg: dict = {"content": text}
-                if tool_mode:  # the whole answer, parsed: text or tool calls
+                if tool_mode:  # the whole answer, parsed: text or tool calls (streams: tool_chunks)
                     content, calls = parse_tool_output(done.text) if final else (None, [])
                     msg = {"content": content}
                     if calls:
-                        msg["tool_calls"] = calls if not req.stream else [
-                            {"index": i} | c for i, c in enumerate(calls)]
+                        msg["tool_calls"] = calls
                         reason = "tool_calls" if reason == "stop" else reason
                 if not req.stream:
                     msg = {"role": "assistant"} | msg
@@ -335,6 +335,19 @@ def create_app(server: Server) -> FastAPI:
                                                                             True)],
                                         "usage": _usage(done)})
 
+        tools = ToolCallStream()
+
+        def tool_chunks(stream_: ToolCallStream, done: Completion, entries: list[dict], final: bool):
+            deltas = stream_.feed(done.text)
+            lp = _chat_logprobs(entries) if want_lp else None
+            for i, delta in enumerate(deltas):
+                yield {"index": 0, "delta": delta, "logprobs": lp if i == len(deltas) - 1 else None,
+                       "finish_reason": None}
+            if final:
+                reason = _finish(done.finish_reason)
+                reason = "tool_calls" if stream_.called and reason == "stop" else reason
+                yield {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+
         async def stream() -> AsyncIterator[str]:
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
             done = Completion(prompt_tokens=len(prompt))
@@ -348,7 +361,11 @@ def create_app(server: Server) -> FastAPI:
                     item = pending.pop() if pending else await events.__anext__()
                     text, done, entries = item
                     final = done.finish_reason is not None
-                    if tool_mode and not final:
+                    if tool_mode:  # the calls' heads and arguments (or the answer) as they grow
+                        for chunk in tool_chunks(tools, done, entries, final):
+                            yield _sse(head | {"object": chunk_obj, "choices": [chunk]})
+                        if final:
+                            break
                         continue
                     if text or entries or final:
                         c = choice(text, done, entries, final)

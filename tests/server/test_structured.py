@@ -102,15 +102,20 @@ def test_tool_calls_round_trip_through_the_openai_client(served):
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
                                             tool_choice="none", max_tokens=5, temperature=0)
     assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason == "length"
-    # streamed: the same call, in one delta, through the client's stream parser
+    # streamed: the call's head (id, name) once, then its arguments in pieces as they are
+    # generated, which join into the same JSON; through the client's stream parser
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER],
                                                  tool_choice={"type": "function",
                                                               "function": {"name": "get_weather"}},
                                                  max_tokens=150, temperature=0, stream=True,
                                                  parallel_tool_calls=False))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["get_weather"]
-    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+    heads = [c for c in calls if c.id]
+    assert [(c.index, c.function.name, c.type) for c in heads] == [(0, "get_weather", "function")]
+    assert heads[0].id.startswith("call_") and calls[0] is heads[0]
+    pieces = [c.function.arguments for c in calls[1:]]
+    assert len(pieces) > 1 and all(c.index == 0 and c.function.name is None for c in calls[1:])
+    assert json.loads("".join(pieces)) == json.loads(call.function.arguments)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 

@@ -1,0 +1,191 @@
+"""Tool calls streamed as they are generated, in OpenAI's chunk shape.
+
+The constrained output is a prefix of ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``
+or of ``{"response": "..."}`` (``structured.tool_schema``). ``scan`` reads such a prefix,
+wherever it stops, and ``ToolCallStream`` turns the growth between two prefixes into deltas, as
+vLLM and the OpenAI API send them: a call's first delta carries its index, id, type and name
+(arguments ``""``) once the name is whole, later ones the new characters of its arguments' JSON
+text; a direct answer streams as content, its string decoded. Tokens are never taken back under
+a grammar, so what was sent stays true, and the arguments' pieces join into the JSON the model
+wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+_WS = " \t\r\n"
+
+
+def _ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """Index past the JSON string opening at ``text[i]`` (a quote), None if it is cut short."""
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Index past the JSON value at ``text[i]``, None if it is cut short."""
+    if i >= len(text):
+        return None
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in "{[":
+        j = i
+        while j < len(text) and text[j] not in ",}]" + _WS:
+            j += 1
+        return j if j < len(text) else None
+    depth, j = 0, i
+    while j < len(text):
+        c = text[j]
+        if c == '"':
+            end = _string_end(text, j)
+            if end is None:
+                return None
+            j = end
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def _partial_string(raw: str) -> str:
+    """The decoded text of a JSON string (``raw`` opens with its quote) as far as it is whole:
+    without the closing quote, and without an escape that has not arrived whole."""
+    end = _string_end(raw, 0)
+    body = raw[1:end - 1] if end is not None else raw[1:]
+    for cut in range(len(body), max(len(body) - 6, 0) - 1, -1):  # an escape is at most 6 long
+        try:
+            return json.loads(f'"{body[:cut]}"')
+        except json.JSONDecodeError:
+            continue
+    return ""
+
+
+@dataclass
+class Call:
+    """One tool call as far as the prefix goes."""
+
+    name: str | None = None  # None until the name's string is whole
+    arguments: str = ""  # the JSON text of its arguments so far
+
+
+@dataclass
+class Scan:
+    kind: str | None = None  # "tool_calls", "response" or None (not known yet)
+    calls: list[Call] = field(default_factory=list)
+    content: str = ""  # the direct answer's text so far
+
+
+def scan(text: str) -> Scan:
+    """What a prefix of the tool output holds, however far it goes."""
+    out = Scan()
+    i = _ws(text, 0)
+    if i >= len(text) or text[i] != "{":
+        return out
+    i = _ws(text, i + 1)
+    key_end = _string_end(text, i) if i < len(text) and text[i] == '"' else None
+    if key_end is None:
+        return out
+    key = json.loads(text[i:key_end])
+    i = _ws(text, key_end)
+    if i >= len(text) or text[i] != ":":
+        return out
+    i = _ws(text, i + 1)
+    if key == "response":
+        out.kind = "response"
+        if i < len(text) and text[i] == '"':
+            out.content = _partial_string(text[i:])
+        return out
+    if key != "tool_calls":
+        return out
+    out.kind = "tool_calls"
+    if i >= len(text) or text[i] != "[":
+        return out
+    i += 1
+    while True:
+        i = _ws(text, i)
+        if i >= len(text) or text[i] != "{":
+            return out
+        call = Call()
+        out.calls.append(call)
+        i = _ws(text, i + 1)
+        while i < len(text) and text[i] == '"':  # the call's members
+            k_end = _string_end(text, i)
+            if k_end is None:
+                return out
+            member = json.loads(text[i:k_end])
+            i = _ws(text, k_end)
+            if i >= len(text) or text[i] != ":":
+                return out
+            i = _ws(text, i + 1)
+            end = _value_end(text, i)
+            if member == "name" and end is not None:
+                call.name = json.loads(text[i:end])
+            elif member == "arguments":
+                call.arguments = text[i:end] if end is not None else text[i:]
+            if end is None:
+                return out
+            i = _ws(text, end)
+            if i < len(text) and text[i] == ",":
+                i = _ws(text, i + 1)
+        if i >= len(text) or text[i] != "}":
+            return out
+        i = _ws(text, i + 1)
+        if i < len(text) and text[i] == ",":
+            i += 1
+            continue
+        return out
+
+
+class ToolCallStream:
+    """Deltas of a streamed tool answer: ``feed`` the whole text so far, get the chunk deltas
+    (``{"tool_calls": [...]}`` or ``{"content": ...}``) its growth adds."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []  # one per call whose head was sent
+        self.sent_args: list[int] = []
+        self.sent_content = 0
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, text: str) -> list[dict]:
+        now = scan(text)
+        deltas: list[dict] = []
+        if now.kind == "response" and len(now.content) > self.sent_content:
+            deltas.append({"content": now.content[self.sent_content:]})
+            self.sent_content = len(now.content)
+        for index, call in enumerate(now.calls):
+            if index == len(self.ids):
+                if call.name is None:
+                    break  # its head waits for the whole name; later calls wait for it
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.sent_args.append(0)
+                deltas.append({"tool_calls": [{"index": index, "id": self.ids[index], "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            if len(call.arguments) > self.sent_args[index]:
+                deltas.append({"tool_calls": [{"index": index, "function": {
+                    "arguments": call.arguments[self.sent_args[index]:]}}]})
+                self.sent_args[index] = len(call.arguments)
+        return deltas

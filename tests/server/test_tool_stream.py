@@ -1,0 +1,58 @@
+"""Tool calls streamed as they grow: a call's head once its name is whole, then its arguments'
+JSON text in pieces that join into what the model wrote; a direct answer as decoded content;
+every prefix of the output, however it is cut, gives only deltas that stay true."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sandwich_tvm.server.tool_stream import ToolCallStream, scan
+
+CALLS = ('{ "tool_calls" : [ {"name": "get_weather", "arguments": {"city": "Pa\\"ris \\u00e9", '
+         '"days": [1, 2], "x": {"y": null}}}, {"name": "add", "arguments": {"a": 1.5}} ] }')
+
+
+def _stream(text: str) -> list[dict]:
+    st, out = ToolCallStream(), []
+    for i in range(len(text) + 1):  # one character at a time: every cut a token could make
+        out += st.feed(text[:i])
+    return out
+
+
+def test_calls_stream_as_heads_then_argument_pieces_that_join_into_the_json():
+    deltas = _stream(CALLS)
+    calls = [d["tool_calls"][0] for d in deltas]
+    heads = [c for c in calls if "id" in c]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in heads] == [
+        (0, "get_weather", ""), (1, "add", "")]
+    assert len({c["id"] for c in heads}) == 2 and all(c["id"].startswith("call_") for c in heads)
+    joined = {}
+    for c in calls:
+        joined[c["index"]] = joined.get(c["index"], "") + c["function"]["arguments"]
+    want = json.loads(CALLS)["tool_calls"]
+    assert [json.loads(joined[i]) for i in (0, 1)] == [w["arguments"] for w in want]
+    # a call's head comes before any of its arguments, and call 1 starts after call 0 ends
+    order = [(c["index"], "id" in c) for c in calls]
+    assert order.index((1, True)) > max(i for i, (idx, _) in enumerate(order) if idx == 0)
+
+
+def test_a_direct_answer_streams_as_decoded_content():
+    text = '{"response": "he said \\"hi\\", \\u00e9t\\u00e9 \\\\ done\\n"}'
+    pieces = [d["content"] for d in _stream(text)]
+    assert len(pieces) > 5 and "".join(pieces) == json.loads(text)["response"]
+    assert all("tool_calls" not in d for d in _stream(text))
+
+
+@pytest.mark.parametrize("prefix, kind, names", [
+    ("", None, []), ('{"tool_ca', None, []), ('{"tool_calls": [', "tool_calls", []),
+    ('{"tool_calls": [{"name": "get_w', "tool_calls", [None]),
+    ('{"tool_calls": [{"name": "get_weather", "argu', "tool_calls", ["get_weather"]),
+    ('{"response": "a\\u00', "response", []),
+])
+def test_scan_reads_a_prefix_cut_anywhere(prefix, kind, names):
+    got = scan(prefix)
+    assert got.kind == kind and [c.name for c in got.calls] == names
+    if kind == "response":
+        assert got.content == "a"  # the escape that has not arrived whole is held back
