@@ -64,20 +64,28 @@ class ModelTokenizer:
         def raise_exception(message: str):
             raise ChatTemplateError(message)
 
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+            # HF's filter: jinja2's own escapes <, > and & as HTML (tool schemas in a prompt)
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = tojson
         try:
             return env.from_string(self.chat_template)
         except TemplateError as err:
             raise ModelLoadError(f"{self.source}: the chat template does not parse ({err})") from err
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         """The prompt text for ``messages`` (``role``/``content`` dicts), as HF's
-        ``apply_chat_template`` renders it."""
+        ``apply_chat_template`` renders it (with ``tools``, for a template that lists them)."""
         from jinja2.exceptions import TemplateError
 
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template failed on these messages: {err}") from err
 

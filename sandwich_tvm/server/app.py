@@ -31,7 +31,16 @@ from ..runtime.sampling import SamplingError, SamplingParams
 from ..runtime.scheduler import QueueFull
 from ..runtime.text import Detokenizer, StopMatcher
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
-from .structured import chat_messages, output_grammar, parse_tool_output, tool_grammar, tools_active
+from .structured import (
+    HERMES,
+    chat_messages,
+    output_grammar,
+    parse_tool_output,
+    template_tools,
+    tool_format,
+    tool_grammar,
+    tools_active,
+)
 from .tool_stream import ToolCallStream
 
 RETRY_AFTER_S = 1
@@ -69,6 +78,7 @@ class Server:
     def __init__(self, engine: AsyncEngine, tok: ModelTokenizer | None, model_name: str,
                  metrics: ServingMetrics | None = None):
         self.engine, self.tok, self.model_name, self.metrics = engine, tok, model_name, metrics
+        self.tool_format = tool_format(tok.chat_template if tok is not None else None)
         self.context = engine.batch.engine.context
         vocab = engine.batch.engine.cfg.vocab_size
         self.grammars = Grammars(tok.tok, vocab, tok.eos_ids) if tok is not None else None
@@ -105,13 +115,14 @@ class Server:
             raise ApiError(400, "this model has no tokenizer, so it has no chat template; use "
                                 "/v1/completions with token ids")
         try:
-            messages = chat_messages(req)
+            messages = chat_messages(req, self.tool_format)
+            tools = template_tools(req) if self.tool_format == HERMES else None
         except GrammarError as err:
             raise ApiError(400, str(err), "tool_choice" if req.tools else "messages") from err
         for i, m in enumerate(messages):
             _check_unicode(m["content"], f"messages[{i}].content")
         try:
-            text = await asyncio.to_thread(self.tok.render_chat, messages, req.add_generation_prompt)
+            text = await asyncio.to_thread(self.tok.render_chat, messages, req.add_generation_prompt, tools)
         except ChatTemplateError as err:
             raise ApiError(400, str(err), "messages") from err
         return await self._encode(text, "messages")
@@ -124,7 +135,7 @@ class Server:
                 if output_grammar(req) is not None:
                     raise GrammarError("tools and an output constraint (response_format, guided_*) "
                                        "cannot be combined")
-                grammar = tool_grammar(req)
+                grammar = tool_grammar(req, self.tool_format)
             else:
                 found = output_grammar(req)
                 if found is None:
@@ -313,7 +324,7 @@ def create_app(server: Server) -> FastAPI:
             if chat:
                 msg: dict = {"content": text}
                 if tool_mode:  # the whole answer, parsed: text or tool calls (streams: tool_chunks)
-                    content, calls = parse_tool_output(done.text) if final else (None, [])
+                    content, calls = parse_tool_output(done.text, server.tool_format) if final else (None, [])
                     msg = {"content": content}
                     if calls:
                         msg["tool_calls"] = calls
@@ -335,7 +346,7 @@ def create_app(server: Server) -> FastAPI:
                                                                             True)],
                                         "usage": _usage(done)})
 
-        tools = ToolCallStream()
+        tools = ToolCallStream(server.tool_format)
 
         def tool_chunks(stream_: ToolCallStream, done: Completion, entries: list[dict], final: bool):
             deltas = stream_.feed(done.text)

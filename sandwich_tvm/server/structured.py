@@ -4,17 +4,23 @@ A request constrains its output with OpenAI's ``response_format`` (``json_object
 ``json_schema``) or one of vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar`` (a Lark grammar, llguidance's own form); at most one of them.
 
-Tools use llama.cpp's generic format, which needs nothing from the chat template: a system
-message lists the tools (their JSON schemas) and asks for one JSON object, and the output is
-constrained to exactly that object: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or,
-when ``tool_choice`` is ``auto``, ``{"response": "..."}`` instead. History goes back in the same
-form: an assistant's ``tool_calls`` as that JSON, a ``tool`` message as a user turn holding
-``{"tool_response": ...}``, so any template renders it.
+Tools take the chat template's own format where the template has one, as llama.cpp and vLLM
+do; today that is the Hermes format (Qwen2.5, Hermes 2/3, SmolLM3...): the template renders the
+``tools`` it is given and the history's ``tool_calls`` and ``tool`` messages itself, and the
+model answers with ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` blocks, to
+which the output is constrained (or free text first, under ``auto``). Every other template gets
+llama.cpp's generic format, which needs nothing from it: a system message lists the tools (their
+JSON schemas) and asks for one JSON object, and the output is constrained to exactly that
+object: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or, when ``tool_choice`` is
+``auto``, ``{"response": "..."}`` instead. History goes back in the same form: an assistant's
+``tool_calls`` as that JSON, a ``tool`` message as a user turn holding ``{"tool_response":
+...}``, so any template renders it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from ..runtime.grammar import (
@@ -72,12 +78,35 @@ def _chosen(req) -> list:
     return named
 
 
+GENERIC, HERMES = "generic", "hermes"
+
+
+def tool_format(template: str | None) -> str:
+    """The tool format of a chat template: ``hermes`` where it renders ``tools`` and asks for
+    ``<tool_call>`` blocks, else llama.cpp's ``generic`` one."""
+    if template and "<tool_call>" in template and "tools" in template:
+        return HERMES
+    return GENERIC
+
+
+def _call_schemas(req) -> list[dict]:
+    return [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                              "arguments": t.function.parameters or {"type": "object"}},
+             "required": ["name", "arguments"], "additionalProperties": False} for t in _chosen(req)]
+
+
+def template_tools(req) -> list[dict] | None:
+    """The tools as a chat template takes them (HF's ``tools=``), None when tools are off."""
+    if not tools_active(req):
+        return None
+    return [{"type": "function", "function": {
+        "name": t.function.name, "description": t.function.description or "",
+        "parameters": t.function.parameters or {}}} for t in _chosen(req)]
+
+
 def tool_schema(req) -> dict:
     """The JSON schema every answer of a request with tools follows."""
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in _chosen(req)]
-    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    array = {"type": "array", "items": {"anyOf": _call_schemas(req)}, "minItems": 1}
     if not req.parallel_tool_calls:
         array["maxItems"] = 1
     call = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
@@ -89,13 +118,28 @@ def tool_schema(req) -> dict:
     return call
 
 
-def tool_grammar(req) -> str:
-    return grammar_from_json_schema(tool_schema(req))
+def tool_grammar(req, fmt: str = GENERIC) -> str:
+    """The grammar of a tool answer: the generic JSON object, or Hermes ``<tool_call>`` blocks
+    (one, or several when ``parallel_tool_calls``; under ``auto`` free text instead, which does
+    not open with ``<``)."""
+    if fmt != HERMES:
+        return grammar_from_json_schema(tool_schema(req))
+    call = {"anyOf": _call_schemas(req), "x-guidance": {"whitespace_flexible": False}}
+    calls = 'call ("\\n" call)*' if req.parallel_tool_calls else "call"
+    lark = (f'calls: {calls}\ncall: "<tool_call>\\n" obj "\\n</tool_call>"\n'
+            f"obj: %json {json.dumps(call)}\n")
+    if req.tool_choice in (None, "auto"):
+        return grammar_from_lark("start: calls | TEXT\nTEXT: /[^<\\s][\\s\\S]*/\n" + lark)
+    return grammar_from_lark("start: calls\n" + lark)
 
 
-def chat_messages(req) -> list[dict]:
-    """The request's messages as the chat template takes them (role/content dicts), tool calls and
-    results in the generic format, the tool list as a leading system message when tools are on."""
+def chat_messages(req, fmt: str = GENERIC) -> list[dict]:
+    """The request's messages as the chat template takes them (role/content dicts); in the
+    generic format the tool calls and results as JSON text and the tool list as a leading system
+    message, in the template's own (``hermes``) as HF passes them (``tool_calls`` with their
+    arguments as objects, ``tool`` messages), the tools going to the template (``template_tools``)."""
+    if fmt == HERMES:
+        return [_native_message(m) for m in req.messages]
     out = []
     for m in req.messages:
         if m.role == "tool":
@@ -120,6 +164,18 @@ def chat_messages(req) -> list[dict]:
     return out
 
 
+def _native_message(m) -> dict:
+    msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.role == "assistant" and m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+    if m.role == "tool":
+        msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+    return msg
+
+
 def _arguments(text: str) -> object:
     try:
         return json.loads(text)
@@ -127,9 +183,21 @@ def _arguments(text: str) -> object:
         raise GrammarError(f"a tool call's arguments are not JSON: {err}") from err
 
 
-def parse_tool_output(text: str) -> tuple[str | None, list[dict]]:
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_tool_output(text: str, fmt: str = GENERIC) -> tuple[str | None, list[dict]]:
     """(content, tool_calls in OpenAI's shape) of a constrained answer; text that is not the
     expected JSON (cut short by max_tokens) comes back as content."""
+    if fmt == HERMES:
+        blocks = _HERMES_CALL.findall(text)
+        try:
+            calls = [json.loads(b) for b in blocks]
+        except json.JSONDecodeError:
+            return text, []
+        if not calls or not text.lstrip().startswith("<tool_call>"):
+            return text, []
+        text = json.dumps({"tool_calls": calls})
     try:
         value = json.loads(text)
     except json.JSONDecodeError:

@@ -7,7 +7,8 @@ vLLM and the OpenAI API send them: a call's first delta carries its index, id, t
 (arguments ``""``) once the name is whole, later ones the new characters of its arguments' JSON
 text; a direct answer streams as content, its string decoded. Tokens are never taken back under
 a grammar, so what was sent stays true, and the arguments' pieces join into the JSON the model
-wrote.
+wrote. A Hermes answer (``<tool_call>`` blocks, ``structured.HERMES``) is read as the generic
+prefix its blocks make; free text in its place streams as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+
+from .structured import GENERIC, HERMES
 
 _WS = " \t\r\n"
 
@@ -157,11 +160,22 @@ def scan(text: str) -> Scan:
         return out
 
 
+def hermes_as_generic(text: str) -> str | None:
+    """The generic-format prefix a Hermes answer so far amounts to (``""`` while its opening
+    cannot tell), or None for free text."""
+    s = text.lstrip()
+    if not s.startswith("<tool_call>"):
+        return "" if "<tool_call>".startswith(s) else None
+    parts = [block.split("</tool_call>")[0].strip() for block in s.split("<tool_call>")[1:]]
+    return '{"tool_calls": [' + ", ".join(parts)
+
+
 class ToolCallStream:
     """Deltas of a streamed tool answer: ``feed`` the whole text so far, get the chunk deltas
     (``{"tool_calls": [...]}`` or ``{"content": ...}``) its growth adds."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: str = GENERIC) -> None:
+        self.fmt = fmt
         self.ids: list[str] = []  # one per call whose head was sent
         self.sent_args: list[int] = []
         self.sent_content = 0
@@ -171,6 +185,12 @@ class ToolCallStream:
         return bool(self.ids)
 
     def feed(self, text: str) -> list[dict]:
+        if self.fmt == HERMES:
+            generic = hermes_as_generic(text)
+            if generic is None:  # a direct answer, as it is
+                delta, self.sent_content = text[self.sent_content:], len(text)
+                return [{"content": delta}] if delta else []
+            text = generic
         now = scan(text)
         deltas: list[dict] = []
         if now.kind == "response" and len(now.content) > self.sent_content:

@@ -156,3 +156,61 @@ def test_a_completion_prompt_with_a_lone_surrogate_is_a_400(served):
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
 
+
+
+@pytest.fixture(scope="module")
+def hermes(served):
+    """The same engine behind a second app whose tokenizer has a Hermes tool template."""
+    import dataclasses
+    import threading
+    import time
+    from pathlib import Path
+
+    import uvicorn
+
+    from sandwich_tvm.runtime.metrics import ServingMetrics
+    from sandwich_tvm.server.app import Server, create_app
+
+    from .conftest import _free_port
+
+    template = (Path(__file__).parents[1] / "fixtures" / "hermes_template.jinja").read_text()
+    tok = dataclasses.replace(served.tok, chat_template=template)
+    port = _free_port()
+    app = create_app(Server(served.async_engine, tok, MODEL, ServingMetrics(MODEL + "-hermes")))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield type("Url", (), {"url": f"http://127.0.0.1:{port}"})()
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_hermes_template_gets_its_own_tool_format_through_the_openai_client(hermes):
+    """The template lists the tools and renders the history; the answer is constrained to its
+    <tool_call> blocks, comes back as OpenAI tool_calls, and streams as heads and pieces."""
+    client = _client(hermes)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                           tool_choice="required", max_tokens=120, temperature=0,
+                                           parallel_tool_calls=False)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                            tool_choice="none", max_tokens=5, temperature=0)
+    assert second.choices[0].message.tool_calls is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER],
+                                                 tool_choice="required", max_tokens=120, temperature=0,
+                                                 stream=True, parallel_tool_calls=False))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls if c.id] == ["get_weather"]
+    assert json.loads("".join(c.function.arguments for c in calls)) == json.loads(call.function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
