@@ -62,8 +62,8 @@ ACTIVATIONS = ("auto", "int8", "float32")
 
 def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | None = None) -> bool:
     """Whether quantized weights meet int8 activations (``--activations``): ``auto`` does where the
-    CPU has an int8 dot-product unit (AVX512-VNNI), as llama.cpp does on every CPU; ``float32``
-    keeps the fp32 activations and dequantizes the weights in registers (the weights' exact
+    CPU has an int8 dot-product unit (AVX512-VNNI, AVX-VNNI, Arm dotprod; AMX), as llama.cpp
+    does; ``float32`` keeps the fp32 activations and dequantizes the weights in registers (the weights' exact
     values: what HF transformers computes on the dequantized GGUF)."""
     if choice not in ACTIVATIONS:
         raise SpecError(f"--activations {choice!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -75,8 +75,8 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
     flags = cpu_flags() if flags is None else flags
     unit = ISAS[kernel_isa(isa_of(flags), weight_dtype, flags)].quantized_unit
     if choice == "int8" and not unit:
-        raise SpecError("--activations int8 needs an int8 dot-product unit (AVX512-VNNI) this CPU does not "
-                        "have; use --activations auto")
+        raise SpecError("--activations int8 needs an int8 dot-product unit (VNNI, Arm dotprod) this CPU "
+                        "does not have; use --activations auto")
     return unit and choice != "float32"
 
 

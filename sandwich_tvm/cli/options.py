@@ -54,8 +54,9 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
                              "softmax and accumulation stay fp32")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="auto",
                         help="what quantized weights multiply (default auto: int8, quantized per row and "
-                             "block of 32, on AVX512-VNNI where the CPU has it, as llama.cpp does; float32: "
-                             "the weights dequantized in registers, exactly their values)")
+                             "block of 32, on VNNI, Arm dotprod or AMX where the CPU has them, as "
+                             "llama.cpp does; float32: the weights dequantized in registers, exactly "
+                             "their values)")
 
 
 def spec_from_args(args: argparse.Namespace, log: Callable[[str], None], **overrides) -> RunSpec:

@@ -116,7 +116,7 @@ ISAS: dict[str, Isa] = {
                dtypes=("bfloat16",), k_pack=2, needs=("amx_bf16", "amx_tile", "avx512_bf16"),
                tile_rows=16, k_align=16, extends=("avx512bf16",), peak_ratio=8.0),
     # tdpbsud per 32-k block, then the block's scales in AVX-512. Untuned, every m runs the
-    # avx512vnni tiles: the AMX grids' per-block scaling made them 0.75-1.1x the VNNI tiles on a
+    # avx512vnni tiles: the AMX grids' per-block scaling made them 0.72-1.12x the VNNI tiles on a
     # Xeon (docs/quant/xeon/crosscheck.json); the search weighs both. peak_ratio: as measured.
     "amxint8": Isa("amxint8", lanes=16, registers=8,
                    default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
@@ -130,7 +130,7 @@ ISAS: dict[str, Isa] = {
     "amxdq": Isa("amxdq", lanes=16, registers=8,
                  default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (31, 6, 2), (_LARGE, 32, 2)),
                  dtypes=tuple(QTYPES), needs=("amx_bf16", "amx_tile", "avx512_vnni", "avx512_bf16"),
-                 tile_rows=16, extends=("avx512vnni", "amxint8"), quads=True, peak_ratio=3.5),
+                 tile_rows=16, extends=("avx512vnni",), quads=True, peak_ratio=3.5),
 }
 DTYPES = ("float32", "bfloat16", "float16", *QTYPES)
 

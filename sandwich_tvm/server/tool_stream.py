@@ -78,9 +78,12 @@ def _partial_string(raw: str) -> str:
     body = raw[1:end - 1] if end is not None else raw[1:]
     for cut in range(len(body), max(len(body) - 6, 0) - 1, -1):  # an escape is at most 6 long
         try:
-            return json.loads(f'"{body[:cut]}"')
+            text = json.loads(f'"{body[:cut]}"')
         except json.JSONDecodeError:
             continue
+        if end is None and text and "\ud800" <= text[-1] <= "\udbff":
+            text = text[:-1]  # a surrogate pair's first half: the second is still to come
+        return text
     return ""
 
 

@@ -39,7 +39,7 @@ def test_calls_stream_as_heads_then_argument_pieces_that_join_into_the_json():
 
 
 def test_a_direct_answer_streams_as_decoded_content():
-    text = '{"response": "he said \\"hi\\", \\u00e9t\\u00e9 \\\\ done\\n"}'
+    text = '{"response": "he said \\"hi\\", \\u00e9t\\u00e9 \\\\ done\\n \\ud83d\\ude00!"}'
     pieces = [d["content"] for d in _stream(text)]
     assert len(pieces) > 5 and "".join(pieces) == json.loads(text)["response"]
     assert all("tool_calls" not in d for d in _stream(text))
