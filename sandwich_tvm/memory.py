@@ -38,9 +38,9 @@ MADV_COLLAPSE = 25  # Linux 6.1+: collapse a range into huge pages now (mmap lac
 def collapse_huge_pages(arrays: Iterable[np.ndarray]) -> int:
     """Ask Linux to back the 2 MiB-page arrays (``aligned_empty``'s large ones, filled) with
     transparent huge pages *now* (``MADV_COLLAPSE``): at fault time THP ``madvise`` mode gets a
-    huge page only where a free 2 MiB block is at hand (the loader reported 83% of a 1B model's
-    weights in them on a long-running VM), and khugepaged collapses the rest only later, while
-    decode streams the weights every token. Best effort: returns the bytes collapsed; an older
+    huge page only where a free 2 MiB block is at hand (on a long-running VM part of a 1B model's
+    weights missed them), and khugepaged collapses the rest only later, while decode streams the
+    weights every token. Best effort: returns the bytes collapsed; an older
     kernel or a refusal changes nothing."""
     import ctypes
 

@@ -200,42 +200,31 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
     return "\n".join(lines) + "\n"
 
 
-# The bf16 pair dot products take ``<2L x bfloat>`` operands, a type the wheel's TIR-to-LLVM
-# code generator cannot emit (bf16 is legalized to u16 storage, and an unlegalized bf16 crashes
-# it). The kernel passes the pairs as 32-bit words and this function, linked into the module
-# through TVM's ``pragma_import_llvm`` and inlined, reinterprets them (a no-op bitcast) for
-# the ISA's instruction: ``vdpbf16ps`` (16 lanes) or Arm's ``bfdot`` (4 lanes). Both compute,
-# per fp32 lane i, acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1].
-_DPBF16_TEMPLATE = """
-declare <{L} x float> @{intrinsic}(<{L} x float>, <{L2} x bfloat>, <{L2} x bfloat>)
-define linkonce_odr <{L} x float> @sandwich_dpbf16ps(<{L} x float> %acc, <{L} x i32> %a,
-                                                    <{L} x i32> %b) alwaysinline {{
-  %ab = bitcast <{L} x i32> %a to <{L2} x bfloat>
-  %bb = bitcast <{L} x i32> %b to <{L2} x bfloat>
-  %r = call <{L} x float> @{intrinsic}(<{L} x float> %acc, <{L2} x bfloat> %ab, <{L2} x bfloat> %bb)
-  ret <{L} x float> %r
+# The dot-product instructions take operands of types the wheel's TIR-to-LLVM code generator
+# cannot emit or does not pair with the accumulator: ``<2L x bfloat>`` (bf16 is legalized to u16
+# storage, and an unlegalized bf16 crashes it) and ``<4L x i8>``. The kernel passes them as
+# 32-bit words and a function, linked into the module through TVM's ``pragma_import_llvm`` and
+# inlined, reinterprets them (a no-op bitcast) for the ISA's instruction:
+# - bf16 pairs, ``vdpbf16ps`` (16 lanes) or Arm's ``bfdot`` (4 lanes): per fp32 lane i,
+#   acc[i] + a[2i] * b[2i] + a[2i + 1] * b[2i + 1];
+# - int8 quads, ``vpdpbusd`` (AVX512-VNNI, and VEX-encoded AVX-VNNI in 8 lanes; unsigned a by
+#   signed b) or Arm's ``sdot`` (signed by signed): per int32 lane i, acc[i] + the dot product
+#   of the 4 bytes of a[i] and the 4 of b[i].
+_DOT_TEMPLATE = """
+declare <{L} x {T}> @{intrinsic}(<{L} x {T}>, <{N} x {E}>, <{N} x {E}>)
+define linkonce_odr <{L} x {T}> @{name}(<{L} x {T}> %acc, <{L} x i32> %a, <{L} x i32> %b) alwaysinline {{
+  %ab = bitcast <{L} x i32> %a to <{N} x {E}>
+  %bb = bitcast <{L} x i32> %b to <{N} x {E}>
+  %r = call <{L} x {T}> @{intrinsic}(<{L} x {T}> %acc, <{N} x {E}> %ab, <{N} x {E}> %bb)
+  ret <{L} x {T}> %r
 }}
 """
-DPBF16_LL = {isa: _DPBF16_TEMPLATE.format(L=lanes, L2=2 * lanes, intrinsic=intrinsic)
+DPBF16_LL = {isa: _DOT_TEMPLATE.format(name="sandwich_dpbf16ps", T="float", E="bfloat", L=lanes, N=2 * lanes,
+                                       intrinsic=intrinsic)
              for isa, lanes, intrinsic in (("avx512bf16", 16, "llvm.x86.avx512bf16.dpbf16ps.512"),
                                            ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
-
-
-# The int8 dot products: per int32 lane i, acc[i] + the dot product of the 4 bytes of a[i] and
-# the 4 of b[i]; ``vpdpbusd`` (AVX512-VNNI, and VEX-encoded AVX-VNNI in 8 lanes) multiplies
-# unsigned a by signed b, Arm's ``sdot`` signed by signed. The same bitcast wrapper as the bf16
-# pairs'.
-_DOT4_TEMPLATE = """
-declare <{L} x i32> @{intrinsic}(<{L} x i32>, <{B} x i8>, <{B} x i8>)
-define linkonce_odr <{L} x i32> @sandwich_dot4(<{L} x i32> %acc, <{L} x i32> %a,
-                                               <{L} x i32> %b) alwaysinline {{
-  %ab = bitcast <{L} x i32> %a to <{B} x i8>
-  %bb = bitcast <{L} x i32> %b to <{B} x i8>
-  %r = call <{L} x i32> @{intrinsic}(<{L} x i32> %acc, <{B} x i8> %ab, <{B} x i8> %bb)
-  ret <{L} x i32> %r
-}}
-"""
-DOT4_LL = {isa: _DOT4_TEMPLATE.format(L=lanes, B=4 * lanes, intrinsic=intrinsic)
+DOT4_LL = {isa: _DOT_TEMPLATE.format(name="sandwich_dot4", T="i32", E="i8", L=lanes, N=4 * lanes,
+                                     intrinsic=intrinsic)
            for isa, lanes, intrinsic in (("avx512vnni", 16, "llvm.x86.avx512.vpdpbusd.512"),
                                          ("avxvnni", 8, "llvm.x86.avx512.vpdpbusd.256"),
                                          ("neondot", 4, "llvm.aarch64.neon.sdot.v4i32.v16i8"))}

@@ -102,21 +102,27 @@ class Scan:
     content: str = ""  # the direct answer's text so far
 
 
+def _key(text: str, i: int) -> tuple[str, int] | None:
+    """An object's key at ``text[i]`` and the index of its value past the colon, None if cut short."""
+    end = _string_end(text, i) if i < len(text) and text[i] == '"' else None
+    if end is None:
+        return None
+    colon = _ws(text, end)
+    if colon >= len(text) or text[colon] != ":":
+        return None
+    return json.loads(text[i:end]), _ws(text, colon + 1)
+
+
 def scan(text: str) -> Scan:
     """What a prefix of the tool output holds, however far it goes."""
     out = Scan()
     i = _ws(text, 0)
     if i >= len(text) or text[i] != "{":
         return out
-    i = _ws(text, i + 1)
-    key_end = _string_end(text, i) if i < len(text) and text[i] == '"' else None
-    if key_end is None:
+    found = _key(text, _ws(text, i + 1))
+    if found is None:
         return out
-    key = json.loads(text[i:key_end])
-    i = _ws(text, key_end)
-    if i >= len(text) or text[i] != ":":
-        return out
-    i = _ws(text, i + 1)
+    key, i = found
     if key == "response":
         out.kind = "response"
         if i < len(text) and text[i] == '"':
@@ -136,14 +142,10 @@ def scan(text: str) -> Scan:
         out.calls.append(call)
         i = _ws(text, i + 1)
         while i < len(text) and text[i] == '"':  # the call's members
-            k_end = _string_end(text, i)
-            if k_end is None:
+            found = _key(text, i)
+            if found is None:
                 return out
-            member = json.loads(text[i:k_end])
-            i = _ws(text, k_end)
-            if i >= len(text) or text[i] != ":":
-                return out
-            i = _ws(text, i + 1)
+            member, i = found
             end = _value_end(text, i)
             if member == "name" and end is not None:
                 call.name = json.loads(text[i:end])

@@ -48,6 +48,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_app(app):
+    """Serve ``app`` with uvicorn in a thread on a free port: (its URL, a function stopping it)."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
 def write_checkpoint(out: Path):
     """The GQA/tied/Llama-3 test model with a tokenizer covering its whole vocabulary, an EOS id
     and a chat template."""
@@ -83,8 +103,6 @@ warm_up(__name__.rpartition(".")[0], "served", lambda base: [_spec(_written(base
 
 @pytest.fixture(scope="package")
 def served(tmp_path_factory, precompiler):
-    import uvicorn
-
     from sandwich_tvm.server.app import Server, create_app
 
     out = _checkpoint(tmp_path_factory.getbasetemp())
@@ -99,16 +117,7 @@ def served(tmp_path_factory, precompiler):
     metrics = ServingMetrics(MODEL)
     batch = BatchEngine(engine, POLICY, eos_ids=tok.eos_ids, metrics=metrics)
     async_engine = AsyncEngine(batch).start()
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(Server(async_engine, tok, MODEL, metrics)),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Served(f"http://127.0.0.1:{port}", out, hf, engine, batch, async_engine, tok)
-    server.should_exit = True
-    thread.join(10)
+    url, stop = start_app(create_app(Server(async_engine, tok, MODEL, metrics)))
+    yield Served(url, out, hf, engine, batch, async_engine, tok)
+    stop()
     async_engine.shutdown()

@@ -162,31 +162,19 @@ def test_a_completion_prompt_with_a_lone_surrogate_is_a_400(served):
 def hermes(served):
     """The same engine behind a second app whose tokenizer has a Hermes tool template."""
     import dataclasses
-    import threading
-    import time
     from pathlib import Path
-
-    import uvicorn
 
     from sandwich_tvm.runtime.metrics import ServingMetrics
     from sandwich_tvm.server.app import Server, create_app
 
-    from .conftest import _free_port
+    from .conftest import start_app
 
     template = (Path(__file__).parents[1] / "fixtures" / "hermes_template.jinja").read_text()
     tok = dataclasses.replace(served.tok, chat_template=template)
-    port = _free_port()
-    app = create_app(Server(served.async_engine, tok, MODEL, ServingMetrics(MODEL + "-hermes")))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield type("Url", (), {"url": f"http://127.0.0.1:{port}"})()
-    server.should_exit = True
-    thread.join(10)
+    metrics = ServingMetrics(MODEL + "-hermes")
+    url, stop = start_app(create_app(Server(served.async_engine, tok, MODEL, metrics)))
+    yield type("Url", (), {"url": url})()
+    stop()
 
 
 def test_a_hermes_template_gets_its_own_tool_format_through_the_openai_client(hermes):
