@@ -10,7 +10,7 @@ tensor-parallel ranks, the simulator and tune; nothing below re-resolves it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -162,6 +162,8 @@ class RunSpec:
     seed: int = 0  # a preset's random weights
     dtype_note: str = ""  # why --dtype auto chose weight_dtype
     int8_activations: bool = False  # quantized weights times int8 activations (llama.cpp's way)
+    hosts: tuple[str, ...] = ()  # workers (HOST:PORT) that run pipeline stages 1.. (stage 0 runs here)
+    host_timeout_s: float = 60.0  # a host that answers no call within this fails it
 
     def describe(self) -> str:
         acts = ", int8 activations" if self.int8_activations else ""
@@ -186,6 +188,7 @@ class RunSpec:
         d = json.loads(text)
         d["plan"] = ExecPlan.from_dict(d["plan"], d["plan"].get("source", "run spec"))
         d["records"] = None if d["records"] is None else Path(d["records"])
+        d["hosts"] = tuple(d.get("hosts", ()))
         return cls(config=load_config(d["model"]), **d)
 
 
@@ -195,6 +198,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
                      needed_tokens: int | None = None, kv_tokens: int | None = None,
                      shared_kv: bool = False, max_batch: int = 8, prefill_chunk: int = 2048,
                      records: Path | None = None, stock: bool = False, seed: int = 0,
+                     hosts: str | Sequence[str] = (), host_timeout_s: float = 60.0,
                      log: Callable[[str], None] = lambda _m: None) -> RunSpec:
     """The run spec of these options on this host, checked before anything is compiled or loaded.
 
@@ -202,7 +206,8 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     the user's ``--context`` (checked against the model); without it, ``needed_tokens`` (a
     one-shot run's prompt + new tokens, rounded up) or ``DEFAULT_CONTEXT``, capped at the
     model's. ``kv_tokens``: the cache's size; default ``context``, or with ``shared_kv`` (a
-    server) half of ``context x max_batch``. TVM's stock build runs fp32 weights and cache."""
+    server) half of ``context x max_batch``. TVM's stock build runs fp32 weights and cache.
+    ``hosts``: workers that run pipeline stages 1.. (``HOST:PORT,...``; stage 0 runs here)."""
     cfg = load_config(model)
     if kv_dtype not in KV_DTYPES:
         raise SpecError(f"KV cache dtype {kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
@@ -219,6 +224,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         plan = ExecPlan.all_cpus()
     elif not isinstance(plan, ExecPlan):
         plan = ExecPlan.from_file(Path(plan))
+    hosts = _check_hosts(hosts, plan)
     if context is not None:
         check_context(cfg, context, kv_dtype=kv_dtype)
     elif needed_tokens is not None:
@@ -234,4 +240,21 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     return RunSpec(model=str(model), config=cfg, plan=plan, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                    context=context, kv_tokens=kv, max_batch=max_batch,
                    prefill_chunk=min(prefill_chunk, context), records=records, stock=stock, seed=seed,
-                   dtype_note=note, int8_activations=int8_acts)
+                   dtype_note=note, int8_activations=int8_acts, hosts=hosts, host_timeout_s=host_timeout_s)
+
+
+def _check_hosts(hosts: str | Sequence[str], plan: ExecPlan) -> tuple[str, ...]:
+    """``hosts`` as ``HOST:PORT`` strings, one per pipeline stage after the first."""
+    from .topology.hosts import HostError, parse_hosts
+
+    if not hosts:
+        return ()
+    try:
+        parsed = parse_hosts(hosts if isinstance(hosts, str) else ",".join(hosts))
+    except HostError as err:
+        raise SpecError(str(err)) from None
+    if plan.tp != 1 or plan.pp != 1 + len(parsed):
+        raise SpecError(f"--hosts names {len(parsed)} host(s): the plan must have {1 + len(parsed)} pipeline "
+                        f"stages of one process each (stage 0 runs here, one stage on each host); it has "
+                        f"{plan.pp} stage(s) of {plan.tp} process(es)")
+    return tuple(str(h) for h in parsed)

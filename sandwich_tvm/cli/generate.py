@@ -16,7 +16,7 @@ from ..runtime.loader import open_engine
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.text import Detokenizer
 from .args import non_negative_int, positive_int
-from .options import LOAD_ERRORS, add_model_args, spec_from_args, synthetic_prompt
+from .options import LOAD_ERRORS, add_host_args, add_model_args, spec_from_args, synthetic_prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Generate greedily: prefill on the plan's prefill cores, "
                                             "decode on its decode cores.")
     add_model_args(p)
+    add_host_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     src.add_argument("--prompt-len", type=positive_int, help="a synthetic prompt of N token ids")

@@ -59,12 +59,25 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
                              "their values)")
 
 
+def add_host_args(parser: argparse.ArgumentParser) -> None:
+    """--hosts --host-timeout: pipeline stages on other machines (``generate``, ``serve``)."""
+    parser.add_argument("--hosts", default="", metavar="HOST:PORT,...",
+                        help="run pipeline stages 1.. on these workers (each started there with `python -m "
+                             "sandwich_tvm.worker --listen HOST:PORT`), stage 0 here; the --plan must have "
+                             "one stage more than hosts, and every host must see the model and the compiled "
+                             "stages at the same paths")
+    parser.add_argument("--host-timeout", type=float, default=60.0, metavar="S",
+                        help="a host that does not answer a call within S seconds fails it (default 60)")
+
+
 def spec_from_args(args: argparse.Namespace, log: Callable[[str], None], **overrides) -> RunSpec:
     """The run spec of ``add_model_args``' options (plus ``context``, ``kv_tokens`` and the like
     given as ``overrides``), resolved once (``spec.resolve_run_spec``)."""
     options = {"dtype": args.dtype, "activations": args.activations, "kv_dtype": args.kv_dtype,
                "plan": args.plan, "max_batch": args.max_batch,
                "records": args.records, "stock": args.stock, "seed": args.seed} | overrides
+    if getattr(args, "hosts", ""):
+        options |= {"hosts": args.hosts, "host_timeout_s": args.host_timeout}
     return resolve_run_spec(args.model, log=log, **options)
 
 

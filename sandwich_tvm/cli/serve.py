@@ -18,7 +18,7 @@ from ..runtime.scheduler import SchedulerPolicy
 from ..spec import DEFAULT_CONTEXT
 from .args import non_negative_int, positive_float, positive_int
 from .common import print_error
-from .options import LOAD_ERRORS, add_model_args, spec_from_args
+from .options import LOAD_ERRORS, add_host_args, add_model_args, spec_from_args
 
 SWITCH_INTERVAL_S = 2e-4
 
@@ -26,6 +26,7 @@ SWITCH_INTERVAL_S = 2e-4
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sandwich_tvm.serve", description=__doc__)
     add_model_args(p)  # --model --plan --records --stock --max-batch --seed --kv-dtype --dtype
+    add_host_args(p)  # --hosts --host-timeout
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
     p.add_argument("--context", type=positive_int, default=None,

@@ -36,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 import tvm_ffi
 
-LAST_ERROR = "sandwich.disco.last_error"  # (state) -> (monotonic time, message) of its last failure
+LAST_ERROR = "sandwich.disco.last_error"  # (state) -> "monotonic time\tmessage" of its last failure, or ""
 
 
 class DiscoError(RuntimeError):
@@ -102,9 +102,15 @@ def start_rank(state: S, setup: Callable[..., Any], *args: Any) -> S | Failure:
 
 
 @tvm_ffi.register_global_func(LAST_ERROR, override=True)
-def _last_error(state: RankState | Failure) -> tuple[float, str]:
+def _last_error(state: RankState | Failure) -> str:
+    """A string: Disco's sockets carry strings and bytes, not tuples."""
     failure = state if isinstance(state, Failure) else state.failure
-    return (failure.at, failure.message) if failure is not None else (0.0, "")
+    return f"{failure.at!r}\t{failure.message}" if failure is not None else ""
+
+
+def _parse_error(rank: int, text: str) -> Failure | None:
+    at, _, message = str(text).partition("\t")
+    return Failure(rank, message, float(at)) if message else None
 
 
 class Closable(Protocol):
@@ -129,20 +135,36 @@ def _close_all() -> None:
 class DiscoGroup:
     """``world`` ranks on Disco: rank 0 a thread of this process, ranks 1.. processes running
     ``python -m entrypoint`` (which registers the rank functions, then Disco's worker loop).
-    The workers start with ``cpus`` allowed (and pin themselves to their own)."""
+    The workers start with ``cpus`` allowed (and pin themselves to their own). With ``hosts``,
+    rank i runs on host i instead (``runtime.hosts``: a ``SocketSession``), and a host that
+    does not answer within ``timeout_s`` fails the call."""
 
-    def __init__(self, world: int, entrypoint: str, cpus: Iterable[int] = ()) -> None:
+    def __init__(self, world: int, entrypoint: str, cpus: Iterable[int] = (), hosts: tuple = (),
+                 timeout_s: float = 60.0) -> None:
         import tvm.runtime.disco as di
 
         tvm_ffi.init_ffi_api("runtime.disco", "tvm.runtime.disco._ffi_api")
-        self.world, self.entrypoint = world, entrypoint
+        self.world, self.entrypoint, self.hosts = world, entrypoint, tuple(hosts)
         self.session: Any = None
         self.pids: list[int] = [os.getpid()]  # by rank
         self._readers: list[int] = []  # a read end of every worker's command pipe (see _hold_pipes)
         self._funcs: dict[str, Any] = {}
         self._state: Any = None  # a DRef: every rank's state
         self._failed = False
+        self.remote: Any = None  # hosts.SocketGroupSession
         close_at_exit(self)
+        if self.hosts:
+            from .hosts import HostError, SocketGroupSession
+
+            if world != 1 + len(self.hosts):
+                raise DiscoError(f"{world} ranks need {world - 1} hosts besides this one, "
+                                 f"not {len(self.hosts)}")
+            try:
+                self.remote = SocketGroupSession(self.hosts, entrypoint, timeout_s)
+            except HostError as err:
+                raise DiscoError(str(err)) from None
+            self.session = self.remote.session
+            return
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, set(cpus) | before)  # workers inherit it
         earlier = _children()  # another group's workers are not ours
@@ -170,25 +192,51 @@ class DiscoGroup:
             raise DiscoError("the group's ranks have no state: start() them first")
         return self._run(name, args)
 
+    def failed(self, message: str) -> DiscoError:
+        """The group is broken (a rank answered what it must not): the error to raise."""
+        self._failed = True
+        return DiscoError(message)
+
     def _func(self, name: str) -> Any:
         if name not in self._funcs:
             self._funcs[name] = self.session.get_global_func(name)
         return self._funcs[name]
 
-    def _run(self, name: str, args: tuple, keep: bool = False) -> Any:
+    def gather(self, name: str, *args: Any) -> list[Any]:
+        """The rank function ``name(state, *args)`` on every rank; every rank's value (the
+        others' must be plain values, strings or bytes: what Disco carries back)."""
+        return self._run(name, args, every=True)
+
+    def _run(self, name: str, args: tuple, keep: bool = False, every: bool = False) -> Any:
         # No DRef may stay in a frame that a traceback keeps: it would keep the session alive.
         if self.session is None:
             raise DiscoError("the process group is shut down")
-        ref = None
+        ref, rank = None, 0
         try:
             ref = self._func(name)(*args) if keep else self._func(name)(self._state, *args)
             value = ref.debug_get_from_remote(0)
+            values = [value]
+            for rank in range(1, self.world if every else 1):
+                values.append(ref.debug_get_from_remote(rank))
+            if self.hosts and not every:  # a rank on another host cannot abort rank 0's wait
+                for rank in range(1, self.world):
+                    failure = _parse_error(rank, self._func(LAST_ERROR)(ref if keep else self._state)
+                                           .debug_get_from_remote(rank))
+                    if failure is not None:
+                        value = failure
+                        break
         except Exception as err:  # the command did not reach every worker
             ref = None
             self._failed = True
             line = next((s for s in str(err).splitlines() if s.strip()), type(err).__name__)
             dead = self.dead()
-            gone = f"{', '.join(dead)} exited" if dead else f"{name} could not reach every worker"
+            if self.hosts:
+                lost = "no answer" if "would block" in line else "connection lost"
+                gone = f"rank {max(rank, 1)} on {self.hosts[max(rank, 1) - 1]}: {lost}"
+                if "would block" in line:
+                    line = f"within {self.remote.timeout_s:g} s"
+            else:
+                gone = f"{', '.join(dead)} exited" if dead else f"{name} could not reach every worker"
             raise DiscoError(f"{gone} ({line})") from None
         if keep:
             self._state = ref
@@ -196,7 +244,7 @@ class DiscoGroup:
         if isinstance(value, Failure):
             self._failed = True
             raise DiscoError(self._report(value))
-        return value
+        return values if every else value
 
     def _report(self, first: Failure) -> str:
         """Every rank's error, the first to fail first (its peers then failed waiting for it)."""
@@ -206,9 +254,11 @@ class DiscoGroup:
         failures = [first]
         for rank in range(1, self.world):
             with contextlib.suppress(Exception):
-                at, message = self._func(LAST_ERROR)(self._state).debug_get_from_remote(rank)
-                if message:
-                    failures.append(Failure(rank, str(message), float(at)))
+                failure = _parse_error(rank, self._func(LAST_ERROR)(self._state).debug_get_from_remote(rank))
+                if failure is not None and failure.rank != first.rank:
+                    failures.append(failure)
+        if self.hosts:  # another host's clock: in rank order
+            return "; ".join(str(f) for f in sorted(failures, key=lambda f: f.rank))
         return "; ".join(str(f) for f in sorted(failures, key=lambda f: f.at))
 
     # ------------------------------------------------------------------ processes
@@ -230,6 +280,8 @@ class DiscoGroup:
         if self._failed or self.dead():
             for pid in workers:
                 _kill(pid)
+            if self.remote is not None:
+                self.remote.cut_off()
         self._state = None
         self._funcs.clear()
         with contextlib.suppress(Exception):

@@ -11,7 +11,7 @@ stage's logits go to stage 0, whose rank returns them to the controller.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 
@@ -19,12 +19,25 @@ from ..collective.shm import ShmGroup
 from ..model.stages import MIN_PIECE, Stage
 from .engine import Engine
 
+GATHER, REDUCE = "gather", "reduce"  # a step's exchanges: all-gather hidden states, sum logits
+Exchanges = Generator[tuple[str, np.ndarray], np.ndarray, "np.ndarray | None"]
+
+
+def _drive(ticks: Exchanges, exchange: Callable[[str, np.ndarray], np.ndarray]) -> np.ndarray | None:
+    """Run a step's exchanges through ``exchange``; what the step returns."""
+    try:
+        op, mine = next(ticks)
+        while True:
+            op, mine = ticks.send(exchange(op, mine))
+    except StopIteration as done:
+        return done.value
+
 
 class StageEngine:
     """The engine interface of one stage's rank; the forward operations return the logits on
     stage 0 and None on the others."""
 
-    def __init__(self, engine: Engine, stage: Stage, group: ShmGroup):
+    def __init__(self, engine: Engine, stage: Stage, group: ShmGroup | None):
         self.engine, self.stage, self.group = engine, stage, group
         self.hidden, self.vocab = engine.cfg.hidden_size, engine.cfg.vocab_size
 
@@ -51,12 +64,14 @@ class StageEngine:
         self.engine.clear()
 
     # ------------------------------------------------------------------ forward steps
-    def _pipeline(self, phase: str, parts: list[MicroBatch]) -> np.ndarray | None:
+    def _ticks(self, phase: str, parts: list[MicroBatch]) -> Exchanges:
         """One step as micro-batches through the stages: at tick t stage s runs part t - s, so
         as many parts are in flight as there are stages. After each tick the stages before the
         last hand their outputs on (an all-gather: stage s + 1 reads stage s's part), and the
-        last stage's logits go to stage 0 (an all-reduce the others add zeros to). Returns the
-        parts' logit rows in order on stage 0, None on the others."""
+        last stage's logits go to stage 0 (an all-reduce the others add zeros to). Yields each
+        exchange, ``(GATHER or REDUCE, this rank's array)``, and is sent its result, so that the
+        shared memory (``_pipeline``) or the controller (``RelayStep``, ranks on other hosts)
+        carries it. Returns the parts' logit rows in order on stage 0, None on the others."""
         count, me = self.stage.count, self.stage.index
         tokens = max(p.tokens for p in parts)
         rows = max(p.rows for p in parts)
@@ -73,7 +88,7 @@ class StageEngine:
                 mine = np.zeros((tokens, self.hidden), np.float32)
                 if out is not None and not self.stage.last:
                     mine[:len(out)] = out
-                every = self.group.allgather(mine)
+                every = yield GATHER, mine
                 if not self.stage.first and 0 <= tick - (me - 1) < len(parts):
                     received[tick - (me - 1)] = every[:, (me - 1) * self.hidden:me * self.hidden].copy()
             last = tick - (count - 1)
@@ -81,7 +96,7 @@ class StageEngine:
                 mine = np.zeros((rows, self.vocab), np.float32)
                 if self.stage.last:
                     mine[:len(out)] = out
-                total = self.group.allreduce(mine)
+                total = yield REDUCE, mine
                 if self.stage.first:
                     logits[last] = total[:parts[last].rows].copy()
         return np.concatenate(logits) if self.stage.first else None
@@ -101,16 +116,30 @@ class StageEngine:
 
     def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray | None:
         """Logits after each chunk's last token on stage 0 (``Engine.batch_prefill``)."""
+        return _drive(self.prefill_ticks(slots, chunks), self._pipeline_exchange)
+
+    def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray | None:
+        """One decode step of every sequence in ``slots``; logits on stage 0."""
+        return _drive(self.decode_ticks(slots, tokens), self._pipeline_exchange)
+
+    def prefill_ticks(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> Exchanges:
+        """``batch_prefill`` as its exchanges (``_ticks``)."""
         parts = self._parts(slots, [np.asarray(c, np.int32) for c in chunks], decode=False)
-        logits = self._pipeline("prefill", parts)
+        logits = yield from self._ticks("prefill", parts)
         if logits is not None and len(parts) > len(slots):  # one prompt in pieces: its last row
             logits = logits[-1:]
         return logits
 
-    def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray | None:
-        """One decode step of every sequence in ``slots``; logits on stage 0."""
+    def decode_ticks(self, slots: Sequence[int], tokens: Sequence[int]) -> Exchanges:
+        """``batch_decode`` as its exchanges (``_ticks``)."""
         ids = [np.asarray([t], np.int32) for t in tokens]
-        return self._pipeline("decode", self._parts(slots, ids, decode=True))
+        return (yield from self._ticks("decode", self._parts(slots, ids, decode=True)))
+
+    def _pipeline_exchange(self, op: str, mine: np.ndarray) -> np.ndarray:
+        """An exchange through the process group's shared memory."""
+        if self.group is None:
+            raise RuntimeError("this stage's rank has no shared memory: the controller relays its exchanges")
+        return self.group.allgather(mine) if op == GATHER else self.group.allreduce(mine)
 
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray | None:
         """Logits after the prompt, in chunks of the engine's ``prefill_chunk``."""

@@ -23,7 +23,7 @@ from ..collective.shm import DEFAULT_TIMEOUT_S, ShmGroup
 from ..compiler.artifact import CompiledModel
 from ..spec import RunSpec
 from ..tvm_compat import tvm
-from . import tp_worker
+from . import relay, tp_worker
 from .disco_group import DiscoError, DiscoGroup, close_at_exit
 from .engine import EngineBase, EngineError
 
@@ -51,19 +51,32 @@ class TPEngine(EngineBase):
         self.huge_page_share: float | None = None
         self.total_pages = 0
         self.disco: DiscoGroup | None = None
-        # the largest message: a prefill chunk's hidden states, or a decode batch's logits
-        slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
-        self.group = ShmGroup.create(plan.processes, slot, timeout_s)
+        self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
+        self.group: ShmGroup | None = None
+        if not self.relayed:
+            # the largest message: a prefill chunk's hidden states, or a decode batch's logits
+            slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
+            self.group = ShmGroup.create(plan.processes, slot, timeout_s)
         close_at_exit(self)
         try:
             t0 = time.perf_counter()
             with self._failing("start"):
-                self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, plan.all_prefill_cpus)
+                if self.relayed:
+                    from .hosts import parse_hosts
+
+                    hosts = parse_hosts(",".join(run.hosts))
+                    self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, hosts=hosts,
+                                            timeout_s=run.host_timeout_s)
+                else:
+                    self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, plan.all_prefill_cpus)
             for r, pid in enumerate(self.disco.pids[1:], start=1):
-                self.group.set_pid(r, pid)  # a rank that dies while starting fails the others' waits
+                if self.group is not None:
+                    self.group.set_pid(r, pid)  # a rank that dies while starting fails the others' waits
             kind = "tensor-parallel ranks" if plan.pp == 1 else f"ranks in {plan.pp} pipeline stages"
-            log(f"started {plan.processes} {kind} on Disco ({time.perf_counter() - t0:.1f} s)")
-            spec = tp_worker.RankSpec(shm=self.group.name, slot=self.group.slot, timeout_s=timeout_s,
+            where = f", ranks 1-{plan.processes - 1} on {', '.join(run.hosts)}" if self.relayed else ""
+            log(f"started {plan.processes} {kind} on Disco{where} ({time.perf_counter() - t0:.1f} s)")
+            spec = tp_worker.RankSpec(shm=self.group.name if self.group else "",
+                                      slot=self.group.slot if self.group else 0, timeout_s=timeout_s,
                                       artifact=str(compiled.path), run=run.to_json(), page_size=page_size,
                                       stages=[str(s.path) for s in stages])
             with self._failing("loading the shards"):
@@ -98,7 +111,8 @@ class TPEngine(EngineBase):
             if disco is not None:
                 disco.close()
         finally:
-            self.group.close()
+            if self.group is not None:
+                self.group.close()
 
     shutdown = close
 
@@ -120,18 +134,45 @@ class TPEngine(EngineBase):
         return int(self._call("page count", tp_worker.AVAILABLE_PAGES))
 
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
+        if self.relayed:
+            step = self.prefill_chunk
+            chunks = [prompt[s:s + step] for s in range(0, len(prompt), step)]
+            return [self.batch_prefill([seq_id], [c]) for c in chunks][-1][0]
         return self._call("prefill", tp_worker.PREFILL, seq_id, _ids(prompt)).numpy()
 
     def decode(self, token: int, seq_id: int = 0) -> np.ndarray:
+        if self.relayed:
+            return self.batch_decode([seq_id], [token])[0]
         return self._call("decode", tp_worker.DECODE, seq_id, int(token)).numpy()
 
     def batch_prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> np.ndarray:
-        tokens = _ids([t for c in chunks for t in c])
-        return self._call("prefill", tp_worker.BATCH_PREFILL, _ids(slots), _ids([len(c) for c in chunks]),
-                          tokens).numpy()
+        lengths, tokens = _ids([len(c) for c in chunks]), _ids([t for c in chunks for t in c])
+        if self.relayed:
+            return self._relay("prefill", tp_worker.RELAY_PREFILL, _ids(slots), lengths, tokens)
+        return self._call("prefill", tp_worker.BATCH_PREFILL, _ids(slots), lengths, tokens).numpy()
 
     def batch_decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        if self.relayed:
+            return self._relay("decode", tp_worker.RELAY_DECODE, _ids(slots), _ids(tokens))
         return self._call("decode", tp_worker.BATCH_DECODE, _ids(slots), _ids(tokens)).numpy()
+
+    def _relay(self, what: str, name: str, *args: Any) -> np.ndarray:
+        """A pipeline step whose exchanges this process carries (``runtime.relay``): every rank
+        runs to its next exchange; their arrays, combined, go back to every rank; until each is
+        done. Returns rank 0's logits."""
+        if self.disco is None:
+            raise EngineError("the tensor-parallel process group is shut down; open a new engine")
+        disco = self.disco
+        with self._failing(what):
+            answers = disco.gather(name, *args)
+            while True:
+                try:
+                    op, arrays = relay.unpack_all(answers)
+                except relay.RelayError as err:
+                    raise disco.failed(str(err)) from None
+                if op == relay.DONE:
+                    return arrays[0].copy()
+                answers = disco.gather(tp_worker.RELAY_RESUME, relay.pack(op, relay.combine(op, arrays)))
 
     def clear(self) -> None:
         self._call("clear", tp_worker.CLEAR)

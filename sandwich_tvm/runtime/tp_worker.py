@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import tvm_ffi
 
 from ..collective.shm import ShmGroup
 from ..model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER
+from . import relay
 from .disco_group import Failure, RankState, rank_function, start_rank
 from .engine import Engine
-from .stage import StageEngine
+from .stage import Exchanges, StageEngine
 
 ENTRYPOINT = "sandwich_tvm.runtime.tp_worker"
 INIT = "sandwich.tp.init"  # (spec json) -> Rank
@@ -43,6 +46,11 @@ PREFILL = "sandwich.tp.prefill"  # (seq_id, tokens) -> logits [vocab]
 DECODE = "sandwich.tp.decode"  # (seq_id, token) -> logits [vocab]
 BATCH_PREFILL = "sandwich.tp.batch_prefill"  # (slots, lengths, tokens) -> logits [len(slots), vocab]
 BATCH_DECODE = "sandwich.tp.batch_decode"  # (slots, tokens) -> logits [len(slots), vocab]
+# a pipeline step relayed by the controller (ranks on other hosts; runtime.relay): each returns
+# this rank's next exchange, or DONE (rank 0: with the logits), as bytes
+RELAY_PREFILL = "sandwich.tp.relay_prefill"  # (slots, lengths, tokens)
+RELAY_DECODE = "sandwich.tp.relay_decode"  # (slots, tokens)
+RELAY_RESUME = "sandwich.tp.relay_resume"  # (the exchange's result, packed)
 
 REDUCE_SUM, REDUCE_AVG = 0, 4  # Disco's ReduceKind values this collective supports
 
@@ -53,7 +61,7 @@ class RankSpec:
     compiled model (one per pipeline stage), and the run spec (``RunSpec.to_json``: plan,
     context, KV cache, batch)."""
 
-    shm: str  # the process group's segment
+    shm: str  # the process group's segment ("" for ranks on several hosts: the controller relays)
     slot: int
     timeout_s: float
     artifact: str  # the compiled model's directory
@@ -76,6 +84,7 @@ class Rank(RankState):
         super().__init__(rank)
         self._group: ShmGroup | None = None
         self._engine: Engine | StageEngine | None = None
+        self.step: Exchanges | None = None  # a relayed pipeline step between its exchanges
 
     @property
     def group(self) -> ShmGroup:
@@ -112,7 +121,8 @@ class Rank(RankState):
         os.sched_setaffinity(0, set(mine.prefill_cpus))  # this rank's cores touch its weights first
         if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
             bind_memory(list(mine.numa[0]))
-        self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s)
+        if spec.shm:
+            self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s)
         compiled = CompiledModel.load(spec.stages[plan.stage_of(self.rank)] if spec.stages else spec.artifact)
         isa, dtype = compiled.weight_layout
         params = load_params(run.model, compiled.config, compiled.params, isa, seed=run.seed, dtype=dtype,
@@ -121,10 +131,28 @@ class Rank(RankState):
         engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
                         page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
         stage = compiled.stage
-        self._engine = engine if stage is None else StageEngine(engine, stage, self.group)
+        self._engine = engine if stage is None else StageEngine(engine, stage, self._group)
+        if self._group is None:  # the controller checks every rank's answer itself
+            return
         ready = self.group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises
         if int(ready[0]) != plan.processes:
             raise RuntimeError(f"only {int(ready[0])} of {plan.processes} ranks started")
+
+    def stage_engine(self) -> StageEngine:
+        if not isinstance(self.engine, StageEngine):
+            raise RuntimeError("this rank is not a pipeline stage: only stages relay their steps")
+        return self.engine
+
+    def advance(self, result: np.ndarray | None) -> bytes:
+        """Run the relayed step on to its next exchange (sent ``result`` of the last one)."""
+        if self.step is None:
+            raise RuntimeError("no pipeline step is under way on this rank")
+        try:
+            op, mine = self.step.send(result) if result is not None else next(self.step)
+            return relay.pack(op, mine)
+        except StopIteration as done:
+            self.step = None
+            return relay.pack(relay.DONE, done.value)
 
 
 def worker_id() -> int:
@@ -180,6 +208,8 @@ def _attach(shm: str, world: int, slot: int, timeout_s: float) -> Rank | Failure
 @rank_function(USE)
 def _use(rank: Rank, phase: str) -> float:
     ms = rank.engine.use(phase)  # every rank switches: it took as long as the slowest one
+    if rank._group is None:  # ranks on several hosts: rank 0's own time
+        return ms
     return float(rank.group.allgather(np.array([ms], np.float32)).max())
 
 
@@ -232,6 +262,45 @@ def _batch_prefill(rank: Rank, slots, lengths, tokens) -> np.ndarray:
 @rank_function(BATCH_DECODE)
 def _batch_decode(rank: Rank, slots, tokens) -> np.ndarray:
     return rank.engine.batch_decode(list(slots), list(tokens))
+
+
+def relay_function(name: str) -> Callable[[Callable[..., bytes]], Callable[..., bytes]]:
+    """Register ``fn(rank, *args) -> bytes`` for a relayed step: a failure is answered as packed
+    error bytes (a remote rank's Python object cannot be read back), kept for LAST_ERROR."""
+
+    def register(fn: Callable[..., bytes]) -> Callable[..., bytes]:
+        def guarded(rank: Rank | Failure, *args: Any) -> bytes:
+            if isinstance(rank, Failure):
+                return relay.pack_error(rank.message)
+            answer = rank.run(fn, rank, *args)
+            if isinstance(answer, Failure):
+                rank.step = None
+                return relay.pack_error(answer.message)
+            return answer
+
+        tvm_ffi.register_global_func(name, guarded, override=True)
+        return fn
+
+    return register
+
+
+@relay_function(RELAY_PREFILL)
+def _relay_prefill(rank: Rank, slots, lengths, tokens) -> bytes:
+    chunks = np.split(np.asarray(list(tokens), np.int32), np.cumsum(list(lengths))[:-1])
+    rank.step = rank.stage_engine().prefill_ticks(list(slots), chunks)
+    return rank.advance(None)
+
+
+@relay_function(RELAY_DECODE)
+def _relay_decode(rank: Rank, slots, tokens) -> bytes:
+    rank.step = rank.stage_engine().decode_ticks(list(slots), list(tokens))
+    return rank.advance(None)
+
+
+@relay_function(RELAY_RESUME)
+def _relay_resume(rank: Rank, result: bytes) -> bytes:
+    _, array = relay.unpack(result, 0)
+    return rank.advance(array)
 
 
 def main() -> None:

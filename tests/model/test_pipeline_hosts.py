@@ -1,0 +1,209 @@
+"""Pipeline stages on other hosts: a worker daemon per host (``python -m sandwich_tvm.worker``),
+the controller reaching it through Disco's ``SocketSession``, activations relayed by the
+controller; against HF transformers, and with workers that die, hang or lie."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.bench.baselines.server_process import free_port
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.runtime import relay
+from sandwich_tvm.runtime.engine import EngineError
+from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.spec import SpecError, resolve_run_spec
+from sandwich_tvm.topology.plan import ExecPlan
+from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+from .test_pipeline_parallel import _reference, _tokens_alone_and_batched
+
+torch = pytest.importorskip("torch")
+
+CPUS = sorted(PROCESS_CPUS)
+two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="a two-stage plan here runs one core per stage")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pp2() -> ExecPlan:
+    return ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: PP-2", pp=2)
+
+
+class WorkerDaemon:
+    """``python -m sandwich_tvm.worker --listen ADDRESS`` (in a network namespace with ``netns``)."""
+
+    def __init__(self, address: str, netns: str | None = None, rank_module: str | None = None) -> None:
+        self.address = address
+        cmd = [sys.executable, "-m", "sandwich_tvm.worker", "--listen", address]
+        if rank_module:
+            cmd += ["--rank-module", rank_module]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stderr.readline()
+        assert "listening on" in line, line + self.proc.stderr.read()
+
+    def nodes(self) -> list[int]:
+        import psutil
+
+        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
+                if "sandwich_tvm.runtime.hosts" in " ".join(c.cmdline())]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def worker():
+    daemon = WorkerDaemon(f"127.0.0.1:{free_port()}")
+    yield daemon
+    daemon.close()
+
+
+def _spec(model_dir: Path, hosts: str, **kw):
+    return resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=8, kv_dtype="float32",
+                            dtype="float32", hosts=hosts, **kw)
+
+
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_hosts_must_match_the_plans_stages(hf_case):
+    model_dir, _ = hf_case
+    with pytest.raises(SpecError, match="--hosts takes HOST:PORT"):
+        _spec(model_dir, "localhost")
+    with pytest.raises(SpecError, match="the plan must have 3 pipeline stages"):
+        _spec(model_dir, "10.0.0.2:7000,10.0.0.3:7000")
+    spec = _spec(model_dir, "10.0.0.2:7000")
+    assert spec.hosts == ("10.0.0.2:7000",)
+    assert type(spec).from_json(spec.to_json()).hosts == spec.hosts
+
+
+def test_the_relay_checks_what_the_ranks_answer():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    op, arrays = relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack(relay.GATHER, a + 1)])
+    assert op == relay.GATHER and relay.combine(op, arrays).shape == (2, 6)
+    assert np.array_equal(relay.combine(relay.REDUCE, [a, a]), 2 * a)
+    with pytest.raises(relay.RelayError, match="rank 1 answered reduce"):
+        relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack(relay.REDUCE, a)])
+    with pytest.raises(relay.RelayError, match="rank 1 answered 5 bytes"):
+        relay.unpack_all([relay.pack(relay.GATHER, a), b"hello"])
+    with pytest.raises(relay.RelayError, match="rank 1: boom"):
+        relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack_error("boom")])
+
+
+def test_a_worker_refuses_what_is_not_an_invitation(worker):
+    import socket
+
+    host, port = worker.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        reply = json.loads(s.makefile("rb").readline())
+    assert "not an invitation" in reply["error"] and worker.proc.poll() is None
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly(hf_case, worker):
+    """Stage 1 in a worker's node process, reached over TCP: HF's logits and greedy tokens,
+    batched requests as alone; the node killed mid-request fails it, and the worker serves the
+    next controller."""
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    address = worker.address
+    engine, _ = open_engine(_spec(model_dir, address))
+    try:
+        assert engine.relayed and engine.group is None
+        prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
+        logits: list[np.ndarray] = []
+        gen = engine.generate(prompt, 13, logits_out=logits)
+        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+        np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+        assert gen.tokens == [int(t) for t in ref.argmax(-1)]
+
+        rng = np.random.default_rng(2)
+        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
+                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
+        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
+        assert batched == alone
+
+        (node,) = worker.nodes()
+        streamed: list[int] = []
+
+        def kill_at_three(token: int) -> None:
+            streamed.append(token)
+            if len(streamed) == 3:
+                os.kill(node, signal.SIGKILL)
+
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=f"rank 1 on {address}: connection lost"):
+            engine.generate(prompt, 100, on_token=kill_at_three)
+        assert time.monotonic() - start < 20 and engine.disco is None
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, set(CPUS))
+    assert worker.nodes() == [] and worker.proc.poll() is None
+
+    engine, _ = open_engine(_spec(model_dir, address))  # the worker takes the next controller
+    try:
+        assert engine.generate(prompt, 4).tokens == gen.tokens[:4]
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, set(CPUS))
+    deadline = time.monotonic() + 10
+    while worker.nodes() and time.monotonic() < deadline:  # its node leaves with the session
+        time.sleep(0.1)
+    assert worker.nodes() == []
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_a_hung_host_fails_the_request_within_the_timeout(hf_case, worker):
+    model_dir, _ = hf_case
+    engine, _ = open_engine(_spec(model_dir, worker.address, host_timeout_s=3.0))
+    (node,) = worker.nodes()
+    try:
+        assert len(engine.generate([5, 6, 7], 2).tokens) == 2
+        os.kill(node, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="no answer \\(within 3 s\\)"):
+            engine.generate([5, 6, 7, 8], 4)
+        assert 2.5 < time.monotonic() - start < 15 and engine.disco is None
+    finally:
+        engine.shutdown()
+        os.kill(node, signal.SIGKILL)
+        os.sched_setaffinity(0, set(CPUS))
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_a_lying_host_fails_the_request(hf_case):
+    """A rank whose exchanges are out of step (``tests/model/lying_rank.py``)."""
+    model_dir, _ = hf_case
+    daemon = WorkerDaemon(f"127.0.0.1:{free_port()}", rank_module="tests.model.lying_rank")
+    try:
+        engine, _ = open_engine(_spec(model_dir, daemon.address))
+        try:
+            with pytest.raises(EngineError, match="rank 1 answered .* the ranks are out of step"):
+                engine.generate([5, 6, 7], 4)
+            assert engine.disco is None
+        finally:
+            engine.shutdown()
+            os.sched_setaffinity(0, set(CPUS))
+        deadline = time.monotonic() + 10
+        while daemon.nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.nodes() == []
+    finally:
+        daemon.close()
