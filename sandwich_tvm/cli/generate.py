@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, brackets kept
         return 2
     if args.json:
-        out = gen.to_json() | {"weights_huge_page_share": engine.huge_page_share, "processes": plan.processes}
+        out = gen.to_json() | {"weights_huge_page_share": engine.huge_page_share, "processes": plan.processes,
+                                "hosts": list(spec.hosts)}
         print(json.dumps(out, allow_nan=False))  # strict JSON: no NaN
     else:
         print()

@@ -24,7 +24,7 @@ from sandwich_tvm.spec import SpecError, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
-from .test_pipeline_parallel import _reference, _tokens_alone_and_batched
+from .test_pipeline_parallel import _hf_greedy, _reference, _tokens_alone_and_batched
 
 torch = pytest.importorskip("torch")
 
@@ -207,3 +207,67 @@ def test_a_lying_host_fails_the_request(hf_case):
         assert daemon.nodes() == []
     finally:
         daemon.close()
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_two_stages_across_network_namespaces_match_hf_under_the_server(hf_case, tmp_path):
+    """Stage 1's worker in its own network namespace, joined to this one by a veth pair:
+    `generate --hosts` gives HF's greedy tokens, and `serve --hosts` answers eight concurrent
+    requests with HF's tokens."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from sandwich_tvm.bench.baselines.server_process import ServerProcess
+    from sandwich_tvm.cli.options import synthetic_prompt
+    from sandwich_tvm.model.tokenizer import load_model_tokenizer, placeholder_tokenizer
+
+    from ..netns import veth_namespace
+
+    src, hf = hf_case
+    with veth_namespace() as (ns, here, there):
+        daemon = WorkerDaemon(f"{there}:{free_port()}", netns=ns)
+        try:
+            plan = tmp_path / "plans.json"
+            plan.write_text(json.dumps({"plans": [{"processes": 2, "tp": 1, "pp": 2,
+                                                   "prefill_cpus": [[CPUS[0]], [CPUS[1]]],
+                                                   "decode_cpus": [[CPUS[0]], [CPUS[1]]]}]}))
+            common = ["--plan", str(plan), "--hosts", daemon.address, "--dtype", "float32",
+                      "--kv-dtype", "float32"]
+            run = subprocess.run([sys.executable, "-m", "sandwich_tvm.generate", "--model", str(src), *common,
+                                  "--prompt-len", "20", "--max-new-tokens", "6", "--json"],
+                                 capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr
+            out = json.loads(run.stdout)
+            assert out["hosts"] == [daemon.address] and f"Remote node {there}:" in run.stderr
+            prompt = synthetic_prompt(20, load_config(src).vocab_size)
+            assert out["tokens"] == _hf_greedy(hf, prompt, 6)
+
+            model_dir = tmp_path / src.name  # the same name: the same compiled stages
+            shutil.copytree(src, model_dir)
+            cfg = load_config(model_dir)
+            placeholder_tokenizer(cfg.vocab_size).save(str(model_dir / "tokenizer.json"))
+            tok = load_model_tokenizer(model_dir)
+            port = free_port()
+            cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", str(model_dir), *common,
+                   "--max-batch", "8", "--context", "128", "--prefill-budget", "64", "--port", str(port),
+                   "--served-model-name", "tiny"]
+            rng = np.random.default_rng(3)
+            prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, int(n))]
+                       for n in rng.integers(5, 40, 8)]
+
+            def complete(url: str, p: list[int]) -> str:
+                body = {"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ServerProcess("sandwich pp2 hosts", cmd, port, log_path=tmp_path / "serve.log",
+                               ready_timeout_s=600) as srv, ThreadPoolExecutor(8) as pool:
+                texts = list(pool.map(lambda p: complete(srv.base_url, p), prompts))
+            assert texts == [tok.decode(_hf_greedy(hf, p, 8)) for p in prompts]
+        finally:
+            daemon.close()
