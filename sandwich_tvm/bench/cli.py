@@ -1,5 +1,5 @@
 """`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
-speculative|structured|costmodel|tuning-curve|crosscheck`: Sandwich's dynamic-shape GEMM against numpy and
+speculative|structured|costmodel|tuning-curve|crosscheck|hop`: Sandwich's dynamic-shape GEMM against numpy and
 torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
@@ -12,7 +12,7 @@ cost the requests batched with them, ``bench/structured.py``; ``costmodel``: the
 model's ranking on held-out shapes, ``bench/costmodel.py``; ``tuning-curve``: a served model's
 tokens/s as background tuning lands records, ``bench/tuning_curve.py``; ``crosscheck``: kernels
 built here, checked against numpy and timed on a CPU with TVM's runtime only,
-``bench/crosscheck.py``).
+``bench/crosscheck.py``; ``hop``: per-hop latency and bandwidth to a worker host, ``bench/hop.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -44,6 +44,7 @@ from .cold import cold_rotation, llc_bytes_of
 from .costmodel import add_costmodel_parser, main_costmodel
 from .crosscheck import add_crosscheck_parser, main_crosscheck
 from .e2e import add_e2e_parser, main_e2e
+from .hop import add_hop_parser, main_hop
 from .perplexity import add_perplexity_parser, main_perplexity
 from .prefix import add_prefix_parser, main_prefix
 from .serve_cmd import add_serve_parser, main_serve
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_costmodel_parser(sub)
     add_tuning_curve_parser(sub)
     add_crosscheck_parser(sub)
+    add_hop_parser(sub)
     return parser
 
 
@@ -357,6 +359,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.what == "crosscheck":
         return main_crosscheck(args)
+    if args.what == "hop":
+        from ..runtime.disco_group import DiscoError
+
+        try:
+            return main_hop(args)
+        except DiscoError as exc:
+            print_error(console, exc)
+            return 2
     if args.what == "tuning-curve":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_tuning_curve(args, console)

@@ -192,6 +192,12 @@ class DiscoGroup:
             raise DiscoError("the group's ranks have no state: start() them first")
         return self._run(name, args)
 
+    def local_state(self) -> Any:
+        """Rank 0's state: a Python object of this process (rank 0 is a thread of it)."""
+        if self._state is None:
+            raise DiscoError("the group's ranks have no state: start() them first")
+        return self._state.debug_get_from_remote(0)
+
     def failed(self, message: str) -> DiscoError:
         """The group is broken (a rank answered what it must not): the error to raise."""
         self._failed = True

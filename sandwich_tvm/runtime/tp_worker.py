@@ -51,6 +51,8 @@ BATCH_DECODE = "sandwich.tp.batch_decode"  # (slots, tokens) -> logits [len(slot
 RELAY_PREFILL = "sandwich.tp.relay_prefill"  # (slots, lengths, tokens)
 RELAY_DECODE = "sandwich.tp.relay_decode"  # (slots, tokens)
 RELAY_RESUME = "sandwich.tp.relay_resume"  # (the exchange's result, packed)
+HOP_INIT = "sandwich.tp.hop_init"  # () -> a RankState with no model (bench hop)
+HOP_ECHO = "sandwich.tp.hop_echo"  # (payload bytes, answer size) -> that many bytes
 
 REDUCE_SUM, REDUCE_AVG = 0, 4  # Disco's ReduceKind values this collective supports
 
@@ -85,6 +87,7 @@ class Rank(RankState):
         self._group: ShmGroup | None = None
         self._engine: Engine | StageEngine | None = None
         self.step: Exchanges | None = None  # a relayed pipeline step between its exchanges
+        self.inbox: np.ndarray | None = None  # rank 0: an exchange's result the controller handed it
 
     @property
     def group(self) -> ShmGroup:
@@ -204,6 +207,16 @@ def _attach(shm: str, world: int, slot: int, timeout_s: float) -> Rank | Failure
     return start_rank(rank, rank.join, shm, world, slot, timeout_s)
 
 
+@tvm_ffi.register_global_func(HOP_INIT, override=True)
+def _hop_init() -> RankState:
+    return RankState(worker_id())
+
+
+@rank_function(HOP_ECHO)
+def _hop_echo(_state: RankState, payload: bytes, size: int) -> bytes:
+    return bytes(payload)[:size].ljust(size, b"\0")
+
+
 # ---------------------------------------------------------------------- engine operations
 @rank_function(USE)
 def _use(rank: Rank, phase: str) -> float:
@@ -300,6 +313,8 @@ def _relay_decode(rank: Rank, slots, tokens) -> bytes:
 @relay_function(RELAY_RESUME)
 def _relay_resume(rank: Rank, result: bytes) -> bytes:
     _, array = relay.unpack(result, 0)
+    if rank.inbox is not None:  # rank 0, handed the result in-process
+        array, rank.inbox = rank.inbox, None
     return rank.advance(array)
 
 

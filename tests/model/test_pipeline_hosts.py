@@ -89,8 +89,11 @@ def test_hosts_must_match_the_plans_stages(hf_case):
 
 def test_the_relay_checks_what_the_ranks_answer():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
-    op, arrays = relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack(relay.GATHER, a + 1)])
-    assert op == relay.GATHER and relay.combine(op, arrays).shape == (2, 6)
+    op, arrays = relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack(relay.GATHER, a + 1),
+                                   relay.pack(relay.GATHER, 0 * a)])
+    assert len(relay.pack(relay.GATHER, 0 * a)) < a.nbytes  # zeros travel as their shape
+    # side by side, but the last stage's (it hands nothing on)
+    assert op == relay.GATHER and np.array_equal(relay.combine(op, arrays), np.hstack([a, a + 1]))
     assert np.array_equal(relay.combine(relay.REDUCE, [a, a]), 2 * a)
     with pytest.raises(relay.RelayError, match="rank 1 answered reduce"):
         relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack(relay.REDUCE, a)])
