@@ -4,9 +4,10 @@ machine and a worker host, as the pipeline's relayed exchanges pay it.
 A hop is one Disco call over the ``SocketSession`` (``runtime.hosts``) that carries a payload
 to the worker's rank and the same number of bytes back: what every exchange of a relayed
 pipeline step costs (the stages' arrays up, their combination down). For each payload size
-the median over rounds of ``--repeat`` back-to-back calls; a least-squares line through them
-gives the per-hop latency (its intercept) and the bandwidth (its slope), which the simulator
-takes for pipeline stages across hosts (``MachineProfile.hop_latency_us``, ``hop_gbs``).
+the median over rounds of ``--repeat`` back-to-back calls. The per-hop latency is the
+smallest payload's median; the bandwidth is the slope of a least-squares line through the
+medians against the bytes moved (both ways). The simulator takes both for pipeline stages
+across hosts (``topology.simulator.HopCost.from_json``).
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def measure(hosts: str, sizes: list[int], rounds: int, repeat: int, log=lambda _
     finally:
         group.close()
     medians = {n: float(np.median(t)) for n, t in times.items()}
-    xs = np.array(sizes, float)
+    xs = 2 * np.array(sizes, float)  # bytes moved: the payload there and back
     ys = np.array([medians[n] for n in sizes])
-    slope, intercept = np.polyfit(xs, ys, 1) if len(set(sizes)) > 1 else (0.0, ys[0])
+    slope = np.polyfit(xs, ys, 1)[0] if len(set(sizes)) > 1 else 0.0
     return {"sizes_bytes": sizes, "median_s": [medians[n] for n in sizes],
             "rounds_s": {str(n): times[n] for n in sizes},
-            "latency_us": float(intercept) * 1e6, "gbs": float(1 / slope / 1e9) if slope > 0 else None}
+            "latency_us": medians[min(sizes)] * 1e6, "gbs": float(1 / slope / 1e9) if slope > 0 else None}
 
 
 def main_hop(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ class ServiceConfig:
     processes: tuple[tuple[int, ...], ...]
     domains: tuple[tuple[int, ...], ...]
     pp: int = 1
+    hosts: bool = False  # stages 1.. on other hosts: every exchange relayed over the network
 
     @property
     def tp(self) -> int:
@@ -50,7 +51,8 @@ class ServiceConfig:
         return sorted(c for p in self.processes for c in p)
 
     def describe(self) -> str:
-        return f"{self.tp}x{self.threads}" + (f" x{self.pp} stages" if self.pp > 1 else "")
+        where = " on hosts" if self.hosts else ""
+        return f"{self.tp}x{self.threads}" + (f" x{self.pp} stages{where}" if self.pp > 1 else "")
 
     def to_dict(self) -> dict:
         return {"processes": self.tp, "threads": self.threads,

@@ -9,7 +9,10 @@ all-reduces per layer over shared memory, slower when processes span NUMA nodes.
 stages run their own layers one after the other for one request (decode at batch 1: each stage
 alone on the machine), a prompt in pieces that overlap stage by stage (the runtime's
 micro-batches: fill, then the slowest stage per piece), and every hand-off between stages
-costs the collective's latency and bandwidth.
+costs the collective's latency and bandwidth. Stages on other hosts (``ServiceConfig.hosts``)
+pay the network instead (``HopCost``, measured by ``bench hop``): one hop per exchange of the
+controller's relay (``runtime.relay``) and one to start the step, carrying the hidden states
+there and back and the last stage's logits up.
 """
 
 from __future__ import annotations
@@ -25,6 +28,24 @@ from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
 ACT_BYTES = 4  # the all-reduces carry activations and logits, which stay fp32 whatever the weights' dtype
+
+
+@dataclass(frozen=True)
+class HopCost:
+    """One hop between the controller and a worker host: a Disco call's latency, and the
+    bandwidth of the bytes it carries (``bench hop``'s JSON)."""
+
+    latency_us: float
+    gbs: float
+
+    @classmethod
+    def from_json(cls, raw: dict) -> HopCost:
+        if not raw.get("gbs") or raw.get("latency_us") is None:
+            raise ValueError("the hop measurement has no latency or bandwidth: rerun `bench hop`")
+        return cls(float(raw["latency_us"]), float(raw["gbs"]))
+
+    def ms(self, hops: np.ndarray | float, nbytes: np.ndarray | float) -> np.ndarray:
+        return np.asarray(hops, float) * self.latency_us / 1e3 + np.asarray(nbytes, float) / (self.gbs * 1e6)
 
 
 @dataclass(frozen=True)
@@ -57,10 +78,10 @@ class LatencySimulator:
     """Predicts TTFT/TPOT for configurations on one machine, model and trace."""
 
     def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace, *,
-                 weight_bytes: int = 4, kv_bytes: int = 4):
+                 weight_bytes: int = 4, kv_bytes: int = 4, hop: HopCost | None = None):
         """``weight_bytes`` / ``kv_bytes``: bytes per weight and per cached K/V element (the run
-        spec's weight and KV dtypes)."""
-        self.profile, self.model, self.trace = profile, model, trace
+        spec's weight and KV dtypes); ``hop``: the network's, for stages on other hosts."""
+        self.profile, self.model, self.trace, self.hop = profile, model, trace, hop
         self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
         self._instance = {r.name: _instances(tree, r) for r in profile.resources}
         core_depth = tree.depth_of("Core")
@@ -150,8 +171,16 @@ class LatencySimulator:
         stacked = np.stack(times)
         ticks = pieces + config.pp - 1
         hidden = (1 if decode else per_piece) * m.hidden_size * ACT_BYTES
-        return (stacked.sum(axis=0) + (pieces - 1) * stacked.max(axis=0)
-                + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.vocab_size * ACT_BYTES))
+        compute = stacked.sum(axis=0) + (pieces - 1) * stacked.max(axis=0)
+        if config.hosts:
+            if self.hop is None:
+                raise ValueError("stages on other hosts need the network's hop cost: run `bench hop`")
+            # per tick a hand-off (a remote stage's hidden states up, the stages' blocks down to
+            # each remote rank), then each part's logits up from the last stage, and a last call
+            p = config.pp
+            moved = (ticks - 1) * hidden * (1 + (p - 1) ** 2) + pieces * m.vocab_size * ACT_BYTES
+            return compute + self.hop.ms(ticks - 1 + pieces + 1, moved)
+        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.vocab_size * ACT_BYTES)
 
     # ---- phases ---------------------------------------------------------------------
     def _prefill_layer_ms(self, config: ServiceConfig, s: np.ndarray, context: np.ndarray | None = None

@@ -163,6 +163,31 @@ def test_simulator_pipeline_stages(trace):
     assert sim.ttft_ms(pp2, np.array([20.0]))[0] > sim.ttft_ms(socket, np.array([20.0]))[0]  # one piece
 
 
+def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
+    """Stages across hosts: the shared-memory hand-offs become relayed hops (``bench hop``'s
+    latency per call and bandwidth per byte); without a measured hop cost it is an error."""
+    from sandwich_tvm.topology.configs import ServiceConfig
+    from sandwich_tvm.topology.simulator import HopCost
+
+    tree, _ = load_tree(xml=MILAN)
+    model = PRESETS["llama-3-8b"]
+    tp2 = parse_config(tree, "2x64")
+    local = ServiceConfig(tp2.processes, tp2.domains, pp=2)
+    remote = ServiceConfig(tp2.processes, tp2.domains, pp=2, hosts=True)
+    assert "2 stages on hosts" in remote.describe()
+    hop = HopCost.from_json({"latency_us": 250.0, "gbs": 0.03})
+    sim = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace, hop=hop)
+    ctx = np.array([512.0])
+    shm_hops = sim._hop_ms(model.hidden_size * 4) + sim._hop_ms(model.vocab_size * 4)
+    # decode at batch 1: 3 calls; one hidden state up and one down, the logits up
+    net = 3 * 0.25 + (2 * model.hidden_size * 4 + model.vocab_size * 4) / 0.03e6
+    assert sim.tpot_ms(remote, ctx)[0] == pytest.approx(sim.tpot_ms(local, ctx)[0] - shm_hops + net)
+    with pytest.raises(ValueError, match="run `bench hop`"):
+        LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace).tpot_ms(remote, ctx)
+    with pytest.raises(ValueError, match="rerun `bench hop`"):
+        HopCost.from_json({"latency_us": 250.0, "gbs": None})
+
+
 def test_parse_config_forms():
     tree, _ = load_tree(xml=MILAN)
     assert parse_config(tree, "8x16").describe() == "8x16"  # needs a latent group of 2 L3s
