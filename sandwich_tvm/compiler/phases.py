@@ -15,7 +15,7 @@ from tvm import relax
 from ..model.linear import KernelSet
 from ..tvm_compat import tvm
 
-DECODE_FUNCTIONS = ("decode", "batch_decode")
+DECODE_FUNCTIONS = ("decode", "batch_decode", "decode_head")
 
 
 def _static_rows(call: relax.Call) -> int | None:

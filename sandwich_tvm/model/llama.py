@@ -8,7 +8,10 @@ kernels on prepacked weights (prefill and decode kernels on the same weight); wi
 uses ``nn.Linear``, which is TVM's stock build. With ``tp`` > 1 it is one rank's part of a
 Megatron-sharded model (``parallel``): every rank runs the same code on its own shard. With a
 ``stage`` it is one pipeline stage's layers (``stages``): hidden states in and out of the
-stages between the embedding and the head.
+stages after the embedding; the last stage gives the hidden states of the positions asked for,
+and the first stage, which embeds the tokens, also exports the head (``head``, and
+``decode_head`` on the decode kernels: final norm and logits) that the pipeline's output
+comes back to.
 """
 
 from __future__ import annotations
@@ -195,12 +198,13 @@ class LlamaModel(nn.Module):
             self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
         count = cfg.num_hidden_layers if stage is None else stage.layers
         self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(count)])
-        if stage is None or stage.last:
+        if stage is None or stage.first:  # a pipeline's head is on its first stage
             self.norm = _norm(cfg, kernels)
-        self.embeds, self.norms = stage is None or stage.first, stage is None or stage.last
+        self.embeds, self.norms = stage is None or stage.first, stage is None
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
-        """Token ids (the first stage) or hidden states in; hidden states out (normed by the last)."""
+        """Token ids (the first stage) or hidden states in; hidden states out (normed by the
+        whole model; a pipeline's head norms them)."""
         if self.embeds:
             x = self.embed_tokens(x)
         for i, layer in enumerate(self.layers):  # the cache's layers are the stage's own
@@ -223,9 +227,10 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.stage = None if stage is None or stage.count == 1 else stage
         self.model = LlamaModel(cfg, kernels, kv_dtype, tp, self.stage)
-        # sharded: a vocabulary-split head of its own; staged: the last stage's own copy
-        self.tied = cfg.tie_word_embeddings and tp == 1 and self.stage is None
-        self.heads = self.stage is None or self.stage.last
+        # sharded: a vocabulary-split head of its own; staged: on the first stage, with the embedding
+        self.tied = cfg.tie_word_embeddings and tp == 1 and (self.stage is None or self.stage.first)
+        self.heads = self.stage is None or self.stage.first  # holds the head's weights
+        self.gives_logits = self.stage is None  # a pipeline's last stage gives hidden states
         if not self.tied and self.heads:
             vocab = Shard(0, (cfg.vocab_size,)) if tp > 1 else None
             rows = vocab.local(tp) if vocab else cfg.vocab_size
@@ -244,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward(self, ids: nn.Tensor, kv: PagedKVCache, positions: nn.Tensor | None) -> nn.Tensor:
         h = self.model(ids, kv)
-        if not self.heads:  # a stage before the last: every token's hidden state goes on
+        if self.stage is not None and not self.stage.last:  # every token's hidden state goes on
             return h
         if positions is None:  # prefill: the last token only
 
@@ -255,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
             h = op.tensor_expr_op(last, "last_token", [h])
         else:
             h = op.take(h, positions, axis=1)
-        return self._logits(h)
+        return self._logits(h) if self.gives_logits else h  # a pipeline's: to the first stage's head
 
     def prefill(self, input_ids: nn.Tensor, paged_kv_cache: PagedKVCache):
         return self._forward(input_ids, paged_kv_cache, None), paged_kv_cache
@@ -265,7 +270,15 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode(self, ids: nn.Tensor, kv: PagedKVCache):
         h = self.model(ids, kv)
-        return (self._logits(h) if self.heads else h), kv
+        return (self._logits(h) if self.gives_logits else h), kv
+
+    def head(self, hidden: nn.Tensor):
+        """A pipeline's head (its first stage): the last stage's hidden states to logits."""
+        return self._logits(self.model.norm(hidden))
+
+    def decode_head(self, hidden: nn.Tensor):
+        """``head`` on the decode kernels (the decode plan's cores, m = batch)."""
+        return self._logits(self.model.norm(hidden))
 
     def batch_prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
         return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache
@@ -327,4 +340,9 @@ class LlamaForCausalLM(nn.Module):
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
         }
+        if self.stage is not None and self.stage.first:  # the pipeline's head: hidden states in
+            hidden = self.cfg.hidden_size
+            spec["head"] = {"hidden": nn.spec.Tensor([1, "rows", hidden], ACT_DTYPE), "$": packed}
+            spec["decode_head"] = {"hidden": nn.spec.Tensor(["batch_size", 1, hidden], ACT_DTYPE),
+                                   "$": packed}
         return nn.spec.ModuleSpec.from_raw(spec, self)

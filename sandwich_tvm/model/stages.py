@@ -2,11 +2,14 @@
 and gives.
 
 A model split into ``count`` stages runs stage ``index``'s layers ``[first_layer,
-end_layer)``; the first stage also embeds the tokens, the last one also applies the final norm
-and the head (an untied copy when the embedding is tied: each end holds its own). Every other
-stage takes and gives the hidden states of every token (``[1, tokens, hidden]`` in a prefill
-chunk, ``[batch, 1, hidden]`` in a decode step). Parameters keep the whole model's names
-(``model.layers.{global index}``), so every stage loads from the same checkpoint.
+end_layer)``. The first stage also embeds the tokens and holds the head (the final norm and the
+logits, a tied embedding's one copy): the last stage hands the hidden states of the positions
+asked for back to it, as the cache-resident paper's serving socket does, so that only hidden
+states cross between stages and the logits are made where the controller samples them (on the
+controller's host when the stages span hosts). Every stage takes and gives the hidden states of
+every token (``[1, tokens, hidden]`` in a prefill chunk, ``[batch, 1, hidden]`` in a decode
+step). Parameters keep the whole model's names (``model.layers.{global index}``), so every
+stage loads from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -51,14 +54,14 @@ class Stage:
 
 def split_layers(num_layers: int, count: int) -> list[Stage]:
     """``count`` stages of consecutive layers, as even as possible; a remainder goes to the
-    earlier stages (the last one also runs the head)."""
+    later stages (the first one also runs the embedding and the head)."""
     if not 1 <= count <= num_layers:
         raise ValueError(f"a model of {num_layers} layers splits into 1 to {num_layers} pipeline stages, "
                          f"not {count}")
     base, extra = divmod(num_layers, count)
     stages, start = [], 0
     for i in range(count):
-        n = base + (i < extra)
+        n = base + (i >= count - extra)
         stages.append(Stage(i, count, start, start + n))
         start += n
     return stages

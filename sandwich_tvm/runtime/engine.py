@@ -267,6 +267,17 @@ class Engine(EngineBase):
         out = out.numpy()
         return out.reshape(-1, out.shape[-1])
 
+    def head(self, phase: str, hidden: np.ndarray) -> np.ndarray:
+        """A pipeline's head, on its first stage: the last stage's hidden states (one row per
+        position) to logits, ``[rows, vocab]``, on ``phase``'s kernels."""
+        width = hidden.shape[-1]
+        if phase == "decode":
+            out = self.vm["decode_head"](tvm.runtime.tensor(hidden.reshape(-1, 1, width)), self.params)
+        else:
+            out = self.vm["head"](tvm.runtime.tensor(hidden.reshape(1, -1, width)), self.params)
+        out = out.numpy()
+        return out.reshape(-1, out.shape[-1])
+
     def _chunks_forward(self, slots: Sequence[int], chunks: Sequence[Sequence[int]],
                         every: bool) -> np.ndarray:
         """``batch_prefill`` over the chunks; the logits after each chunk's last token, or after

@@ -5,8 +5,10 @@ A forward step is split into micro-batches (the step's sequences in up to one gr
 or one long prompt chunk in pieces) that flow through the stages one tick apart, so every
 stage works on its own micro-batch at once: stage s computes its layers on what stage s - 1
 handed it the tick before (the first stage on the token ids). Hand-offs go through the process
-group's shared memory; every rank takes part in every one, so the ranks stay in step. The last
-stage's logits go to stage 0, whose rank returns them to the controller.
+group's shared memory (or, for stages on other hosts, through the controller: ``runtime.relay``);
+every rank takes part in every one, so the ranks stay in step. The last stage's hidden states of
+the positions asked for go back to stage 0, whose head (``Engine.head``) makes the logits that
+its rank returns to the controller.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class StageEngine:
 
     def __init__(self, engine: Engine, stage: Stage, group: ShmGroup | None):
         self.engine, self.stage, self.group = engine, stage, group
-        self.hidden, self.vocab = engine.cfg.hidden_size, engine.cfg.vocab_size
+        self.hidden = engine.cfg.hidden_size
 
     # the cache and the cores: every stage's own
     def use(self, phase: str) -> float:
@@ -68,7 +70,8 @@ class StageEngine:
         """One step as micro-batches through the stages: at tick t stage s runs part t - s, so
         as many parts are in flight as there are stages. After each tick the stages before the
         last hand their outputs on (an all-gather: stage s + 1 reads stage s's part), and the
-        last stage's logits go to stage 0 (an all-reduce the others add zeros to). Yields each
+        last stage's hidden states of the positions asked for go to stage 0 (an all-reduce the
+        others add zeros to), whose head makes the logits. Yields each
         exchange, ``(GATHER or REDUCE, this rank's array)``, and is sent its result, so that the
         shared memory (``_pipeline``) or the controller (``RelayStep``, ranks on other hosts)
         carries it. Returns the parts' logit rows in order on stage 0, None on the others."""
@@ -92,13 +95,13 @@ class StageEngine:
                 if not self.stage.first and 0 <= tick - (me - 1) < len(parts):
                     received[tick - (me - 1)] = every[:, (me - 1) * self.hidden:me * self.hidden].copy()
             last = tick - (count - 1)
-            if 0 <= last < len(parts):  # the last stage finished a part: its logits to stage 0
-                mine = np.zeros((rows, self.vocab), np.float32)
+            if 0 <= last < len(parts):  # the last stage finished a part: its rows to stage 0's head
+                mine = np.zeros((rows, self.hidden), np.float32)
                 if self.stage.last:
                     mine[:len(out)] = out
                 total = yield REDUCE, mine
                 if self.stage.first:
-                    logits[last] = total[:parts[last].rows].copy()
+                    logits[last] = self.engine.head(phase, np.ascontiguousarray(total[:parts[last].rows]))
         return np.concatenate(logits) if self.stage.first else None
 
     def _parts(self, slots: Sequence[int], chunks: Sequence[np.ndarray], decode: bool) -> list[MicroBatch]:

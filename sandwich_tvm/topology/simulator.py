@@ -12,7 +12,7 @@ micro-batches: fill, then the slowest stage per piece), and every hand-off betwe
 costs the collective's latency and bandwidth. Stages on other hosts (``ServiceConfig.hosts``)
 pay the network instead (``HopCost``, measured by ``bench hop``): one hop per exchange of the
 controller's relay (``runtime.relay``) and one to start the step, carrying the hidden states
-there and back and the last stage's logits up.
+there and back (the head runs on the first stage, so no logits cross).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class LatencySimulator:
             layer = (self._decode_layer_ms(sub, n) if decode
                      else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
             t = stage.layers * layer
-            if stage.last:
+            if stage.first:  # the head is on the first stage, with the embedding
                 t = t + (self._decode_head_ms(sub) if decode else self._prefill_head_ms(sub))
             times.append(t)
         stacked = np.stack(times)
@@ -176,11 +176,13 @@ class LatencySimulator:
             if self.hop is None:
                 raise ValueError("stages on other hosts need the network's hop cost: run `bench hop`")
             # per tick a hand-off (a remote stage's hidden states up, the stages' blocks down to
-            # each remote rank), then each part's logits up from the last stage, and a last call
+            # each remote rank), then each part's last hidden state up from the last stage back
+            # to the first stage's head, and a last call
             p = config.pp
-            moved = (ticks - 1) * hidden * (1 + (p - 1) ** 2) + pieces * m.vocab_size * ACT_BYTES
+            rows = m.hidden_size * ACT_BYTES
+            moved = (ticks - 1) * hidden * (1 + (p - 1) ** 2) + pieces * rows
             return compute + self.hop.ms(ticks - 1 + pieces + 1, moved)
-        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.vocab_size * ACT_BYTES)
+        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.hidden_size * ACT_BYTES)
 
     # ---- phases ---------------------------------------------------------------------
     def _prefill_layer_ms(self, config: ServiceConfig, s: np.ndarray, context: np.ndarray | None = None

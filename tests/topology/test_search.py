@@ -178,9 +178,9 @@ def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
     hop = HopCost.from_json({"latency_us": 250.0, "gbs": 0.03})
     sim = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace, hop=hop)
     ctx = np.array([512.0])
-    shm_hops = sim._hop_ms(model.hidden_size * 4) + sim._hop_ms(model.vocab_size * 4)
-    # decode at batch 1: 3 calls; one hidden state up and one down, the logits up
-    net = 3 * 0.25 + (2 * model.hidden_size * 4 + model.vocab_size * 4) / 0.03e6
+    shm_hops = 2 * sim._hop_ms(model.hidden_size * 4)
+    # decode at batch 1: 3 calls; one hidden state up and one down, the last one up to the head
+    net = 3 * 0.25 + 3 * model.hidden_size * 4 / 0.03e6
     assert sim.tpot_ms(remote, ctx)[0] == pytest.approx(sim.tpot_ms(local, ctx)[0] - shm_hops + net)
     with pytest.raises(ValueError, match="run `bench hop`"):
         LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace).tpot_ms(remote, ctx)
