@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check sandwich_tvm tests examples scripts
-exec .venv/bin/python -m pytest --durations=15 "$@"
+exec .venv/bin/python -m pytest --durations=40 "$@"
