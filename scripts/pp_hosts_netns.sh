@@ -10,6 +10,7 @@ OUT=${1:-docs/pipeline/hosts}; ROUNDS=${2:-3}
 PY=${PY:-.venv/bin/python}
 NS=sw-pp-hosts; NEAR=swpph0; FAR=swpph1; HERE=10.231.9.1; THERE=10.231.9.2; PORT=7700
 PLAN=examples/plans/two-cpus-pp2.json
+ip link del $NEAR 2>/dev/null || true; ip netns del $NS 2>/dev/null || true  # a run cut short
 ip netns add $NS
 cleanup() {
   [ -n "${WORKER:-}" ] && kill "$WORKER" 2>/dev/null; wait 2>/dev/null || true
@@ -22,7 +23,17 @@ ip addr add $HERE/24 dev $NEAR && ip link set $NEAR up
 ip -n $NS addr add $THERE/24 dev $FAR && ip -n $NS link set $FAR up && ip -n $NS link set lo up
 ip netns exec $NS "$PY" -m sandwich_tvm.worker --listen $THERE:$PORT &
 WORKER=$!
-sleep 3
+"$PY" - $THERE $PORT <<'PYEOF'
+import socket, sys, time
+for _ in range(300):  # until the worker listens (a connection that says nothing is refused, harmless)
+    try:
+        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("the worker did not start listening")
+PYEOF
 mkdir -p "$OUT"
 "$PY" -m sandwich_tvm.bench hop --hosts $THERE:$PORT --rounds 5 --json "$OUT/hop_netns.json"
 ROWS=()

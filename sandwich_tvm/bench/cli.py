@@ -361,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         return main_crosscheck(args)
     if args.what == "hop":
         from ..runtime.disco_group import DiscoError
+        from ..topology.hosts import HostError
 
         try:
             return main_hop(args)
-        except DiscoError as exc:
+        except (DiscoError, HostError) as exc:
             print_error(console, exc)
             return 2
     if args.what == "tuning-curve":

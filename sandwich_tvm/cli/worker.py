@@ -4,13 +4,16 @@ controller (``generate``/``serve`` with ``--hosts HOST:PORT,...``) can place ran
 For each controller that invites it, the worker starts a node process that joins the
 controller's Disco ``SocketSession`` (``runtime.hosts``), and reaps it when the session ends.
 The controller sends the model's and the compiled stages' paths: this host must see them at
-the same paths (a shared or copied directory).
+the same paths (a shared or copied directory). A worker loads and runs whatever compiled model
+a controller names: run it on a trusted network, and set ``SANDWICH_WORKER_TOKEN`` (here and
+on the controller) so that it takes only invitations that carry the same token.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import os
 import signal
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import threading
 
-from ..runtime.hosts import HostError, parse_hosts
+from ..runtime.hosts import TOKEN_ENV, HostError, parse_hosts
 
 NODE_MODULE = "sandwich_tvm.runtime.hosts"
 RANK_MODULE = "sandwich_tvm.runtime.tp_worker"
@@ -38,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 class Worker:
     """Accepts invitations; one node process per controller session."""
 
-    def __init__(self, host: str, port: int, rank_module: str = RANK_MODULE) -> None:
-        self.rank_module = rank_module
+    def __init__(self, host: str, port: int, rank_module: str = RANK_MODULE, token: str = "") -> None:
+        self.rank_module, self.token = rank_module, token
         self.server = socket.create_server((host, port), reuse_port=False)
         self.nodes: dict[int, subprocess.Popen] = {}
         self.lock = threading.Lock()
@@ -48,7 +51,13 @@ class Worker:
         while True:
             conn, peer = self.server.accept()
             with conn:
-                node = self._answer(conn, peer)
+                try:
+                    node = self._answer(conn, peer)
+                except OSError as err:  # a node that cannot start: say so, keep serving
+                    self._reply(conn, {"error": f"the node process did not start: {err}"})
+                    print(f"worker: {peer[0]}: the node process did not start: {err}", file=sys.stderr,
+                          flush=True)
+                    node = None
             if node is not None and once:
                 node.wait()
                 return
@@ -59,11 +68,18 @@ class Worker:
             request = json.loads(conn.makefile("rb").readline(65536))
             host, port = request["controller"]
             workers = int(request["workers"])
+            if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+                raise ValueError(f"the controller's address {request['controller']!r} is not [HOST, PORT]")
             if workers != 1:
                 raise ValueError(f"this worker runs one rank per host, not {workers}")
         except (OSError, ValueError, KeyError, TypeError) as err:
             self._reply(conn, {"error": f"not an invitation from a sandwich_tvm controller: {err}"})
             print(f"worker: refused {peer[0]}: {err}", file=sys.stderr, flush=True)
+            return None
+        if self.token and not hmac.compare_digest(str(request.get("token", "")), self.token):
+            self._reply(conn, {"error": f"the invitation does not carry this worker's token (set {TOKEN_ENV} "
+                                        "on the controller as on the worker)"})
+            print(f"worker: refused {peer[0]}: wrong token", file=sys.stderr, flush=True)
             return None
         cmd = [sys.executable, "-m", NODE_MODULE, str(host), str(int(port)), str(workers), self.rank_module]
         node = subprocess.Popen(cmd)
@@ -99,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         (listen,) = parse_hosts(args.listen)
-        worker = Worker(listen.host, listen.port, args.rank_module)
+        worker = Worker(listen.host, listen.port, args.rank_module, os.environ.get(TOKEN_ENV, ""))
     except (HostError, ValueError) as err:
         print(f"error: --listen: {err}", file=sys.stderr)
         return 2
@@ -108,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"worker: listening on {listen} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    if not os.environ.get(TOKEN_ENV):
+        print(f"worker: {TOKEN_ENV} is not set: any controller that reaches {listen} can run a model here",
+              file=sys.stderr, flush=True)
     try:
         worker.serve(args.once)
     except KeyboardInterrupt:

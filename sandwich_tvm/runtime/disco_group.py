@@ -36,6 +36,8 @@ from typing import Any, Protocol, TypeVar
 
 import tvm_ffi
 
+from ..topology.hosts import Host
+
 LAST_ERROR = "sandwich.disco.last_error"  # (state) -> "monotonic time\tmessage" of its last failure, or ""
 
 
@@ -139,7 +141,7 @@ class DiscoGroup:
     rank i runs on host i instead (``runtime.hosts``: a ``SocketSession``), and a host that
     does not answer within ``timeout_s`` fails the call."""
 
-    def __init__(self, world: int, entrypoint: str, cpus: Iterable[int] = (), hosts: tuple = (),
+    def __init__(self, world: int, entrypoint: str, cpus: Iterable[int] = (), hosts: tuple[Host, ...] = (),
                  timeout_s: float = 60.0) -> None:
         import tvm.runtime.disco as di
 
@@ -201,6 +203,8 @@ class DiscoGroup:
     def failed(self, message: str) -> DiscoError:
         """The group is broken (a rank answered what it must not): the error to raise."""
         self._failed = True
+        if self.remote is not None:
+            self.remote.cut_off()
         return DiscoError(message)
 
     def _func(self, name: str) -> Any:
@@ -217,33 +221,25 @@ class DiscoGroup:
         # No DRef may stay in a frame that a traceback keeps: it would keep the session alive.
         if self.session is None:
             raise DiscoError("the process group is shut down")
-        ref, rank = None, 0
+        ref, rank = None, None  # rank: whose answer is awaited (None: sending to every rank)
         try:
             ref = self._func(name)(*args) if keep else self._func(name)(self._state, *args)
+            rank = 0
             value = ref.debug_get_from_remote(0)
             values = [value]
             for rank in range(1, self.world if every else 1):
                 values.append(ref.debug_get_from_remote(rank))
             if self.hosts and not every:  # a rank on another host cannot abort rank 0's wait
+                rank = None
+                errors = self._func(LAST_ERROR)(ref if keep else self._state)
                 for rank in range(1, self.world):
-                    failure = _parse_error(rank, self._func(LAST_ERROR)(ref if keep else self._state)
-                                           .debug_get_from_remote(rank))
-                    if failure is not None:
+                    failure = _parse_error(rank, errors.debug_get_from_remote(rank))
+                    if failure is not None and not isinstance(value, Failure):
                         value = failure
-                        break
+                errors = None
         except Exception as err:  # the command did not reach every worker
-            ref = None
-            self._failed = True
-            line = next((s for s in str(err).splitlines() if s.strip()), type(err).__name__)
-            dead = self.dead()
-            if self.hosts:
-                lost = "no answer" if "would block" in line else "connection lost"
-                gone = f"rank {max(rank, 1)} on {self.hosts[max(rank, 1) - 1]}: {lost}"
-                if "would block" in line:
-                    line = f"within {self.remote.timeout_s:g} s"
-            else:
-                gone = f"{', '.join(dead)} exited" if dead else f"{name} could not reach every worker"
-            raise DiscoError(f"{gone} ({line})") from None
+            ref = errors = None
+            raise self._lost(name, rank, err) from None
         if keep:
             self._state = ref
         ref = None
@@ -251,6 +247,23 @@ class DiscoGroup:
             self._failed = True
             raise DiscoError(self._report(value))
         return values if every else value
+
+    def _lost(self, name: str, rank: int | None, err: Exception) -> DiscoError:
+        """The group is broken (a worker gone, a host silent or gone): the error naming it. A
+        remote session's sockets are cut off at once (see ``hosts.SocketGroupSession.cut_off``)."""
+        self._failed = True
+        line = next((s for s in str(err).splitlines() if s.strip()), type(err).__name__)
+        if not self.hosts:
+            dead = self.dead()
+            gone = f"{', '.join(dead)} exited" if dead else f"{name} could not reach every worker"
+            return DiscoError(f"{gone} ({line})")
+        self.remote.cut_off()
+        silent = "would block" in line or "timed out" in line.lower()
+        what = f"no answer (within {self.remote.timeout_s:g} s)" if silent else f"connection lost ({line})"
+        rank = 1 if rank is None and len(self.hosts) == 1 else rank
+        where = (f"rank {rank} on {self.hosts[rank - 1]}" if rank else
+                 f"a host of {', '.join(str(h) for h in self.hosts)}")
+        return DiscoError(f"{where}: {what}")
 
     def _report(self, first: Failure) -> str:
         """Every rank's error, the first to fail first (its peers then failed waiting for it)."""
@@ -286,8 +299,8 @@ class DiscoGroup:
         if self._failed or self.dead():
             for pid in workers:
                 _kill(pid)
-            if self.remote is not None:
-                self.remote.cut_off()
+        if self.remote is not None:  # a host may have died unseen: nothing is sent to it again; the
+            self.remote.cut_off()  # nodes take the closed connection for a shutdown
         self._state = None
         self._funcs.clear()
         with contextlib.suppress(Exception):

@@ -10,11 +10,15 @@ sockets (the pipeline's activations too: ``runtime.relay``).
 
 What this module adds to Disco's sockets (TVM 0.27 sets neither option): ``TCP_NODELAY`` on
 both ends (a command and its reply request are two small writes; with Nagle's algorithm each
-round trip waited ~40 ms for a delayed ACK), and a receive timeout on the controller's end, so
-that a hung host fails the call (``would block``) instead of hanging it. After a failure the
-controller's sockets are swapped for a socket pair that nobody reads (``cut_off``): Disco
-frees its registers and shuts down by writing to them, which on a dead connection would
-throw inside a destructor and abort the controller.
+round trip waited ~40 ms for a delayed ACK), and send and receive timeouts on the
+controller's end, so that a hung host fails the call (``would block``) instead of hanging it.
+When the group closes or fails, the controller's sockets are swapped for a socket pair that
+nobody reads (``cut_off``): Disco frees its registers and shuts down by writing to them,
+which on a dead connection would throw inside a destructor and abort the controller; the
+nodes take the closed connection for a shutdown.
+
+A worker runs whatever compiled model a controller names, so it belongs on a trusted network;
+with ``SANDWICH_WORKER_TOKEN`` set on both sides, it takes only invitations that carry it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..topology.hosts import Host, HostError, parse_hosts
 __all__ = ["Host", "HostError", "SocketGroupSession", "node_main", "parse_hosts"]
 
 INVITE_TIMEOUT_S = 30.0
+TOKEN_ENV = "SANDWICH_WORKER_TOKEN"
 
 
 def route_address(host: Host) -> str:
@@ -55,7 +60,8 @@ def free_port(address: str) -> int:
 def invite(worker: Host, controller: Host, workers: int = 1, timeout_s: float = INVITE_TIMEOUT_S) -> int:
     """Ask the worker daemon at ``worker`` to join the controller's session with ``workers``
     ranks; returns the pid of its node process (on that host)."""
-    request = {"controller": [controller.host, controller.port], "workers": workers, "pid": os.getpid()}
+    request = {"controller": [controller.host, controller.port], "workers": workers, "pid": os.getpid(),
+               "token": os.environ.get(TOKEN_ENV, "")}
     try:
         with socket.create_connection((worker.host, worker.port), timeout=timeout_s) as s:
             s.sendall(json.dumps(request).encode() + b"\n")
@@ -72,11 +78,12 @@ def invite(worker: Host, controller: Host, workers: int = 1, timeout_s: float = 
         raise HostError(f"{worker} answered {line[:80]!r}, not as a sandwich_tvm worker does") from None
 
 
-def _connections(port: int, status: str) -> list[Any]:
+def _connections(port: int, listening: bool = False) -> list[Any]:
+    """This process's TCP sockets on local ``port``: the listening one, or every other."""
     import psutil
 
     return [c for c in psutil.Process().net_connections(kind="tcp")
-            if c.laddr and c.laddr.port == port and c.status == status]
+            if c.laddr and c.laddr.port == port and (c.status == "LISTEN") == listening]
 
 
 def _set_options(fd: int, nodelay: bool = True, timeout_s: float | None = None) -> None:
@@ -86,8 +93,9 @@ def _set_options(fd: int, nodelay: bool = True, timeout_s: float | None = None) 
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if timeout_s is not None:
             sec = int(timeout_s)
-            usec = int((timeout_s - sec) * 1e6)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
+            value = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)  # a full buffer to a stopped host
     finally:
         s.close()  # the duplicate: the session's socket stays open
 
@@ -97,6 +105,7 @@ class SocketGroupSession:
 
     def __init__(self, hosts: tuple[Host, ...], entrypoint: str, timeout_s: float,
                  invite_timeout_s: float = INVITE_TIMEOUT_S) -> None:
+        """``timeout_s``: how long a host may take to answer a call (``set_timeout`` changes it)."""
         import tvm.runtime.disco as di
 
         self.hosts, self.timeout_s = hosts, timeout_s
@@ -112,20 +121,38 @@ class SocketGroupSession:
         try:
             self.session = di.SocketSession(1 + len(hosts), 1, 1, address, self.port)
         except Exception as err:
+            self._close_port()  # TVM's sockets are not closed with the failed session
             raise HostError(f"not every host joined within {invite_timeout_s:.0f} s ({err}); check that "
                             f"each can reach this machine at {controller}") from None
         finally:
             done.set()
         self._held: list[socket.socket] = []
-        self.sockets = [c.fd for c in _connections(self.port, "ESTABLISHED")]
+        self.sockets = [c.fd for c in _connections(self.port)]
+        if len(self.sockets) != len(hosts):
+            self.cut_off()
+            raise HostError(f"{len(hosts)} hosts joined but {len(self.sockets)} connections are open: a host "
+                            "left at once")
+        self.set_timeout(timeout_s)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long a host may take to take or answer a call from now on."""
+        self.timeout_s = timeout_s
         for fd in self.sockets:
             _set_options(fd, nodelay=True, timeout_s=timeout_s)
+
+    def _close_port(self) -> None:
+        for c in _connections(self.port) + _connections(self.port, listening=True):
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=os.dup(c.fd))
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+                os.close(c.fd)
 
     def _give_up_listening(self, done: threading.Event, timeout_s: float) -> None:
         """Wake the session's blocked ``accept`` (it has no timeout) once ``timeout_s`` passed."""
         if done.wait(timeout_s):
             return
-        for c in _connections(self.port, "LISTEN"):
+        for c in _connections(self.port, listening=True):
             with contextlib.suppress(OSError):
                 s = socket.socket(fileno=os.dup(c.fd))
                 s.shutdown(socket.SHUT_RDWR)
@@ -176,7 +203,7 @@ def node_main(argv: list[str] | None = None) -> int:
     controller = Host(host, int(port))
     threading.Thread(target=_nodelay_when_connected, args=(controller,), daemon=True).start()
     join = tvm.get_global_func("runtime.disco.RemoteSocketSession")
-    deadline = time.monotonic() + INVITE_TIMEOUT_S
+    deadline, wait = time.monotonic() + INVITE_TIMEOUT_S, 0.05
     while True:  # the controller listens once every host has been invited
         try:
             join(controller.host, controller.port, int(workers))
@@ -185,7 +212,8 @@ def node_main(argv: list[str] | None = None) -> int:
             if "Failed to connect" not in str(err) or time.monotonic() > deadline:
                 print(f"sandwich node: the session with {controller} ended: {err}", file=sys.stderr)
                 return 1
-            time.sleep(0.05)
+            time.sleep(wait)  # (each failed try leaves TVM's socket open: back off)
+            wait = min(2 * wait, 1.0)
 
 
 def _nodelay_when_connected(controller: Host, timeout_s: float = INVITE_TIMEOUT_S) -> None:

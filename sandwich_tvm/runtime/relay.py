@@ -7,7 +7,8 @@ Each rank runs the step up to its next exchange and answers with ``pack(op, its 
 controller checks that the ranks agree (``unpack_all``: the same exchange, the same shape, or
 a rank's error), combines their arrays (``combine``) and sends the result back to every rank,
 which runs on to the next exchange, until each answers ``DONE`` (rank 0 with the logits).
-Disco's sockets carry ~16 MB/s in TVM 0.27 (``bench hop``), so bytes are spared: an array of
+Disco's sockets carry bytes at some tens of MB/s in TVM 0.27 (``bench hop``), so they are
+spared: an array of
 zeros travels as its shape, and the logits' sum, which only stage 0 reads, is handed to rank 0
 in this process (it is a thread of the controller) instead of being sent to every rank.
 """
@@ -24,6 +25,9 @@ DONE, ERROR = "done", "error"
 _CODES = {GATHER: b"g", REDUCE: b"r", DONE: b"d", ERROR: b"e"}
 _OPS = {v: k for k, v in _CODES.items()}
 _HEADER = struct.Struct("<cii?")  # op, rows, columns, all zeros; then float32 data (or an error's text)
+
+
+MAX_VALUES = 1 << 28  # floats in one exchange: far beyond a prefill chunk's hidden states
 
 
 class RelayError(RuntimeError):
@@ -53,9 +57,11 @@ def unpack(data: bytes, rank: int) -> tuple[str, np.ndarray]:
     if op == ERROR:
         raise RelayError(f"rank {rank}: {data[_HEADER.size:].decode('utf-8', 'replace')}")
     body = data[_HEADER.size:]
-    if zeros and rows >= 0 and cols >= 0 and not body:
+    if rows < 0 or cols < 0 or rows * cols > MAX_VALUES:
+        raise RelayError(f"rank {rank} answered a {rows}x{cols} array, more than any exchange holds")
+    if zeros and not body:
         return op, np.zeros((rows, cols), np.float32)
-    if rows < 0 or cols < 0 or len(body) != 4 * rows * cols:
+    if len(body) != 4 * rows * cols:
         raise RelayError(f"rank {rank} answered a {rows}x{cols} array in {len(body)} bytes")
     return op, np.frombuffer(body, np.float32).reshape(rows, cols)
 

@@ -73,7 +73,8 @@ class StageEngine:
         last stage's hidden states of the positions asked for go to stage 0 (an all-reduce the
         others add zeros to), whose head makes the logits. Yields each
         exchange, ``(GATHER or REDUCE, this rank's array)``, and is sent its result, so that the
-        shared memory (``_pipeline``) or the controller (``RelayStep``, ranks on other hosts)
+        shared memory (``_pipeline_exchange``) or the controller (``TPEngine._relay`` and
+        ``Rank.advance``, ranks on other hosts)
         carries it. Returns the parts' logit rows in order on stage 0, None on the others."""
         count, me = self.stage.count, self.stage.index
         tokens = max(p.tokens for p in parts)

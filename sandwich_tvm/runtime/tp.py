@@ -28,6 +28,7 @@ from .disco_group import DiscoError, DiscoGroup, close_at_exit
 from .engine import EngineBase, EngineError
 
 ShapeTuple = tvm.runtime.ShapeTuple
+LOAD_TIMEOUT_S = 600.0  # how long a host may take to load its stage (calls then take --host-timeout)
 
 
 class TPEngine(EngineBase):
@@ -54,7 +55,7 @@ class TPEngine(EngineBase):
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
         if not self.relayed:
-            # the largest message: a prefill chunk's hidden states, or a decode batch's logits
+            # the largest message: a prefill chunk's hidden states, or a decode batch's (sharded) logits
             slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
             self.group = ShmGroup.create(plan.processes, slot, timeout_s)
         close_at_exit(self)
@@ -64,9 +65,9 @@ class TPEngine(EngineBase):
                 if self.relayed:
                     from .hosts import parse_hosts
 
-                    hosts = parse_hosts(",".join(run.hosts))
+                    hosts = parse_hosts(",".join(run.hosts))  # loading a stage may take longer than a call
                     self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, hosts=hosts,
-                                            timeout_s=run.host_timeout_s)
+                                            timeout_s=max(run.host_timeout_s, LOAD_TIMEOUT_S))
                 else:
                     self.disco = DiscoGroup(plan.processes, tp_worker.ENTRYPOINT, plan.all_prefill_cpus)
             for r, pid in enumerate(self.disco.pids[1:], start=1):
@@ -81,6 +82,8 @@ class TPEngine(EngineBase):
                                       stages=[str(s.path) for s in stages])
             with self._failing("loading the shards"):
                 self.disco.start(tp_worker.INIT, spec.to_json())
+            if self.disco.remote is not None:
+                self.disco.remote.set_timeout(run.host_timeout_s)
             self.total_pages = self.available_pages()
         except BaseException:
             self.close()
@@ -135,9 +138,12 @@ class TPEngine(EngineBase):
 
     def prefill(self, prompt: Sequence[int], seq_id: int = 0) -> np.ndarray:
         if self.relayed:
-            step = self.prefill_chunk
-            chunks = [prompt[s:s + step] for s in range(0, len(prompt), step)]
-            return [self.batch_prefill([seq_id], [c]) for c in chunks][-1][0]
+            if not len(prompt):
+                raise EngineError("the prompt is empty")
+            logits = None
+            for s in range(0, len(prompt), self.prefill_chunk):
+                logits = self.batch_prefill([seq_id], [prompt[s:s + self.prefill_chunk]])
+            return logits[0]
         return self._call("prefill", tp_worker.PREFILL, seq_id, _ids(prompt)).numpy()
 
     def decode(self, token: int, seq_id: int = 0) -> np.ndarray:
@@ -168,8 +174,9 @@ class TPEngine(EngineBase):
             while True:
                 try:
                     op, arrays = relay.unpack_all(answers)
-                except relay.RelayError as err:
-                    raise disco.failed(str(err)) from None
+                except Exception as err:  # noqa: BLE001 -- an answer that is not an exchange
+                    raise disco.failed(str(err) if isinstance(err, relay.RelayError)
+                                       else f"a rank's answer could not be read: {err}") from None
                 if op == relay.DONE:
                     return arrays[0].copy()
                 result = relay.combine(op, arrays)

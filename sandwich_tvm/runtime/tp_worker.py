@@ -212,11 +212,6 @@ def _hop_init() -> RankState:
     return RankState(worker_id())
 
 
-@rank_function(HOP_ECHO)
-def _hop_echo(_state: RankState, payload: bytes, size: int) -> bytes:
-    return bytes(payload)[:size].ljust(size, b"\0")
-
-
 # ---------------------------------------------------------------------- engine operations
 @rank_function(USE)
 def _use(rank: Rank, phase: str) -> float:
@@ -277,17 +272,19 @@ def _batch_decode(rank: Rank, slots, tokens) -> np.ndarray:
     return rank.engine.batch_decode(list(slots), list(tokens))
 
 
-def relay_function(name: str) -> Callable[[Callable[..., bytes]], Callable[..., bytes]]:
-    """Register ``fn(rank, *args) -> bytes`` for a relayed step: a failure is answered as packed
-    error bytes (a remote rank's Python object cannot be read back), kept for LAST_ERROR."""
+def bytes_function(name: str) -> Callable[[Callable[..., bytes]], Callable[..., bytes]]:
+    """Register ``fn(rank, *args) -> bytes``, whose every rank's answer the controller reads: a
+    failure is answered as packed error bytes (a remote rank's Python object cannot be read
+    back), kept for LAST_ERROR, and ends a relayed step under way."""
 
     def register(fn: Callable[..., bytes]) -> Callable[..., bytes]:
-        def guarded(rank: Rank | Failure, *args: Any) -> bytes:
+        def guarded(rank: RankState | Failure, *args: Any) -> bytes:
             if isinstance(rank, Failure):
                 return relay.pack_error(rank.message)
             answer = rank.run(fn, rank, *args)
             if isinstance(answer, Failure):
-                rank.step = None
+                if isinstance(rank, Rank):
+                    rank.step = None
                 return relay.pack_error(answer.message)
             return answer
 
@@ -297,25 +294,30 @@ def relay_function(name: str) -> Callable[[Callable[..., bytes]], Callable[..., 
     return register
 
 
-@relay_function(RELAY_PREFILL)
+@bytes_function(RELAY_PREFILL)
 def _relay_prefill(rank: Rank, slots, lengths, tokens) -> bytes:
     chunks = np.split(np.asarray(list(tokens), np.int32), np.cumsum(list(lengths))[:-1])
     rank.step = rank.stage_engine().prefill_ticks(list(slots), chunks)
     return rank.advance(None)
 
 
-@relay_function(RELAY_DECODE)
+@bytes_function(RELAY_DECODE)
 def _relay_decode(rank: Rank, slots, tokens) -> bytes:
     rank.step = rank.stage_engine().decode_ticks(list(slots), list(tokens))
     return rank.advance(None)
 
 
-@relay_function(RELAY_RESUME)
+@bytes_function(RELAY_RESUME)
 def _relay_resume(rank: Rank, result: bytes) -> bytes:
     _, array = relay.unpack(result, 0)
     if rank.inbox is not None:  # rank 0, handed the result in-process
         array, rank.inbox = rank.inbox, None
     return rank.advance(array)
+
+
+@bytes_function(HOP_ECHO)
+def _hop_echo(_state: RankState, payload: bytes, size: int) -> bytes:
+    return bytes(payload)[:size].ljust(size, b"\0")
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ def parse_hosts(text: str) -> tuple[Host, ...]:
         host, _, port = item.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise HostError(f"--hosts takes HOST:PORT,... (each worker's --listen address), not {item!r}")
+        if ":" in host or host.startswith("["):
+            raise HostError(f"{item!r} is an IPv6 address: Disco's sockets take IPv4 addresses or host names")
         hosts.append(Host(host.strip("[]"), int(port)))
     if len(set(hosts)) != len(hosts):
         raise HostError(f"--hosts names a worker twice: {text}")

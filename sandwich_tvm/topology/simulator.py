@@ -10,9 +10,9 @@ stages run their own layers one after the other for one request (decode at batch
 alone on the machine), a prompt in pieces that overlap stage by stage (the runtime's
 micro-batches: fill, then the slowest stage per piece), and every hand-off between stages
 costs the collective's latency and bandwidth. Stages on other hosts (``ServiceConfig.hosts``)
-pay the network instead (``HopCost``, measured by ``bench hop``): one hop per exchange of the
-controller's relay (``runtime.relay``) and one to start the step, carrying the hidden states
-there and back (the head runs on the first stage, so no logits cross).
+pay the network instead (``HopCost``, measured by ``bench hop``): a round trip to every host per
+exchange of the controller's relay (``runtime.relay``) and one to start the step, carrying the
+hidden states there and back (the head runs on the first stage, so no logits cross).
 """
 
 from __future__ import annotations
@@ -175,13 +175,14 @@ class LatencySimulator:
         if config.hosts:
             if self.hop is None:
                 raise ValueError("stages on other hosts need the network's hop cost: run `bench hop`")
-            # per tick a hand-off (a remote stage's hidden states up, the stages' blocks down to
-            # each remote rank), then each part's last hidden state up from the last stage back
-            # to the first stage's head, and a last call
+            # a call per exchange (a hand-off per tick but the last, the last stage's rows back to
+            # the first stage's head per part) and one to start, each a round trip to every host;
+            # bytes: the remote stages' hidden states up (the first stage's are in-process, the
+            # last stage hands none on), every stage's block but the last down to every host
             p = config.pp
             rows = m.hidden_size * ACT_BYTES
-            moved = (ticks - 1) * hidden * (1 + (p - 1) ** 2) + pieces * rows
-            return compute + self.hop.ms(ticks - 1 + pieces + 1, moved)
+            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + pieces * rows
+            return compute + self.hop.ms((ticks - 1 + pieces + 1) * (p - 1), moved)
         return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.hidden_size * ACT_BYTES)
 
     # ---- phases ---------------------------------------------------------------------

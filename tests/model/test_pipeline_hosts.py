@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,17 +41,20 @@ def _pp2() -> ExecPlan:
 class WorkerDaemon:
     """``python -m sandwich_tvm.worker --listen ADDRESS`` (in a network namespace with ``netns``)."""
 
-    def __init__(self, address: str, netns: str | None = None, rank_module: str | None = None) -> None:
+    def __init__(self, address: str, netns: str | None = None, rank_module: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.address = address
         cmd = [sys.executable, "-m", "sandwich_tvm.worker", "--listen", address]
         if rank_module:
             cmd += ["--rank-module", rank_module]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        env = dict(os.environ, PYTHONPATH=path, **(env or {}))
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stderr.readline()
         assert "listening on" in line, line + self.proc.stderr.read()
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # its log: never blocks it
 
     def nodes(self) -> list[int]:
         import psutil
@@ -59,8 +63,9 @@ class WorkerDaemon:
                 if "sandwich_tvm.runtime.hosts" in " ".join(c.cmdline())]
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -103,14 +108,78 @@ def test_the_relay_checks_what_the_ranks_answer():
         relay.unpack_all([relay.pack(relay.GATHER, a), relay.pack_error("boom")])
 
 
-def test_a_worker_refuses_what_is_not_an_invitation(worker):
+def _ask(address: str, line: bytes) -> dict:
     import socket
 
-    host, port = worker.address.split(":")
+    host, port = address.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-        reply = json.loads(s.makefile("rb").readline())
-    assert "not an invitation" in reply["error"] and worker.proc.poll() is None
+        s.sendall(line + b"\n")
+        return json.loads(s.makefile("rb").readline())
+
+
+@pytest.mark.parametrize("line", [b"GET / HTTP/1.0\r\n", b'{"controller": ["127.0.0.1", "x"], "workers": 1}',
+                                  b'{"controller": "ab", "workers": 1}',
+                                  b'{"controller": ["h", 1], "workers": 2}', b"[1, 2]"])
+def test_a_worker_refuses_what_is_not_an_invitation_and_keeps_serving(worker, line):
+    assert "not an invitation" in _ask(worker.address, line)["error"]
+    assert worker.proc.poll() is None and worker.nodes() == []
+
+
+def test_the_controller_names_a_worker_it_cannot_reach_or_that_refuses(worker, monkeypatch):
+    from sandwich_tvm.runtime.hosts import SocketGroupSession, parse_hosts
+    from sandwich_tvm.runtime.tp_worker import ENTRYPOINT
+    from sandwich_tvm.topology.hosts import HostError
+
+    with pytest.raises(HostError, match="IPv6"):
+        parse_hosts("[::1]:7000")
+    closed = f"127.0.0.1:{free_port()}"
+    with pytest.raises(HostError, match=f"the worker {closed} cannot be reached.*sandwich_tvm.worker"):
+        SocketGroupSession(parse_hosts(closed), ENTRYPOINT, 5.0)
+    worker.close()  # a worker that wants a token
+    guarded = WorkerDaemon(worker.address, env={"SANDWICH_WORKER_TOKEN": "s3cret"})
+    try:
+        monkeypatch.setenv("SANDWICH_WORKER_TOKEN", "wrong")
+        with pytest.raises(HostError, match="refused: the invitation does not carry this worker's token"):
+            SocketGroupSession(parse_hosts(guarded.address), ENTRYPOINT, 5.0)
+        assert guarded.nodes() == []
+    finally:
+        guarded.close()
+
+
+# A host that dies after joining, while the group is idle or mid-call: the controller's process
+# must survive (TVM would abort it writing to the dead connection inside a destructor).
+_SURVIVES = """
+import os, signal, sys, time
+from sandwich_tvm.runtime.disco_group import DiscoError, DiscoGroup
+from sandwich_tvm.runtime.hosts import parse_hosts
+from sandwich_tvm.runtime.tp_worker import ENTRYPOINT, HOP_ECHO, HOP_INIT
+group = DiscoGroup(2, ENTRYPOINT, hosts=parse_hosts(sys.argv[1]), timeout_s=5.0)
+group.start(HOP_INIT)
+assert len(bytes(group.gather(HOP_ECHO, b"x" * 100, 100)[1])) == 100
+os.kill(group.remote.node_pids[0], signal.SIGKILL)
+time.sleep(0.5)
+if sys.argv[2] == "call":
+    try:
+        group.gather(HOP_ECHO, b"x" * 100, 100)
+        sys.exit("the call succeeded")
+    except DiscoError as err:
+        print("error:", err, flush=True)
+group.close()
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["idle", "call"])
+def test_the_controller_survives_a_host_that_dies(worker, when):
+    run = subprocess.run([sys.executable, "-c", _SURVIVES, worker.address, when], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0 and "survived" in run.stdout, run.stdout + run.stderr
+    if when == "call":
+        assert f"error: rank 1 on {worker.address}: connection lost" in run.stdout
+    deadline = time.monotonic() + 10
+    while worker.nodes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker.nodes() == [] and worker.proc.poll() is None
 
 
 @pytest.mark.compile
@@ -174,8 +243,9 @@ def test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly(hf_ca
 def test_a_hung_host_fails_the_request_within_the_timeout(hf_case, worker):
     model_dir, _ = hf_case
     engine, _ = open_engine(_spec(model_dir, worker.address, host_timeout_s=3.0))
-    (node,) = worker.nodes()
+    node = None
     try:
+        (node,) = worker.nodes()
         assert len(engine.generate([5, 6, 7], 2).tokens) == 2
         os.kill(node, signal.SIGSTOP)
         start = time.monotonic()
@@ -184,7 +254,8 @@ def test_a_hung_host_fails_the_request_within_the_timeout(hf_case, worker):
         assert 2.5 < time.monotonic() - start < 15 and engine.disco is None
     finally:
         engine.shutdown()
-        os.kill(node, signal.SIGKILL)
+        if node is not None:
+            os.kill(node, signal.SIGKILL)
         os.sched_setaffinity(0, set(CPUS))
 
 

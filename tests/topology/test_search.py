@@ -179,8 +179,8 @@ def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
     sim = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace, hop=hop)
     ctx = np.array([512.0])
     shm_hops = 2 * sim._hop_ms(model.hidden_size * 4)
-    # decode at batch 1: 3 calls; one hidden state up and one down, the last one up to the head
-    net = 3 * 0.25 + 3 * model.hidden_size * 4 / 0.03e6
+    # decode at batch 1: 3 calls; stage 0's hidden state down to stage 1, stage 1's up to the head
+    net = 3 * 0.25 + 2 * model.hidden_size * 4 / 0.03e6
     assert sim.tpot_ms(remote, ctx)[0] == pytest.approx(sim.tpot_ms(local, ctx)[0] - shm_hops + net)
     with pytest.raises(ValueError, match="run `bench hop`"):
         LatencySimulator(tree, load_profile("epyc-milan7763-2s"), model, trace).tpot_ms(remote, ctx)
