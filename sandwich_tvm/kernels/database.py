@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def search_roots(root: Path | None = None) -> tuple[Path, ...]:
 
 class ScheduleDbError(ValueError):
     """A tuning database that does not belong to this machine or cannot be read."""
+
+
+class StaleRecordError(ScheduleDbError):
+    """A record of this CPU from an earlier version, which tuned its weight type on the base
+    ISA's tiles where this version uses another unit (AVX-VNNI's, AMX's): used as missing."""
+
+
+class _StaleSchedule(ValueError):
+    pass
 
 
 def retune_hint(threads: int) -> str:
@@ -146,6 +156,9 @@ class KernelRecord:
             if t.m < 1:
                 raise ValueError(f"tuned m={t.m} is not positive")
             if sch.mk not in microkernels(self.kernel_isa, self.shape.dtype):
+                if sch.mk in microkernels(self.cpu.isa, self.shape.dtype):
+                    raise _StaleSchedule(f"m={t.m} was tuned on {sch.mk.name}, a {self.cpu.isa} tile; this "
+                                         f"version runs {self.shape.dtype} on {self.kernel_isa} tiles here")
                 raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.kernel_isa} "
                                  f"{self.shape.dtype} register tile")
             if min(sch.poly.pm, sch.poly.pn, sch.poly.pk) < 1 or sch.poly.threads != self.threads:
@@ -176,11 +189,24 @@ def read_record(path: Path) -> KernelRecord:
     except FileNotFoundError:
         raise ScheduleDbError(
             f"{path}: no such tuning database; run `python -m sandwich_tvm.tune kernels`") from None
+    except _StaleSchedule as err:
+        raise StaleRecordError(f"{path} is from an earlier version ({err}): it is not used; "
+                               "`python -m sandwich_tvm.tune kernels` re-tunes it") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise ScheduleDbError(
             f"{path}: not a usable Sandwich kernel database ({type(err).__name__}: {err}); "
             "delete it, or re-tune: `python -m sandwich_tvm.tune kernels` sets it aside and starts "
             "afresh") from err
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    """Say it on stderr, once per process."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(f"note: {message}", file=sys.stderr)
 
 
 def check_signature(rec: KernelRecord, path: Path, here: CpuSignature | None = None) -> None:
@@ -225,7 +251,11 @@ def _find(shape: GemmShape, threads: int, root: Path | None, here: CpuSignature)
 def _find_in(shape: GemmShape, threads: int, base: Path, here: CpuSignature) -> KernelRecord | None:
     path = record_path(shape, threads, base, here)
     if path.exists():
-        rec = read_record(path)
+        try:
+            rec = read_record(path)
+        except StaleRecordError as err:
+            _note_once(str(err))
+            return None
         check_signature(rec, path, here)
         return rec
     for other in sorted(base.glob(f"*/t{threads}/{path.name}")):

@@ -119,3 +119,23 @@ def test_target_isa_reads_the_target_not_the_host():
     zen3 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mattr": llvm_mattr({"avx2", "fma"}),
                               "num-cores": 2})
     assert target_isa(zen3) == "avx2"  # LLVM's name says AVX-512, the flags do not
+
+
+def test_a_record_tuned_on_the_base_isa_before_its_unit_existed_is_used_as_missing(tmp_path, capsys):
+    """An AVX-VNNI CPU's q8_0 record from before the avxvnni unit (tuned on AVX2 tiles): not an
+    error that stops the model, a note and the defaults (``tune kernels`` re-tunes it)."""
+    from sandwich_tvm.kernels.database import StaleRecordError, read_record
+    from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
+
+    here = host_signature()
+    flags = {*(here.features or ()), "avx2", "fma", "avx_vnni"}
+    vnni = replace(here, isa="avx2", features=tuple(sorted(flags)))
+    shape = GemmShape(96, 64, "q8_0")
+    assert kernel_isa("avx2", "q8_0", flags) == "avxvnni" and "avx2" not in ISAS["avxvnni"].extends
+    old = KernelRecord(shape, 2, vnni, [Tuned(1, default_schedule(shape, 1, 2, "avx2"), 10.0, True)])
+    path = save_record(old, tmp_path)
+    with pytest.raises(StaleRecordError, match="earlier version.*avx2 tile.*avxvnni tiles"):
+        read_record(path)
+    assert find_record(shape, 2, tmp_path, vnni) is None
+    assert find_record(shape, 2, tmp_path, vnni) is None  # said once
+    assert capsys.readouterr().err.count("is from an earlier version") == 1
