@@ -14,6 +14,7 @@ prefix its blocks make; free text in its place streams as it is.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -28,17 +29,14 @@ def _ws(text: str, i: int) -> int:
     return i
 
 
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a whole JSON string (the regex engine's loop)
+_BRACKETS = re.compile(r'["{}\[\]]')  # what changes the depth inside an object or array
+
+
 def _string_end(text: str, i: int) -> int | None:
     """Index past the JSON string opening at ``text[i]`` (a quote), None if it is cut short."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1
-        else:
-            j += 1
-    return None
+    m = _STRING.match(text, i)
+    return m.end() if m else None
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -53,20 +51,17 @@ def _value_end(text: str, i: int) -> int | None:
             j += 1
         return j if j < len(text) else None
     depth, j = 0, i
-    while j < len(text):
-        c = text[j]
+    while (m := _BRACKETS.search(text, j)) is not None:  # each scanned by the regex engine, not a loop
+        j, c = m.start(), m.group()
         if c == '"':
             end = _string_end(text, j)
             if end is None:
                 return None
             j = end
             continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
+        depth += 1 if c in "{[" else -1
+        if depth == 0:
+            return j + 1
         j += 1
     return None
 
