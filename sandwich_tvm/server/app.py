@@ -347,17 +347,23 @@ def create_app(server: Server) -> FastAPI:
                                         "usage": _usage(done)})
 
         tools = ToolCallStream(server.tool_format)
+        unsent: list[dict] = []  # logprobs of tokens whose text made no delta yet
 
         def tool_chunks(stream_: ToolCallStream, done: Completion, entries: list[dict], final: bool):
             deltas = stream_.feed(done.text)
-            lp = _chat_logprobs(entries) if want_lp else None
+            unsent.extend(entries)
             for i, delta in enumerate(deltas):
-                yield {"index": 0, "delta": delta, "logprobs": lp if i == len(deltas) - 1 else None,
-                       "finish_reason": None}
+                lp = None
+                if want_lp and i == len(deltas) - 1:  # every token so far rides on the step's last delta
+                    lp = _chat_logprobs(list(unsent))
+                    unsent.clear()
+                yield {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}
             if final:
                 reason = _finish(done.finish_reason)
                 reason = "tool_calls" if stream_.called and reason == "stop" else reason
-                yield {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+                lp = _chat_logprobs(list(unsent)) if want_lp and unsent else None
+                unsent.clear()
+                yield {"index": 0, "delta": {}, "logprobs": lp, "finish_reason": reason}
 
         async def stream() -> AsyncIterator[str]:
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"

@@ -108,8 +108,13 @@ def test_tool_calls_round_trip_through_the_openai_client(served):
                                                  tool_choice={"type": "function",
                                                               "function": {"name": "get_weather"}},
                                                  max_tokens=150, temperature=0, stream=True,
-                                                 parallel_tool_calls=False))
+                                                 parallel_tool_calls=False, logprobs=True,
+                                                 stream_options={"include_usage": True}))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    # every token's logprob arrives once, those of tokens that made no delta with the next one
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(entries) == [c for c in chunks if c.usage][-1].usage.completion_tokens
     heads = [c for c in calls if c.id]
     assert [(c.index, c.function.name, c.type) for c in heads] == [(0, "get_weather", "function")]
     assert heads[0].id.startswith("call_") and calls[0] is heads[0]
