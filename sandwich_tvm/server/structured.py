@@ -187,8 +187,8 @@ _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def parse_tool_output(text: str, fmt: str = GENERIC) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of a constrained answer; text that is not the
-    expected JSON (cut short by max_tokens) comes back as content."""
+    """(content, tool_calls in OpenAI's shape) of a constrained answer. Cut short by max_tokens:
+    a direct answer's text so far (what a stream sent), or other text as it is."""
     if fmt == HERMES:
         blocks = _HERMES_CALL.findall(text)
         try:
@@ -201,7 +201,10 @@ def parse_tool_output(text: str, fmt: str = GENERIC) -> tuple[str | None, list[d
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return text, []
+        from .tool_stream import scan  # (it reads this module's formats)
+
+        cut = scan(text)  # a direct answer cut short: its text so far, as a stream sends it
+        return (cut.content if cut.kind == "response" else text), []
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
         return None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                        "function": {"name": c.get("name", ""),

@@ -89,3 +89,14 @@ def test_hermes_grammars_compile_for_every_tool_choice():
     for kw in ({}, {"tool_choice": "required"}, {"parallel_tool_calls": False},
                {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
         assert LLMatcher.validate_grammar(tool_grammar(_req(**kw), HERMES)) == ""
+
+
+@pytest.mark.parametrize("cut", ['{"response": "Hello \\u00e9 wor', '{"response": "Hello \\', '{"resp'])
+def test_a_direct_answer_cut_short_is_the_text_a_stream_sent(cut):
+    """max_tokens cut the generic format's answer: the non-streamed content is what the stream
+    sent (the string's text so far), not the JSON around it; text that is not an answer stays."""
+    stream = ToolCallStream(GENERIC)
+    sent = "".join(d.get("content", "") for i in range(len(cut) + 1) for d in stream.feed(cut[:i]))
+    content, calls = parse_tool_output(cut, GENERIC)
+    assert calls == [] and content == (sent if cut.startswith('{"response": ') else cut)
+    assert content != cut or cut == '{"resp'
