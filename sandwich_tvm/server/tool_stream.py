@@ -170,15 +170,114 @@ def hermes_as_generic(text: str) -> str | None:
     return '{"tool_calls": [' + ", ".join(parts)
 
 
+class _StringReader:
+    """A JSON string's decoded text as its raw text grows, each character decoded once."""
+
+    _UNITS = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')  # whole characters and escapes
+
+    def __init__(self, quote: int) -> None:
+        self.pos, self.text, self.closed = quote + 1, "", False
+
+    def read(self, raw: str) -> str:
+        if not self.closed:
+            m = self._UNITS.match(raw, self.pos)
+            piece = m.group()
+            self.closed = m.end() < len(raw) and raw[m.end()] == '"'
+            text = json.loads(f'"{piece}"') if piece else ""
+            if not self.closed and text and "\ud800" <= text[-1] <= "\udbff":
+                text, piece = text[:-1], piece[:-6]  # a surrogate pair's first half: wait for the second
+            self.text += text
+            self.pos += len(piece)
+        return self.text
+
+
+class _CallReader:
+    """One call object of the answer, read as it grows: its name once whole, its arguments' JSON
+    text as far as it goes, and where the object ends. The arguments are scanned once: the
+    reader resumes where it stopped (at most re-reading a string cut short)."""
+
+    def __init__(self, brace: int) -> None:
+        self.call = Call()
+        self.pos = brace + 1  # past the last member read
+        self.args_at: int | None = None  # where the arguments' value starts
+        self.scan_at, self.depth = 0, 0  # the arguments' bracket scan so far
+        self.end: int | None = None  # past the call's closing brace
+
+    def read(self, text: str) -> None:
+        while self.end is None:
+            if self.args_at is not None:
+                stop = self._scan_arguments(text)
+                if stop is None:
+                    return
+                self.pos, self.args_at = stop, None
+                continue
+            i = _ws(text, self.pos)  # a member, a comma before one, or the closing brace
+            if i < len(text) and text[i] == ",":
+                i = _ws(text, i + 1)
+            if i < len(text) and text[i] == "}":
+                self.end = i + 1
+                return
+            found = _key(text, i) if i < len(text) and text[i] == '"' else None
+            if found is None:
+                return
+            member, value = found
+            if value >= len(text):  # the value has not begun: read the key again next time
+                return
+            if member == "arguments":
+                self.args_at, self.scan_at, self.depth = value, value, 0
+                continue
+            end = _value_end(text, value)
+            if end is None:
+                return
+            if member == "name":
+                self.call.name = json.loads(text[value:end])
+            self.pos = end
+
+    def _scan_arguments(self, text: str) -> int | None:
+        """Past the arguments' value when it is whole (None if not yet); their text so far is set."""
+        start = self.args_at
+        assert start is not None
+        if start < len(text) and text[start] not in "{[":  # a scalar: short, read whole
+            end = _value_end(text, start)
+            self.call.arguments = text[start:end] if end is not None else text[start:]
+            return end
+        j = self.scan_at
+        while (m := _BRACKETS.search(text, j)) is not None:
+            j, c = m.start(), m.group()
+            if c == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    break
+                j = end
+                continue
+            self.depth += 1 if c in "{[" else -1
+            j += 1
+            if self.depth == 0:
+                self.call.arguments = text[start:j]
+                return j
+        else:
+            j = len(text)
+        self.scan_at = j  # nothing before j changes the depth again
+        self.call.arguments = text[start:]
+        return None
+
+
 class ToolCallStream:
     """Deltas of a streamed tool answer: ``feed`` the whole text so far, get the chunk deltas
-    (``{"tool_calls": [...]}`` or ``{"content": ...}``) its growth adds."""
+    (``{"tool_calls": [...]}`` or ``{"content": ...}``) its growth adds. The text only grows
+    (tokens under a grammar are never taken back), so each feed reads only what is new: whole
+    calls are not read again, nor the decoded part of an answer."""
 
     def __init__(self, fmt: str = GENERIC) -> None:
         self.fmt = fmt
         self.ids: list[str] = []  # one per call whose head was sent
         self.sent_args: list[int] = []
         self.sent_content = 0
+        self.kind: str | None = None
+        self.answer: _StringReader | None = None
+        self.calls: list[_CallReader] = []
+        self.next_call: int | None = None  # where the value opens, then where the next call may start
+        self.opened = False  # the call list's "[" was read
 
     @property
     def called(self) -> bool:
@@ -191,12 +290,60 @@ class ToolCallStream:
                 delta, self.sent_content = text[self.sent_content:], len(text)
                 return [{"content": delta}] if delta else []
             text = generic
-        now = scan(text)
+        if self.kind is None:
+            self._begin(text)
+        if self.kind == "response":
+            if self.answer is None and self.next_call is not None:  # the string opens at its quote
+                i = _ws(text, self.next_call)
+                if i < len(text) and text[i] == '"':
+                    self.answer = _StringReader(i)
+            content = self.answer.read(text) if self.answer is not None else ""
+            if len(content) > self.sent_content:
+                delta, self.sent_content = content[self.sent_content:], len(content)
+                return [{"content": delta}]
+            return []
+        return self._call_deltas(text) if self.kind == "tool_calls" else []
+
+    def _begin(self, text: str) -> None:
+        """The answer's kind (and where its value starts), once its key is whole."""
+        i = _ws(text, 0)
+        if i >= len(text) or text[i] != "{":
+            return
+        found = _key(text, _ws(text, i + 1))
+        if found is None:
+            return
+        key, value = found
+        if key in ("response", "tool_calls"):
+            self.kind = key
+            self.next_call = value  # where the value opens: the answer's quote, or the list's "["
+            self.opened = False
+
+    def _read_calls(self, text: str) -> None:
+        if not self.opened:  # past the list's "["
+            i = _ws(text, self.next_call)
+            if i >= len(text) or text[i] != "[":
+                return
+            self.next_call, self.opened = i + 1, True
+        while True:
+            if self.calls and self.calls[-1].end is None:
+                self.calls[-1].read(text)
+                if self.calls[-1].end is None:
+                    return
+                self.next_call = self.calls[-1].end
+            i = _ws(text, self.next_call)
+            if self.calls:
+                if i >= len(text) or text[i] != ",":
+                    return
+                i = _ws(text, i + 1)
+            if i >= len(text) or text[i] != "{":
+                return
+            self.calls.append(_CallReader(i))
+
+    def _call_deltas(self, text: str) -> list[dict]:
+        self._read_calls(text)
         deltas: list[dict] = []
-        if now.kind == "response" and len(now.content) > self.sent_content:
-            deltas.append({"content": now.content[self.sent_content:]})
-            self.sent_content = len(now.content)
-        for index, call in enumerate(now.calls):
+        for index, reader in enumerate(self.calls):
+            call = reader.call
             if index == len(self.ids):
                 if call.name is None:
                     break  # its head waits for the whole name; later calls wait for it

@@ -56,3 +56,24 @@ def test_scan_reads_a_prefix_cut_anywhere(prefix, kind, names):
     assert got.kind == kind and [c.name for c in got.calls] == names
     if kind == "response":
         assert got.content == "a"  # the escape that has not arrived whole is held back
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_what_was_streamed_is_what_a_fresh_scan_reads_at_every_cut(seed):
+    """The stream reads only what is new on each feed; at any cut, however the tokens fall, the
+    arguments and content sent so far are exactly what ``scan`` reads from the prefix."""
+    import random
+
+    rng = random.Random(seed)
+    answer = ('{"response": "x \\u00e9 \\ud83d\\ude00 \\"q\\" ' + "ab " * rng.randint(0, 40) + '"}')
+    for text in (CALLS, answer):
+        st, cut, args, content = ToolCallStream(), 0, {}, ""
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 7))
+            for d in st.feed(text[:cut]):
+                content += d.get("content", "")
+                for c in d.get("tool_calls", []):
+                    args[c["index"]] = args.get(c["index"], "") + c["function"]["arguments"]
+            now = scan(text[:cut])
+            assert content == now.content
+            assert args == {i: c.arguments for i, c in enumerate(now.calls) if c.name is not None}
