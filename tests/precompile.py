@@ -33,7 +33,8 @@ while True:
     except EOFError:
         break
     try:
-        compile_model(spec)
+        for stage in (range(spec.plan.pp) if spec.plan.pp > 1 else [None]):  # a pipeline: every stage
+            compile_model(spec, stage=stage)
         done.write(f"{ticket} ok\n")
     except Exception as err:
         done.write(f"{ticket} failed {type(err).__name__}\n")
@@ -43,9 +44,9 @@ while True:
 def _artifact(spec: RunSpec) -> tuple[str, bool, str]:
     """Which artifact ``spec`` builds (its directory in the cache): specs that differ in what
     does not shape the code (a plan's source file, the context) share it."""
-    from sandwich_tvm.compiler.artifact import build_key
+    from sandwich_tvm.compiler.artifact import build_key, model_stage
 
-    return spec.config.name, spec.stock, build_key(spec)
+    return spec.config.name, spec.stock, build_key(spec, model_stage(spec, 0))
 
 
 def generate_spec(argv: list[str]) -> RunSpec:

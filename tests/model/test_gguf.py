@@ -17,6 +17,7 @@ from sandwich_tvm.model.gguf import LazyTensor, llama3_scaling, metadata
 from sandwich_tvm.model.rope import inv_freq
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
+from ..precompile import warm_up
 from .gguf_models import CHAT_TEMPLATE, add_tensor, quantized, tiny_config, tiny_tokenizer, write_gguf
 
 TEXTS = [
@@ -424,8 +425,26 @@ def test_smollm2_tokenizer_matches_transformers():
                                                                 add_generation_prompt=True)
 
 
+def _smollm2_spec():
+    from sandwich_tvm.spec import resolve_run_spec
+
+    return resolve_run_spec("smollm2-135m", dtype="auto", activations="float32", kv_dtype="float32",
+                            needed_tokens=160, max_batch=1)
+
+
+def _smollm2_specs(_base) -> list:
+    try:
+        model_path("smollm2-135m")
+    except ModelConfigError:
+        return []
+    return [_smollm2_spec()]
+
+
+warm_up(__name__, "test_smollm2_greedy_matches_transformers", _smollm2_specs)  # 30 layers: a long build
+
+
 @pytest.mark.compile
-def test_smollm2_greedy_matches_transformers():
+def test_smollm2_greedy_matches_transformers(precompiler):
     """Our engine on SmolLM2's Q4_1 GGUF loaded natively (``--dtype auto``: its Q4_1 blocks as
     they are, the tied Q8_0 embedding as q8_0) and dequantized in the kernels' registers
     (``--activations float32``), with an fp32 KV cache, gives HF transformers' greedy tokens on
@@ -434,13 +453,12 @@ def test_smollm2_greedy_matches_transformers():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from sandwich_tvm.runtime.loader import open_engine
-    from sandwich_tvm.spec import resolve_run_spec
 
     path = _smollm2()
     tok = load_model_tokenizer("smollm2-135m")
-    spec = resolve_run_spec("smollm2-135m", dtype="auto", activations="float32", kv_dtype="float32",
-                            needed_tokens=160, max_batch=1)
+    spec = _smollm2_spec()
     assert spec.weight_dtype == "q4_1"
+    precompiler.ready(spec)
     engine, _ = open_engine(spec)
     pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -25,7 +25,8 @@ from sandwich_tvm.spec import SpecError, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
-from .test_pipeline_parallel import _hf_greedy, _reference, _tokens_alone_and_batched
+from ..precompile import warm_up
+from .test_pipeline_parallel import _hf_greedy, _pp2_spec, _reference, _tokens_alone_and_batched, pp2_specs
 
 torch = pytest.importorskip("torch")
 
@@ -73,6 +74,9 @@ def worker():
     daemon = WorkerDaemon(f"127.0.0.1:{free_port()}")
     yield daemon
     daemon.close()
+
+
+warm_up(__name__, "test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly", pp2_specs)
 
 
 def _spec(model_dir: Path, hosts: str, **kw):
@@ -185,12 +189,13 @@ def test_the_controller_survives_a_host_that_dies(worker, when):
 @pytest.mark.compile
 @two_cpus
 @pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
-def test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly(hf_case, worker):
+def test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly(hf_case, worker, precompiler):
     """Stage 1 in a worker's node process, reached over TCP: HF's logits and greedy tokens,
     batched requests as alone; the node killed mid-request fails it, and the worker serves the
     next controller."""
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
+    precompiler.ready(_pp2_spec(model_dir))
     address = worker.address
     engine, _ = open_engine(_spec(model_dir, address))
     try:

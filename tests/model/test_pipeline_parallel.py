@@ -28,6 +28,9 @@ from sandwich_tvm.spec import resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan, PlanError
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
+from ..precompile import warm_up
+from .hf_models import hf_checkpoint
+
 torch = pytest.importorskip("torch")
 
 CPUS = sorted(PROCESS_CPUS)
@@ -80,6 +83,20 @@ def _pp2() -> ExecPlan:
     return ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: PP-2", pp=2)
 
 
+def _pp2_spec(model_dir: Path):
+    """The two-stage build every test here and in ``test_pipeline_hosts`` runs."""
+    return resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=8, kv_dtype="float32",
+                            dtype="float32")
+
+
+def pp2_specs(base: Path) -> list:
+    """For ``warm_up``: both stages, built while the kernel tests run."""
+    return [_pp2_spec(hf_checkpoint(base, "gqa-tied-llama3"))] if len(CPUS) >= 2 else []
+
+
+warm_up(__name__, "test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly", pp2_specs)
+
+
 def _reference(hf, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].numpy()
@@ -104,11 +121,11 @@ def _tokens_alone_and_batched(engine, prompts: dict[str, list[int]], new: int) -
 @pytest.mark.compile
 @two_cpus
 @pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
-def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case):
+def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, precompiler):
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
-    spec = resolve_run_spec(model_dir, plan=_pp2(), context=256, max_batch=8, kv_dtype="float32",
-                            dtype="float32")  # the build the CLI tests below reuse
+    spec = _pp2_spec(model_dir)  # the build the CLI tests below reuse
+    precompiler.ready(spec)
     engine, compiled = open_engine(spec)
     try:
         assert compiled.stage == Stage(0, 2, 0, 1)
