@@ -120,6 +120,12 @@ INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amxdq", "amxint8", "avx512
 TILE_ISAS = ("amx", "amxint8", "amxdq")  # need the kernel's permission for the tile state
 
 
+def units_of(isa: str, flags: set[str]) -> set[str]:
+    """The vector ISA ``isa`` and every bf16 or int8 unit a CPU with ``flags`` has beside it."""
+    units = {*BF16_UNITS.get(isa, ()), *INT8_UNITS.get(isa, ())}
+    return {isa} | {u for u in units if _ISA_NEEDS.get(u, {"?"}) <= flags}
+
+
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 

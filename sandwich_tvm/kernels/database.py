@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..host import CpuSignature, cache_dir, host_signature, save_atomic
+from ..host import CpuSignature, cache_dir, host_signature, save_atomic, units_of
 from .codegen import Bucket, KernelError, check_schedule
 from .microkernel import kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
@@ -50,8 +50,11 @@ class ScheduleDbError(ValueError):
 
 
 class StaleRecordError(ScheduleDbError):
-    """A record of this CPU from an earlier version, which tuned its weight type on the base
-    ISA's tiles where this version uses another unit (AVX-VNNI's, AMX's): used as missing."""
+    """A record of this CPU from an earlier version, which tuned its weight type on a unit this
+    version no longer uses for it here (the base ISA's tiles before AVX-VNNI's, AMX-INT8's before
+    amxdq's): used as missing. ``record``: it, unchecked."""
+
+    record: KernelRecord
 
 
 class _StaleSchedule(ValueError):
@@ -130,7 +133,7 @@ class KernelRecord:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> KernelRecord:
+    def from_json(cls, d: dict, check: bool = True) -> KernelRecord:
         if d.get("format") != FORMAT:
             raise ValueError(f"format {d.get('format')!r}, this version reads {FORMAT}")
         tuned = [
@@ -142,7 +145,8 @@ class KernelRecord:
         rec = cls(shape, int(d["threads"]), CpuSignature.from_json(d["cpu"]), tuned,
                   float(d.get("seconds", 0.0)), str(d.get("search", "full")),
                   [str(x) for x in d.get("transferred_from", [])])
-        rec.validate()
+        if check:
+            rec.validate()
         return rec
 
     def validate(self) -> None:
@@ -151,22 +155,30 @@ class KernelRecord:
             raise ValueError(f"shape {self.shape} or threads {self.threads} out of range")
         if not self.tuned:
             raise ValueError("no tuned sequence lengths")
+        stale = ""
         for t in self.tuned:
             sch = t.schedule
             if t.m < 1:
                 raise ValueError(f"tuned m={t.m} is not positive")
             if sch.mk not in microkernels(self.kernel_isa, self.shape.dtype):
-                if sch.mk in microkernels(self.cpu.isa, self.shape.dtype):
-                    raise _StaleSchedule(f"m={t.m} was tuned on {sch.mk.name}, a {self.cpu.isa} tile; this "
-                                         f"version runs {self.shape.dtype} on {self.kernel_isa} tiles here")
-                raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.kernel_isa} "
-                                 f"{self.shape.dtype} register tile")
+                if sch.mk.isa not in self._earlier_units():
+                    raise ValueError(f"m={t.m}: micro-kernel {sch.mk.name} is not a {self.kernel_isa} "
+                                     f"{self.shape.dtype} register tile")
+                stale = stale or (f"m={t.m} was tuned on {sch.mk.name}, a {sch.mk.isa} tile; this version "
+                                  f"runs {self.shape.dtype} on {self.kernel_isa} tiles here")
             if min(sch.poly.pm, sch.poly.pn, sch.poly.pk) < 1 or sch.poly.threads != self.threads:
                 raise ValueError(f"m={t.m}: polymerization {sch.poly} does not use {self.threads} threads")
             try:
                 check_schedule(self.shape, sch)
             except KernelError as err:
                 raise ValueError(f"m={t.m}: {err}") from None
+        if stale:  # a whole record of an earlier version's choice: not damaged, out of date
+            raise _StaleSchedule(stale)
+
+    def _earlier_units(self) -> set[str]:
+        """The units an earlier version may have tuned this CPU's weight type on: its base ISA's
+        tiles and every unit it has the flags for."""
+        return units_of(self.cpu.isa, set(self.cpu.features or ()))
 
 
 def record_path(shape: GemmShape, threads: int, root: Path | None = None,
@@ -190,8 +202,10 @@ def read_record(path: Path) -> KernelRecord:
         raise ScheduleDbError(
             f"{path}: no such tuning database; run `python -m sandwich_tvm.tune kernels`") from None
     except _StaleSchedule as err:
-        raise StaleRecordError(f"{path} is from an earlier version ({err}): it is not used; "
-                               "`python -m sandwich_tvm.tune kernels` re-tunes it") from None
+        stale = StaleRecordError(f"{path} is from an earlier version ({err}): it is not used; "
+                                 "`python -m sandwich_tvm.tune kernels` re-tunes it")
+        stale.record = KernelRecord.from_json(json.loads(Path(path).read_text()), check=False)
+        raise stale from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise ScheduleDbError(
             f"{path}: not a usable Sandwich kernel database ({type(err).__name__}: {err}); "
@@ -253,11 +267,11 @@ def _find_in(shape: GemmShape, threads: int, base: Path, here: CpuSignature) -> 
     if path.exists():
         try:
             rec = read_record(path)
+            check_signature(rec, path, here)
+            return rec
         except StaleRecordError as err:
-            _note_once(str(err))
-            return None
-        check_signature(rec, path, here)
-        return rec
+            check_signature(err.record, path, here)  # another CPU's record says so first
+            _note_once(str(err))  # then look on, as if it were not there
     for other in sorted(base.glob(f"*/t{threads}/{path.name}")):
         try:
             rec = read_record(other)

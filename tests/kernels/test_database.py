@@ -139,3 +139,33 @@ def test_a_record_tuned_on_the_base_isa_before_its_unit_existed_is_used_as_missi
     assert find_record(shape, 2, tmp_path, vnni) is None
     assert find_record(shape, 2, tmp_path, vnni) is None  # said once
     assert capsys.readouterr().err.count("is from an earlier version") == 1
+    # another CPU's record in this CPU's folder is named as such, stale or not
+    other = replace(vnni, family=(vnni.family or 0) + 1)
+    doctored = KernelRecord(shape, 2, other, old.tuned)
+    path.write_text(json.dumps(doctored.to_json()))
+    with pytest.raises(ScheduleDbError, match="tuned on"):
+        find_record(shape, 2, tmp_path, vnni)
+
+
+def test_an_amx_int8_record_from_before_amxdq_is_used_as_missing(tmp_path):
+    """AMX CPUs ran q8_0 on AMX-INT8 tiles before amxdq (AMX-BF16 tiles on dequantized slices)
+    became their unit; a record of those tiles is out of date, not damaged; a record with a tile
+    no unit of the CPU has stays damaged."""
+    from sandwich_tvm.kernels.database import StaleRecordError, read_record
+    from sandwich_tvm.kernels.microkernel import kernel_isa, microkernels
+
+    flags = {"avx512f", "avx2", "fma", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+    amx = replace(host_signature(), isa="avx512", features=tuple(sorted(flags)))
+    shape = GemmShape(96, 64, "q8_0")
+    assert kernel_isa("avx512", "q8_0", flags) == "amxdq"
+    tile = next(mk for mk in microkernels("amxint8", "q8_0") if mk not in microkernels("amxdq", "q8_0"))
+    sch = default_schedule(shape, 32, 2, "amxint8")
+    sch = replace(sch, mk=tile, slice=replace(sch.slice, mc=32, nc=32, kc=64))  # whole 16x16 tiles
+    path = save_record(KernelRecord(shape, 2, amx, [Tuned(32, sch, 10.0, True)]), tmp_path)
+    with pytest.raises(StaleRecordError, match="amxint8 tile"):
+        read_record(path)
+    neon = replace(sch, mk=microkernels("neon", "q8_0")[0])
+    path.write_text(json.dumps(KernelRecord(shape, 2, amx, [Tuned(32, neon, 10.0, True)]).to_json()))
+    with pytest.raises(ScheduleDbError, match="not a usable") as err:
+        read_record(path)
+    assert not isinstance(err.value, StaleRecordError)
