@@ -31,6 +31,7 @@ def _ws(text: str, i: int) -> int:
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a whole JSON string (the regex engine's loop)
 _BRACKETS = re.compile(r'["{}\[\]]')  # what changes the depth inside an object or array
+_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # from inside a string to its quote
 
 
 def _string_end(text: str, i: int) -> int | None:
@@ -194,13 +195,13 @@ class _StringReader:
 class _CallReader:
     """One call object of the answer, read as it grows: its name once whole, its arguments' JSON
     text as far as it goes, and where the object ends. The arguments are scanned once: the
-    reader resumes where it stopped (at most re-reading a string cut short)."""
+    reader resumes where it stopped, inside a string too."""
 
     def __init__(self, brace: int) -> None:
         self.call = Call()
         self.pos = brace + 1  # past the last member read
         self.args_at: int | None = None  # where the arguments' value starts
-        self.scan_at, self.depth = 0, 0  # the arguments' bracket scan so far
+        self.scan_at, self.depth, self.in_string = 0, 0, False  # the arguments' scan so far
         self.end: int | None = None  # past the call's closing brace
 
     def read(self, text: str) -> None:
@@ -224,7 +225,7 @@ class _CallReader:
             if value >= len(text):  # the value has not begun: read the key again next time
                 return
             if member == "arguments":
-                self.args_at, self.scan_at, self.depth = value, value, 0
+                self.args_at, self.scan_at, self.depth, self.in_string = value, value, 0, False
                 continue
             end = _value_end(text, value)
             if end is None:
@@ -242,22 +243,26 @@ class _CallReader:
             self.call.arguments = text[start:end] if end is not None else text[start:]
             return end
         j = self.scan_at
-        while (m := _BRACKETS.search(text, j)) is not None:
-            j, c = m.start(), m.group()
+        while True:
+            if self.in_string:  # resume inside the string: its body so far, never re-read
+                j = _STRING_BODY.match(text, j).end()
+                if j >= len(text) or text[j] != '"':
+                    break  # cut short (before a lone trailing backslash, at most)
+                j, self.in_string = j + 1, False
+                continue
+            m = _BRACKETS.search(text, j)
+            if m is None:
+                j = len(text)
+                break
+            j, c = m.end(), m.group()
             if c == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    break
-                j = end
+                self.in_string = True
                 continue
             self.depth += 1 if c in "{[" else -1
-            j += 1
             if self.depth == 0:
                 self.call.arguments = text[start:j]
                 return j
-        else:
-            j = len(text)
-        self.scan_at = j  # nothing before j changes the depth again
+        self.scan_at = j  # nothing before j is read again
         self.call.arguments = text[start:]
         return None
 

@@ -66,7 +66,9 @@ def test_what_was_streamed_is_what_a_fresh_scan_reads_at_every_cut(seed):
 
     rng = random.Random(seed)
     answer = ('{"response": "x \\u00e9 \\ud83d\\ude00 \\"q\\" ' + "ab " * rng.randint(0, 40) + '"}')
-    for text in (CALLS, answer):
+    piece = 'a\\"b{['  # quotes, a backslash and brackets inside one long string
+    long_string = json.dumps({"tool_calls": [{"name": "f", "arguments": {"s": piece * rng.randint(5, 60)}}]})
+    for text in (CALLS, answer, long_string):
         st, cut, args, content = ToolCallStream(), 0, {}, ""
         while cut < len(text):
             cut = min(len(text), cut + rng.randint(1, 7))
