@@ -2,10 +2,10 @@
 
 Every Linear of the model calls its GEMM's *prefill* kernel (tuned for the prefill plan's
 thread count, any m). ``SelectPhaseKernels`` rewrites the calls inside the decode functions
-(``decode``, ``batch_decode``) to the same GEMM's decode kernel: tuned for the decode plan's
-threads, buckets only up to the batch size; a call whose row count is known when compiling
-(``decode``: one token) gets the kernel of that m's bucket alone. All read the same prepacked
-weight, so the phases share one copy of it.
+(``decode``, ``batch_decode``, a pipeline's ``decode_head``) to the same GEMM's decode kernel:
+tuned for the decode plan's threads, buckets only up to the batch size; a call whose row count
+is known when compiling (``decode``: one token) gets the kernel of that m's bucket alone. All
+read the same prepacked weight, so the phases share one copy of it.
 """
 
 from __future__ import annotations

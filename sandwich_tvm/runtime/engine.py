@@ -254,7 +254,8 @@ class Engine(EngineBase):
         chunks one after the other, and ``rows`` the positions whose output comes back) or
         ``batch_decode`` ("decode": ``x`` is ``[batch, 1]``); ``x`` holds token ids, or hidden
         states (``[..., hidden]``) in a pipeline stage after the first. The output, one row per
-        position asked for (the last stage's logits, an earlier stage's hidden states)."""
+        position asked for (the logits; a pipeline stage's hidden states: every token's, the
+        last stage's of those positions, for the first stage's ``head``)."""
         self._begin(self.kv, ShapeTuple(list(slots)), ShapeTuple(list(lengths)))
         try:
             if phase == "prefill":

@@ -1,16 +1,17 @@
 """A pipeline step relayed by the controller: for ranks on other hosts, where no shared memory
-joins them, every exchange of a step (``StageEngine``'s all-gather of hidden states, sum of
-logits) goes through the controller over Disco's ``SocketSession``, whose channel carries
-plain values (here bytes), not tensors.
+joins them, every exchange of a step (``StageEngine``'s all-gather of hidden states, and the
+sum that brings the last stage's hidden states back to stage 0's head) goes through the
+controller over Disco's ``SocketSession``, whose channel carries plain values (here bytes),
+not tensors.
 
 Each rank runs the step up to its next exchange and answers with ``pack(op, its array)``; the
 controller checks that the ranks agree (``unpack_all``: the same exchange, the same shape, or
 a rank's error), combines their arrays (``combine``) and sends the result back to every rank,
 which runs on to the next exchange, until each answers ``DONE`` (rank 0 with the logits).
 Disco's sockets carry bytes at some tens of MB/s in TVM 0.27 (``bench hop``), so they are
-spared: an array of
-zeros travels as its shape, and the logits' sum, which only stage 0 reads, is handed to rank 0
-in this process (it is a thread of the controller) instead of being sent to every rank.
+spared: an array of zeros travels as its shape, and the last stage's hidden states, which only
+stage 0's head reads, are handed to rank 0 in this process (it is a thread of the controller)
+instead of being sent to every rank.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ..collective.shm import ShmGroup
 from ..model.stages import MIN_PIECE, Stage
 from .engine import Engine
 
-GATHER, REDUCE = "gather", "reduce"  # a step's exchanges: all-gather hidden states, sum logits
+GATHER, REDUCE = "gather", "reduce"  # a step's exchanges: hidden states on, the last stage's back
 Exchanges = Generator[tuple[str, np.ndarray], np.ndarray, "np.ndarray | None"]
 
 
@@ -71,7 +71,8 @@ class StageEngine:
         as many parts are in flight as there are stages. After each tick the stages before the
         last hand their outputs on (an all-gather: stage s + 1 reads stage s's part), and the
         last stage's hidden states of the positions asked for go to stage 0 (an all-reduce the
-        others add zeros to), whose head makes the logits. Yields each
+        others add zeros to), whose head makes the logits (of the parts whose logits are
+        wanted: one prompt's pieces but the last need none). Yields each
         exchange, ``(GATHER or REDUCE, this rank's array)``, and is sent its result, so that the
         shared memory (``_pipeline_exchange``) or the controller (``TPEngine._relay`` and
         ``Rank.advance``, ranks on other hosts)
@@ -80,7 +81,7 @@ class StageEngine:
         tokens = max(p.tokens for p in parts)
         rows = max(p.rows for p in parts)
         received: dict[int, np.ndarray] = {}
-        logits: list[np.ndarray] = [np.empty(0)] * len(parts)
+        logits: dict[int, np.ndarray] = {}
         for tick in range(len(parts) + count - 1):
             j = tick - me
             out = None
@@ -96,14 +97,14 @@ class StageEngine:
                 if not self.stage.first and 0 <= tick - (me - 1) < len(parts):
                     received[tick - (me - 1)] = every[:, (me - 1) * self.hidden:me * self.hidden].copy()
             last = tick - (count - 1)
-            if 0 <= last < len(parts):  # the last stage finished a part: its rows to stage 0's head
+            if 0 <= last < len(parts) and parts[last].wanted:  # the last stage's rows to stage 0's head
                 mine = np.zeros((rows, self.hidden), np.float32)
                 if self.stage.last:
                     mine[:len(out)] = out
                 total = yield REDUCE, mine
                 if self.stage.first:
                     logits[last] = self.engine.head(phase, np.ascontiguousarray(total[:parts[last].rows]))
-        return np.concatenate(logits) if self.stage.first else None
+        return np.concatenate([logits[j] for j in sorted(logits)]) if self.stage.first else None
 
     def _parts(self, slots: Sequence[int], chunks: Sequence[np.ndarray], decode: bool) -> list[MicroBatch]:
         """The step's sequences in up to ``count`` micro-batches of consecutive sequences; one
@@ -112,8 +113,8 @@ class StageEngine:
         count = self.stage.count
         if len(slots) == 1 and not decode and len(chunks[0]) >= 2 * MIN_PIECE:
             n = min(count, len(chunks[0]) // MIN_PIECE)
-            return [MicroBatch(list(slots), [piece], decode, self.hidden)
-                    for piece in np.array_split(chunks[0], n)]
+            return [MicroBatch(list(slots), [piece], decode, self.hidden, wanted=i == n - 1)
+                    for i, piece in enumerate(np.array_split(chunks[0], n))]
         groups = np.array_split(np.arange(len(slots)), min(count, len(slots)))
         return [MicroBatch([slots[i] for i in g], [chunks[i] for i in g], decode, self.hidden)
                 for g in groups]
@@ -129,10 +130,7 @@ class StageEngine:
     def prefill_ticks(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> Exchanges:
         """``batch_prefill`` as its exchanges (``_ticks``)."""
         parts = self._parts(slots, [np.asarray(c, np.int32) for c in chunks], decode=False)
-        logits = yield from self._ticks("prefill", parts)
-        if logits is not None and len(parts) > len(slots):  # one prompt in pieces: its last row
-            logits = logits[-1:]
-        return logits
+        return (yield from self._ticks("prefill", parts))  # one prompt in pieces: the last one's row
 
     def decode_ticks(self, slots: Sequence[int], tokens: Sequence[int]) -> Exchanges:
         """``batch_decode`` as its exchanges (``_ticks``)."""
@@ -160,10 +158,12 @@ class StageEngine:
 
 class MicroBatch:
     """Some sequences' part of a step: their slots, token chunks (one token each in a decode
-    step), the positions whose output comes back, and the hidden states' shape between stages."""
+    step), the positions whose output comes back, the hidden states' shape between stages, and
+    whether its logits are wanted (of one prompt's pieces, only the last one's)."""
 
-    def __init__(self, slots: list[int], chunks: list[np.ndarray], decode: bool, hidden: int):
-        self.slots, self.decode = slots, decode
+    def __init__(self, slots: list[int], chunks: list[np.ndarray], decode: bool, hidden: int,
+                 wanted: bool = True):
+        self.slots, self.decode, self.wanted = slots, decode, wanted
         self.lengths = [len(c) for c in chunks]
         self.tokens, self.rows = sum(self.lengths), len(chunks)
         self.ids = np.concatenate(chunks).reshape((-1, 1) if decode else (1, -1))

@@ -55,7 +55,7 @@ class TPEngine(EngineBase):
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
         if not self.relayed:
-            # the largest message: a prefill chunk's hidden states, or a decode batch's (sharded) logits
+            # the largest message: a prefill chunk's hidden states, or a TP decode batch's logits
             slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
             self.group = ShmGroup.create(plan.processes, slot, timeout_s)
         close_at_exit(self)
@@ -180,7 +180,7 @@ class TPEngine(EngineBase):
                 if op == relay.DONE:
                     return arrays[0].copy()
                 result = relay.combine(op, arrays)
-                if op == relay.REDUCE:  # the logits: stage 0's alone, and rank 0 is in this process
+                if op == relay.REDUCE:  # for stage 0's head alone, and rank 0 is in this process
                     disco.local_state().inbox = result
                     result = np.zeros((0, 0), np.float32)
                 answers = disco.gather(tp_worker.RELAY_RESUME, relay.pack(op, result))

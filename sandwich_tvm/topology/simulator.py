@@ -176,13 +176,14 @@ class LatencySimulator:
             if self.hop is None:
                 raise ValueError("stages on other hosts need the network's hop cost: run `bench hop`")
             # a call per exchange (a hand-off per tick but the last, the last stage's rows back to
-            # the first stage's head per part) and one to start, each a round trip to every host;
+            # the first stage's head per wanted part) and one to start, each a round trip to every host;
             # bytes: the remote stages' hidden states up (the first stage's are in-process, the
             # last stage hands none on), every stage's block but the last down to every host
             p = config.pp
             rows = m.hidden_size * ACT_BYTES
-            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + pieces * rows
-            return compute + self.hop.ms((ticks - 1 + pieces + 1) * (p - 1), moved)
+            wanted = pieces if decode else 1  # a prompt's pieces: only the last one's row comes back
+            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + wanted * rows
+            return compute + self.hop.ms((ticks - 1 + wanted + 1) * (p - 1), moved)
         return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.hidden_size * ACT_BYTES)
 
     # ---- phases ---------------------------------------------------------------------
