@@ -89,12 +89,13 @@ def _pp2_spec(model_dir: Path):
                             dtype="float32")
 
 
-def pp2_specs(base: Path) -> list:
+def pp2_specs(base: Path, case: str = "gqa-tied-llama3") -> list:
     """For ``warm_up``: both stages, built while the kernel tests run."""
-    return [_pp2_spec(hf_checkpoint(base, "gqa-tied-llama3"))] if len(CPUS) >= 2 else []
+    return [_pp2_spec(hf_checkpoint(base, case))] if len(CPUS) >= 2 else []
 
 
 warm_up(__name__, "test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly", pp2_specs)
+warm_up(__name__, "test_an_untied_head_on_the_first_stage_matches_hf", lambda b: pp2_specs(b, "mha-untied"))
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:
@@ -163,6 +164,31 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["mha-untied"], indirect=True)
+def test_an_untied_head_on_the_first_stage_matches_hf(hf_case, precompiler):
+    """An untied ``lm_head`` lives on stage 0 with the embedding (the last stage holds neither):
+    HF's logits, prompt pieces in flight."""
+    model_dir, hf = hf_case
+    spec = _pp2_spec(model_dir)
+    precompiler.ready(spec)
+    engine, compiled = open_engine(spec)
+    try:
+        from sandwich_tvm.compiler.artifact import compile_model
+
+        assert "lm_head.weight" in dict(compiled.params) and "model.norm.weight" in dict(compiled.params)
+        last = dict(compile_model(spec, stage=1).params)  # built already: the engine runs it
+        assert "lm_head.weight" not in last and "model.norm.weight" not in last
+        prompt = [int(t) for t in np.random.default_rng(4).integers(0, load_config(model_dir).vocab_size, 40)]
+        logits: list[np.ndarray] = []
+        gen = engine.generate(prompt, 6, logits_out=logits)
+        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+        np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.compile
