@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_head(self, hidden: nn.Tensor):
         """``head`` on the decode kernels (the decode plan's cores, m = batch)."""
-        return self._logits(self.model.norm(hidden))
+        return self.head(hidden)
 
     def batch_prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache):
         return self._forward(input_ids, paged_kv_cache, logit_positions), paged_kv_cache

@@ -26,7 +26,14 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import warm_up
-from .test_pipeline_parallel import _hf_greedy, _pp2_spec, _reference, _tokens_alone_and_batched, pp2_specs
+from .test_pipeline_parallel import (
+    _hf_greedy,
+    _pp2_spec,
+    _reference,
+    _tokens_alone_and_batched,
+    kill_after,
+    pp2_specs,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -214,16 +221,9 @@ def test_a_stage_on_another_host_matches_hf_and_a_killed_host_ends_cleanly(hf_ca
         assert batched == alone
 
         (node,) = worker.nodes()
-        streamed: list[int] = []
-
-        def kill_at_three(token: int) -> None:
-            streamed.append(token)
-            if len(streamed) == 3:
-                os.kill(node, signal.SIGKILL)
-
         start = time.monotonic()
         with pytest.raises(EngineError, match=f"rank 1 on {address}: connection lost"):
-            engine.generate(prompt, 100, on_token=kill_at_three)
+            engine.generate(prompt, 100, on_token=kill_after(node, 3))
         assert time.monotonic() - start < 20 and engine.disco is None
     finally:
         engine.shutdown()

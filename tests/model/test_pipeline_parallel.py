@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,18 @@ warm_up(__name__, "test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanl
 warm_up(__name__, "test_an_untied_head_on_the_first_stage_matches_hf", lambda b: pp2_specs(b, "mha-untied"))
 
 
+def kill_after(pid: int, tokens: int) -> Callable[[int], None]:
+    """An ``on_token`` that kills ``pid`` once ``tokens`` tokens have streamed (mid-request)."""
+    streamed: list[int] = []
+
+    def on_token(token: int) -> None:
+        streamed.append(token)
+        if len(streamed) == tokens:
+            os.kill(pid, signal.SIGKILL)
+
+    return on_token
+
+
 def _reference(hf, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].numpy()
@@ -149,16 +162,9 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
         # kill the last stage mid-request: the request fails naming it, the group is shut down
         segment = Path("/dev/shm", engine.group.name)
         worker = engine.group.pids[1]
-        streamed: list[int] = []
-
-        def kill_at_three(token: int) -> None:
-            streamed.append(token)
-            if len(streamed) == 3:
-                os.kill(worker, signal.SIGKILL)
-
         start = time.monotonic()
         with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
-            engine.generate(prompt, 100, on_token=kill_at_three)
+            engine.generate(prompt, 100, on_token=kill_after(worker, 3))
         assert time.monotonic() - start < 20
         assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
     finally:
