@@ -33,8 +33,8 @@ while True:
     except EOFError:
         break
     try:
-        for stage in (range(spec.plan.pp) if spec.plan.pp > 1 else [None]):  # a pipeline: every stage
-            compile_model(spec, stage=stage)
+        for part in (range(spec.plan.parts) if spec.plan.parts else [None]):  # stages or sides: each
+            compile_model(spec, stage=part)
         done.write(f"{ticket} ok\n")
     except Exception as err:
         done.write(f"{ticket} failed {type(err).__name__}\n")
@@ -44,9 +44,9 @@ while True:
 def _artifact(spec: RunSpec) -> tuple[str, bool, str]:
     """Which artifact ``spec`` builds (its directory in the cache): specs that differ in what
     does not shape the code (a plan's source file, the context) share it."""
-    from sandwich_tvm.compiler.artifact import build_key, model_stage
+    from sandwich_tvm.compiler.artifact import build_key, model_part
 
-    return spec.config.name, spec.stock, build_key(spec, model_stage(spec, 0))
+    return spec.config.name, spec.stock, build_key(spec, model_part(spec, 0))
 
 
 def generate_spec(argv: list[str]) -> RunSpec:

@@ -186,7 +186,8 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     where = dict(zip(tree.pus, tree.domains, strict=True))
 
     def config(cpus: list[tuple[int, ...]]) -> ServiceConfig:
-        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus), plan.pp)
+        return ServiceConfig(tuple(cpus), tuple(tuple(sorted({where[c] for c in p})) for p in cpus), plan.pp,
+                             wa=plan.wa)
 
     pre, dec = config([p for p, _ in plan.ranks]), config([d for _, d in plan.ranks])
     out = []
@@ -253,8 +254,8 @@ def bench_e2e(args, console: Console) -> dict:
         probe = BandwidthProbe(list(plan.all_decode_cpus))
         runners.append(("sandwich", tvm_runner(args, spec, prompts, log, probe)))
     also = ExecPlan.from_file(args.also_plan) if args.also_plan is not None else None
-    also_name = (None if also is None else f"sandwich tp{also.tp}" if also.pp == 1
-                 else f"sandwich pp{also.pp}")
+    also_name = (None if also is None else "sandwich wa" if also.wa else f"sandwich tp{also.tp}"
+                 if also.pp == 1 else f"sandwich pp{also.pp}")
     if also is not None:
         log(f"also: {also.describe()}")
         runners.append((also_name, tvm_runner(args, spec.with_plan(also), prompts, log, name=also_name)))
@@ -386,7 +387,8 @@ def print_e2e(result: dict, console: Console) -> None:
     console.print(table)
     for r in result["rows"]:
         if r.get("tpot_ratio_vs_sandwich") is not None:
-            what = result["also_plan"] if " tp" in r["system"] or " pp" in r["system"] else r.get("weights")
+            plan_row = r["system"].split()[-1][:2] in ("tp", "pp", "wa")
+            what = result["also_plan"] if plan_row else r.get("weights")
             console.print(f"{r['system']} ({what}) at {r['prompt']} tokens: TTFT "
                           f"{r['ttft_ratio_vs_sandwich']:.3f}x, TPOT {r['tpot_ratio_vs_sandwich']:.3f}x "
                           f"the main run's (paired medians); same tokens: {r['same_tokens_as_sandwich']}")

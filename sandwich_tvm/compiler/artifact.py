@@ -28,6 +28,7 @@ from ..model.config import LlamaConfig
 from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
+from ..model.separation import ATTENTION, WEIGHTS, AttentionRank, Role
 from ..model.shapes import linear_shapes
 from ..model.stages import Stage, split_layers
 from ..spec import RunSpec
@@ -89,6 +90,12 @@ class CompiledModel:
         return None if d is None else Stage(**d)
 
     @property
+    def role(self) -> Role | None:
+        """The side of a weight-attention separated model this library runs (None: neither)."""
+        d = self.meta.get("role")
+        return None if d is None else Role(**d)
+
+    @property
     def weight_layout(self) -> tuple[str, str]:
         """(micro-kernel ISA, weight dtype) the packed parameters are laid out for."""
         return self.meta.get("kernel_isa", self.meta["isa"]), self.meta.get("dtype", "float32")
@@ -123,27 +130,34 @@ class CompiledModel:
         return cls(path, meta)
 
 
-def model_stage(spec: RunSpec, index: int | None) -> Stage | None:
-    """Pipeline stage ``index`` of the spec's plan (None for a plan of one stage)."""
-    if spec.plan.pp == 1:
+def model_part(spec: RunSpec, index: int | None) -> Stage | Role | None:
+    """Part ``index`` of the spec's plan: a pipeline stage, or a side of a weight-attention
+    separated model (None for a plan whose ranks all run one model)."""
+    plan = spec.plan
+    if not plan.parts:
         return None
     if index is None:
-        raise CompileError(f"the plan has {spec.plan.pp} pipeline stages: compile each stage")
+        what = f"{plan.pp} pipeline stages" if plan.pp > 1 else "a weight side and an attention side"
+        raise CompileError(f"the plan has {what}: compile each part")
+    if plan.wa:
+        if index not in (0, 1):
+            raise CompileError(f"a separated model has parts 0 (weights) and 1 (attention), not {index}")
+        return Role((WEIGHTS, ATTENTION)[index])
     try:
-        return split_layers(spec.config.num_hidden_layers, spec.plan.pp)[index]
+        return split_layers(spec.config.num_hidden_layers, plan.pp)[index]
     except ValueError as err:
         raise CompileError(str(err)) from None
 
 
-def build_key(spec: RunSpec, stage: Stage | None = None) -> str:
+def build_key(spec: RunSpec, stage: Stage | Role | None = None) -> str:
     """Everything that changes the generated code: the spec's model, dtypes, batch, thread
-    counts and records, the pipeline stage, the CPU, the target, the TVM version and this
-    package's sources."""
+    counts and records, the part (pipeline stage or separated side), the CPU, the target, the TVM
+    version and this package's sources."""
     cfg, plan = spec.config, spec.plan
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
                                    spec.weight_dtype, spec.act_dtype, spec.int8_activations, plan.tp,
-                                   stage.to_json() if stage else None, host_signature().to_json(),
+                                   _part_json(stage), host_signature().to_json(),
                                    str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
@@ -158,20 +172,31 @@ def build_key(spec: RunSpec, stage: Stage | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def _part_json(part: Stage | Role | None) -> dict | None:
+    if part is None:
+        return None
+    return {"role": part.to_json()} if isinstance(part, Role) else part.to_json()
+
+
 def export_module(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1,
-                  stage: Stage | None = None) -> tuple[tvm.IRModule, list]:
+                  stage: Stage | Role | None = None) -> tuple[tvm.IRModule, list]:
     mod, params, _ = export_with_layouts(cfg, kernels, kv_dtype, tp, stage)
     return mod, params
 
 
 def export_with_layouts(cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str = "float32", tp: int = 1,
-                        stage: Stage | None = None) -> tuple[tvm.IRModule, list, dict[str, dict]]:
+                        stage: Stage | Role | None = None) -> tuple[tvm.IRModule, list, dict[str, dict]]:
     """The Relax module, its parameters (name, shape) and the hints riding on them: ``layout``
     (a ``WeightLayout``) of every packed one and ``shard`` (a ``Shard``) of every split one.
-    A pipeline stage's parameters keep the whole model's names."""
-    model = LlamaForCausalLM(cfg, kernels, kv_dtype, tp, stage)
+    A pipeline stage's parameters keep the whole model's names; a separated model's attention
+    side has none."""
+    if isinstance(stage, Role):
+        model = (AttentionRank(cfg, kv_dtype) if stage.name == ATTENTION
+                 else LlamaForCausalLM(cfg, kernels, kv_dtype, tp, role=stage))
+    else:
+        model = LlamaForCausalLM(cfg, kernels, kv_dtype, tp, stage)
     mod, named = model.export_tvm(spec=model.get_default_spec())
-    rename = stage.global_name if stage is not None else (lambda n: n)
+    rename = stage.global_name if isinstance(stage, Stage) else (lambda n: n)
     named = [(rename(name), p) for name, p in named]
     hints = {key: {name: p.attrs[key] for name, p in named if key in p.attrs} for key in ("layout", "shard")}
     return mod, [(name, tuple(int(s) for s in p.shape)) for name, p in named], hints
@@ -185,12 +210,13 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     baseline."""
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
-    part = model_stage(spec, stage)
+    part = model_part(spec, stage)
     try:
         key = build_key(spec, part)
     except ScheduleDbError as err:
         raise CompileError(str(err)) from err
-    flavour = ("stock" if stock else "sandwich") + (f"-stage{part.index}of{part.count}" if part else "")
+    flavour = ("stock" if stock else "sandwich") + (
+        f"-{part.name}" if isinstance(part, Role) else f"-stage{part.index}of{part.count}" if part else "")
     out = Path(out) if out else cache_dir() / "compiled" / f"{cfg.name}-{flavour}-{key}"
     _check_out_dir(out)
     if not force and (out / "meta.json").is_file():
@@ -213,7 +239,8 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels")
-        + (f", pipeline stage {part.index + 1} of {part.count} (layers {part.first_layer}.."
+        + (f", the {part.name} side of weight-attention separation" if isinstance(part, Role) else
+           f", pipeline stage {part.index + 1} of {part.count} (layers {part.first_layer}.."
            f"{part.end_layer - 1})" if part else ""))
     try:
         mod, params, hints = export_with_layouts(cfg, kernels, kv_dtype, plan.tp, part)
@@ -241,7 +268,8 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
         "layouts": {n: layout.to_json() for n, layout in hints["layout"].items()},
         "tp": plan.tp, "shards": {n: shard.to_json() for n, shard in hints["shard"].items()},
-        "stage": part.to_json() if part else None,
+        "stage": part.to_json() if isinstance(part, Stage) else None,
+        "role": part.to_json() if isinstance(part, Role) else None,
         "kv_dtype": kv_dtype, "dtype": dtype, "kernel_isa": kernels.kernel_isa if kernels else host_isa(),
         "cpu": host_signature().to_json(), "target": str(target),
         "prefill_threads": plan.prefill_threads, "decode_threads": plan.decode_threads,

@@ -28,13 +28,14 @@ from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from ..kernels.codegen import fuses_silu_mul
-from ..kernels.kv_int8 import dequantize_rows_primfunc, quantize_rows_primfunc, row_width
+from ..kernels.kv_int8 import row_width
 from ..kernels.packing import WeightLayout
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
+from .separation import WEIGHTS, Role, attend_cache, attend_remote
 from .stages import Stage
 
 ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; weights and KV have their own
@@ -90,21 +91,12 @@ def native_stderr_off() -> Iterator[None]:
             os.close(saved)
 
 
-def _rows(func: tirx.PrimFunc, x: nn.Tensor, heads: int, dtype: str, width: int) -> nn.Tensor:
-    """``x`` (b, s, heads, ·) through the row kernel ``func``: into or out of the int8 cache's
-    row format."""
-    b, s = x.shape[0], x.shape[1]
-    flat = op.reshape(x, (b * s, heads, x.shape[3]))
-    y = op.tensor_ir_op(func, func.attrs["global_symbol"], args=[flat],
-                        out=nn.Tensor.placeholder((b * s, heads, width), dtype))
-    return op.reshape(y, (b, s, heads, width))
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
+                 separated: bool = False):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // tp,
                                                     cfg.num_key_value_heads // tp, cfg.head_dim)
-        self.dtype, self.kv_dtype, self.tp = ACT_DTYPE, kv_dtype, tp
+        self.dtype, self.kv_dtype, self.tp, self.separated = ACT_DTYPE, kv_dtype, tp, separated
         d = self.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels,
@@ -112,21 +104,13 @@ class Attention(nn.Module):
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q))
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
-        """``residual + o_proj(attention(x))``."""
+        """``residual + o_proj(attention(x))``; separated, attention runs on the attention rank."""
         b, s, _ = x.shape
+        if self.separated:
+            out = attend_remote(self.qkv_proj(x), self.heads, self.head_dim)
+            return _project(self.o_proj, out, residual, self.tp)
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
-        if self.kv_dtype == "int8":  # int8 rows with their scales (kernels.kv_int8)
-            heads = self.heads + 2 * self.kv_heads
-            qkv = _rows(quantize_rows_primfunc(heads, self.head_dim), qkv, heads, "int8",
-                        row_width(self.head_dim, "int8"))
-        elif self.kv_dtype != self.dtype:  # the cache stores (and its kernels read) 16-bit K/V
-            qkv = op.astype(qkv, self.kv_dtype)
-        out = kv.attention_with_fused_qkv(layer_id, qkv, self.heads, sm_scale=self.head_dim**-0.5)
-        if self.kv_dtype == "int8":
-            out = _rows(dequantize_rows_primfunc(self.heads, self.head_dim), out, self.heads, self.dtype,
-                        self.head_dim)
-        elif self.kv_dtype != self.dtype:
-            out = op.astype(out, self.dtype)
+        out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
 
 
@@ -153,8 +137,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1):
-        self.self_attn = Attention(cfg, kernels, kv_dtype, tp)
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
+                 separated: bool = False):
+        self.self_attn = Attention(cfg, kernels, kv_dtype, tp, separated)
         self.mlp = MLP(cfg, kernels, tp)
         self.input_layernorm = _norm(cfg, kernels)
         self.post_attention_layernorm = _norm(cfg, kernels)
@@ -191,13 +176,14 @@ class Embedding(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
-                 stage: Stage | None = None):
+                 stage: Stage | None = None, separated: bool = False):
         # tied and unsharded: the embedding is read from the packed lm_head (one copy)
         tied = cfg.tie_word_embeddings and kernels is not None and tp == 1
         if stage is None or stage.first:
             self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
         count = cfg.num_hidden_layers if stage is None else stage.layers
-        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp) for _ in range(count)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp, separated)
+                                     for _ in range(count)])
         if stage is None or stage.first:  # a pipeline's head is on its first stage
             self.norm = _norm(cfg, kernels)
         self.embeds, self.norms = stage is None or stage.first, stage is None
@@ -216,17 +202,21 @@ class LlamaForCausalLM(nn.Module):
     """The served model. ``kernels=None`` builds TVM's stock version (``nn.Linear``).
     ``kv_dtype``: what the paged KV cache stores (float32, or 16 bits as llama.cpp's default).
     ``tp``: the processes a Megatron-sharded model runs on (this is one rank's part).
-    ``stage``: the pipeline stage this module runs (None: the whole model)."""
+    ``stage``: the pipeline stage this module runs (None: the whole model). ``role``: the weight
+    side of a separated model (``separation``; its attention runs on the attention rank)."""
 
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None = None, kv_dtype: str = "float32",
-                 tp: int = 1, stage: Stage | None = None):
+                 tp: int = 1, stage: Stage | None = None, role: Role | None = None):
         check_tp(cfg, tp)
+        if role is not None and role.name != WEIGHTS:
+            raise ValueError(f"LlamaForCausalLM runs the weight side of a separated model, not {role.name!r}")
+        self.separated = role is not None
         self.cfg = cfg
         self.kernels = kernels
         self.kv_dtype = kv_dtype
         self.tp = tp
         self.stage = None if stage is None or stage.count == 1 else stage
-        self.model = LlamaModel(cfg, kernels, kv_dtype, tp, self.stage)
+        self.model = LlamaModel(cfg, kernels, kv_dtype, tp, self.stage, self.separated)
         # sharded: a vocabulary-split head of its own; staged: on the first stage, with the embedding
         self.tied = cfg.tie_word_embeddings and tp == 1 and (self.stage is None or self.stage.first)
         self.heads = self.stage is None or self.stage.first  # holds the head's weights
@@ -290,59 +280,69 @@ class LlamaForCausalLM(nn.Module):
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                               support_sliding_window: tirx.Var) -> PagedKVCache:
         cfg = self.cfg
-        layers = cfg.num_hidden_layers if self.stage is None else self.stage.layers
+        # separated: the attention rank holds the real cache; this one keeps the same pages and
+        # sequences (the engine's bookkeeping) over one layer it never reads
+        layers = 1 if self.separated else cfg.num_hidden_layers if self.stage is None else self.stage.layers
         # an int8 cache: TVM's own kernels for it warn of int8 stores as they are built; the ones
         # this model calls are replaced (compiler.kv_cache), the tree-mask ones never called
         with native_stderr_off() if self.kv_dtype == "int8" else contextlib.nullcontext():
-            return self._kv_cache(cfg, layers, max_batch_size, max_total_seq_len, prefill_chunk_size,
-                                  page_size, support_sliding_window)
-
-    def _kv_cache(self, cfg: LlamaConfig, layers: int, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                  prefill_chunk_size: tirx.Var, page_size: tirx.Var,
-                  support_sliding_window: tirx.Var) -> PagedKVCache:
-        return TIRPagedKVCache(
-            attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size, page_size=page_size,
-            support_sliding_window=support_sliding_window,
-            layer_partition=relax.ShapeExpr([0, layers]),
-            num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads // self.tp,
-            num_key_value_heads=cfg.num_key_value_heads // self.tp,
-            qk_head_dim=row_width(cfg.head_dim, self.kv_dtype),
-            v_head_dim=row_width(cfg.head_dim, self.kv_dtype), mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
-            rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
-            rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=self.kv_dtype,
-            target=host_target(),
-        )
+            return paged_kv_cache(cfg, layers, self.kv_dtype, self.tp, max_batch_size, max_total_seq_len,
+                                  prefill_chunk_size, page_size, support_sliding_window)
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
-        packed = {"param_mode": "packed", "effect_mode": "none"}
-        kv = nn.spec.Object(object_type=PagedKVCache)
-        if self.stage is None or self.stage.first:  # token ids in
+        return model_spec(self, token_inputs=self.stage is None or self.stage.first,
+                          head=self.stage is not None and self.stage.first)
 
-            def inputs(*shape):
-                return nn.spec.Tensor(list(shape), "int32")
-        else:  # the previous stage's hidden states in
 
-            def inputs(*shape):
-                return nn.spec.Tensor([*shape, self.cfg.hidden_size], ACT_DTYPE)
-        spec = {
-            "prefill": {"input_ids": inputs(1, "seq_len"), "paged_kv_cache": kv, "$": packed},
-            "decode": {"input_ids": inputs(1, 1), "paged_kv_cache": kv, "$": packed},
-            "batch_prefill": {"input_ids": inputs(1, "seq_len"),
-                              "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
-                              "paged_kv_cache": kv, "$": packed},
-            "batch_decode": {"input_ids": inputs("batch_size", 1), "paged_kv_cache": kv, "$": packed},
-            "create_paged_kv_cache": {
-                "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
-                "page_size": int, "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }
-        if self.stage is not None and self.stage.first:  # the pipeline's head: hidden states in
-            hidden = self.cfg.hidden_size
-            spec["head"] = {"hidden": nn.spec.Tensor([1, "rows", hidden], ACT_DTYPE), "$": packed}
-            spec["decode_head"] = {"hidden": nn.spec.Tensor(["batch_size", 1, hidden], ACT_DTYPE),
-                                   "$": packed}
-        return nn.spec.ModuleSpec.from_raw(spec, self)
+def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_batch_size: tirx.Var,
+                   max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                   support_sliding_window: tirx.Var) -> PagedKVCache:
+    """TVM's paged KV cache for ``layers`` layers of one of ``tp`` ranks' heads, storing ``kv_dtype``."""
+    return TIRPagedKVCache(
+        attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
+        prefill_chunk_size=prefill_chunk_size, page_size=page_size,
+        support_sliding_window=support_sliding_window,
+        layer_partition=relax.ShapeExpr([0, layers]),
+        num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=cfg.num_key_value_heads // tp,
+        qk_head_dim=row_width(cfg.head_dim, kv_dtype),
+        v_head_dim=row_width(cfg.head_dim, kv_dtype), mla_original_qk_head_dim=0,
+        mla_original_v_head_dim=0,
+        rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
+        rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
+        rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=kv_dtype,
+        target=host_target(),
+    )
+
+
+def model_spec(module: nn.Module, *, token_inputs: bool, head: bool) -> nn.spec.ModuleSpec:
+    """The exported functions: ``token_inputs`` (token ids in, else the previous pipeline
+    stage's hidden states), ``head``: a pipeline's head functions too."""
+    hidden = module.cfg.hidden_size
+    packed = {"param_mode": "packed", "effect_mode": "none"}
+    kv = nn.spec.Object(object_type=PagedKVCache)
+    if token_inputs:
+
+        def inputs(*shape):
+            return nn.spec.Tensor(list(shape), "int32")
+    else:
+
+        def inputs(*shape):
+            return nn.spec.Tensor([*shape, hidden], ACT_DTYPE)
+    spec = {
+        "prefill": {"input_ids": inputs(1, "seq_len"), "paged_kv_cache": kv, "$": packed},
+        "decode": {"input_ids": inputs(1, 1), "paged_kv_cache": kv, "$": packed},
+        "batch_prefill": {"input_ids": inputs(1, "seq_len"),
+                          "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                          "paged_kv_cache": kv, "$": packed},
+        "batch_decode": {"input_ids": inputs("batch_size", 1), "paged_kv_cache": kv, "$": packed},
+        "create_paged_kv_cache": {
+            "max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
+            "page_size": int, "support_sliding_window": int,
+            "$": {"param_mode": "none", "effect_mode": "none"},
+        },
+    }
+    if head:  # the pipeline's head (its first stage): hidden states in
+        spec["head"] = {"hidden": nn.spec.Tensor([1, "rows", hidden], ACT_DTYPE), "$": packed}
+        spec["decode_head"] = {"hidden": nn.spec.Tensor(["batch_size", 1, hidden], ACT_DTYPE), "$": packed}
+    return nn.spec.ModuleSpec.from_raw(spec, module)

@@ -13,13 +13,13 @@ from .engine import Engine
 def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None] = lambda _m: None
                 ) -> tuple[Engine, CompiledModel]:
     """The engine for ``spec`` (one process, or ``spec.plan.processes`` ranks: tensor-parallel,
-    or pipeline stages) and the compiled model it runs (a pipeline's first stage). ``spec`` was
+    pipeline stages, or the two sides of weight-attention separation) and the compiled model it
+    runs (a pipeline's first stage, a separated model's weight side). ``spec`` was
     checked against the model and the memory when it was resolved (``spec.resolve_run_spec``);
     nothing here re-resolves it."""
-    pp = spec.plan.pp
-    stages = [compile_model(spec, force=force, log=log, stage=i) for i in range(pp)] if pp > 1 else []
+    stages = [compile_model(spec, force=force, log=log, stage=i) for i in range(spec.plan.parts)]
     compiled = stages[0] if stages else compile_model(spec, force=force, log=log)
-    if spec.plan.processes > 1:  # every rank loads its own shard or stage
+    if spec.plan.processes > 1:  # every rank loads its own shard, stage or side
         from .tp import TPEngine
 
         engine = TPEngine(compiled, spec, log=log, stages=stages)

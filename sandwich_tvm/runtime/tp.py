@@ -42,8 +42,8 @@ class TPEngine(EngineBase):
         plan, max_batch = run.plan, run.max_batch
         if compiled.tp != plan.tp:
             raise EngineError(f"the model was compiled for {compiled.tp} processes, the plan has {plan.tp}")
-        if len(stages) != (plan.pp if plan.pp > 1 else 0):
-            raise EngineError(f"the plan has {plan.pp} pipeline stages, {len(stages)} compiled stages given")
+        if len(stages) != plan.parts:
+            raise EngineError(f"the plan's ranks run {plan.parts} compiled parts, {len(stages)} given")
         if plan.pp > 1 and plan.tp > 1:
             raise EngineError(f"the plan has {plan.pp} pipeline stages of {plan.tp} tensor-parallel ranks; "
                               "this version runs pipeline stages of one process each (tp 1)")
@@ -55,8 +55,11 @@ class TPEngine(EngineBase):
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
         if not self.relayed:
-            # the largest message: a prefill chunk's hidden states, or a TP decode batch's logits
-            slot = 4 * max(self.prefill_chunk * self.cfg.hidden_size, max_batch * self.cfg.vocab_size)
+            # the largest message: a prefill chunk's hidden states (a separated model's: its fused
+            # QKV), or a TP decode batch's logits
+            cfg = self.cfg
+            width = cfg.head_dim * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) if plan.wa else 0
+            slot = 4 * max(self.prefill_chunk * max(cfg.hidden_size, width), max_batch * cfg.vocab_size)
             self.group = ShmGroup.create(plan.processes, slot, timeout_s)
         close_at_exit(self)
         try:
@@ -73,7 +76,8 @@ class TPEngine(EngineBase):
             for r, pid in enumerate(self.disco.pids[1:], start=1):
                 if self.group is not None:
                     self.group.set_pid(r, pid)  # a rank that dies while starting fails the others' waits
-            kind = "tensor-parallel ranks" if plan.pp == 1 else f"ranks in {plan.pp} pipeline stages"
+            kind = ("ranks: weights and attention" if plan.wa else "tensor-parallel ranks" if plan.pp == 1
+                    else f"ranks in {plan.pp} pipeline stages")
             where = f", ranks 1-{plan.processes - 1} on {', '.join(run.hosts)}" if self.relayed else ""
             log(f"started {plan.processes} {kind} on Disco{where} ({time.perf_counter() - t0:.1f} s)")
             spec = tp_worker.RankSpec(shm=self.group.name if self.group else "",

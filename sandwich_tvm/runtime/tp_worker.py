@@ -28,6 +28,7 @@ import tvm_ffi
 
 from ..collective.shm import ShmGroup
 from ..model.parallel import ALLREDUCE, ALLREDUCE_ADD, GATHER
+from ..model.separation import WA_ATTEND, WA_RECEIVE, WA_REPLY
 from . import relay
 from .disco_group import Failure, RankState, rank_function, start_rank
 from .engine import Engine
@@ -126,7 +127,7 @@ class Rank(RankState):
             bind_memory(list(mine.numa[0]))
         if spec.shm:
             self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s)
-        compiled = CompiledModel.load(spec.stages[plan.stage_of(self.rank)] if spec.stages else spec.artifact)
+        compiled = CompiledModel.load(spec.stages[plan.part_of(self.rank)] if spec.stages else spec.artifact)
         isa, dtype = compiled.weight_layout
         params = load_params(run.model, compiled.config, compiled.params, isa, seed=run.seed, dtype=dtype,
                              layouts=compiled.layouts, shards=compiled.shards, rank=self.rank % plan.tp,
@@ -187,7 +188,26 @@ def _register_collectives(group: ShmGroup) -> None:
             view = np.from_dlpack(recv)
             view /= group.world
 
+    # weight-attention separation (``model.separation``): the side with nothing to send adds zeros
+    def wa_attend(qkv, out) -> None:
+        """Weight rank: ``qkv`` to the attention rank, its attention output into ``out``."""
+        group.allreduce(qkv, qkv)
+        np.from_dlpack(out)[...] = 0
+        group.allreduce(out, out)
+
+    def wa_receive(_after, out) -> None:
+        """Attention rank: the weight rank's next QKV into ``out``."""
+        np.from_dlpack(out)[...] = 0
+        group.allreduce(out, out)
+
+    def wa_reply(x, out) -> None:
+        """Attention rank: ``x`` to the weight rank; ``out`` (the marker the next receive waits on)
+        zeros."""
+        group.allreduce(x, x)
+        np.from_dlpack(out)[...] = 0
+
     for name, fn in ((ALLREDUCE, allreduce), (ALLREDUCE_ADD, allreduce_add), (GATHER, gather_last),
+                     (WA_ATTEND, wa_attend), (WA_RECEIVE, wa_receive), (WA_REPLY, wa_reply),
                      ("runtime.disco..allreduce", disco_allreduce)):
         tvm_ffi.register_global_func(name, fn, override=True)
 

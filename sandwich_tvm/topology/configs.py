@@ -16,16 +16,23 @@ from .tree import TopoTree, format_cpus
 @dataclass(frozen=True)
 class ServiceConfig:
     """Processes (OS CPU ids each) and the NUMA nodes each process uses; with ``pp`` > 1 they
-    are pipeline stages of ``tp`` processes each, in order."""
+    are pipeline stages of ``tp`` processes each, in order; with ``wa`` the last process holds
+    the KV cache and attends (weight-attention separation)."""
 
     processes: tuple[tuple[int, ...], ...]
     domains: tuple[tuple[int, ...], ...]
     pp: int = 1
     hosts: bool = False  # stages 1.. on other hosts: every exchange relayed over the network
+    wa: bool = False
 
     @property
     def tp(self) -> int:
-        return len(self.processes) // self.pp
+        return (len(self.processes) - self.wa) // self.pp
+
+    def side(self, i: int) -> ServiceConfig:
+        """A separated configuration's weight side (0) or attention side (1), alone."""
+        part = slice(0, self.tp) if i == 0 else slice(self.tp, self.tp + 1)
+        return ServiceConfig(self.processes[part], self.domains[part])
 
     def stage(self, i: int) -> ServiceConfig:
         """Pipeline stage ``i``'s processes as a configuration of their own."""
@@ -52,7 +59,8 @@ class ServiceConfig:
 
     def describe(self) -> str:
         where = " on hosts" if self.hosts else ""
-        return f"{self.tp}x{self.threads}" + (f" x{self.pp} stages{where}" if self.pp > 1 else "")
+        return (f"{self.tp}x{self.threads}" + (f" x{self.pp} stages{where}" if self.pp > 1 else "")
+                + (" + attention rank" if self.wa else ""))
 
     def to_dict(self) -> dict:
         return {"processes": self.tp, "threads": self.threads,

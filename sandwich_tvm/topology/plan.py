@@ -7,7 +7,8 @@ owns the schema, ``PLANS_VERSION``), or, without one, one process on every CPU t
 may use for both phases. A plan of P = tp x pp processes is run as P ranks on Disco
 (``runtime.tp``): ``pp`` pipeline stages of consecutive layers, each ``tp`` tensor-parallel
 ranks (rank r is stage r // tp); rank 0's CPUs are ``prefill_cpus`` and ``decode_cpus``, every
-rank's are in ``ranks``.
+rank's are in ``ranks``. With ``wa`` (weight-attention separation) one more process, the last
+rank, holds the KV cache and runs attention; the others run every weight-centric operator.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from ..host import PROCESS_CPUS, save_atomic
 
 REPLAN = "re-run `python -m sandwich_tvm.tune plan`"
-PLANS_VERSION = 3  # 3: "processes" and "pp"; 2: "version"; 1: neither (hand-written files)
+PLANS_VERSION = 3  # 3: "processes", "pp" and "wa"; 2: "version"; 1: neither (hand-written files)
 
 
 class PlanError(ValueError):
@@ -39,6 +40,7 @@ class ExecPlan:
     ranks: tuple[tuple[Cpus, Cpus], ...] = ()  # every process's (prefill, decode) CPUs; () = one
     numa: tuple[tuple[int, ...], ...] = ()  # every process's NUMA nodes (its memory), when known
     pp: int = 1  # pipeline stages, each of ``tp`` ranks
+    wa: bool = False  # weight-attention separation: the last rank holds the KV cache and attends
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -46,13 +48,19 @@ class ExecPlan:
 
     @property
     def processes(self) -> int:
-        """Processes (ranks): ``tp`` x ``pp``."""
+        """Processes (ranks): ``tp`` x ``pp``, plus the attention rank with ``wa``."""
         return len(self.ranks)
 
     @property
     def tp(self) -> int:
-        """Tensor-parallel ranks of each pipeline stage (every process when ``pp`` is 1)."""
-        return len(self.ranks) // self.pp
+        """Tensor-parallel ranks of each pipeline stage (every weight process when ``pp`` is 1)."""
+        return (len(self.ranks) - self.wa) // self.pp
+
+    @property
+    def parts(self) -> int:
+        """Compiled models the ranks run: one per pipeline stage, or the weight side and the
+        attention side with ``wa``; 0 when every rank runs the same model (a shard of it)."""
+        return self.pp if self.pp > 1 else 2 if self.wa else 0
 
     @property
     def prefill_threads(self) -> int:
@@ -88,15 +96,24 @@ class ExecPlan:
         """The pipeline stage rank ``rank`` runs."""
         return rank // self.tp
 
+    def part_of(self, rank: int) -> int:
+        """Which of the ``parts`` rank ``rank`` runs: its stage, or with ``wa`` 0 (weights) or
+        1 (attention, the last rank)."""
+        if self.wa:
+            return int(rank == self.processes - 1)
+        return self.stage_of(rank)
+
     @classmethod
     def of_ranks(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
                  tpot: float | None = None, numa: list[tuple[int, ...]] | None = None,
-                 pp: int = 1) -> ExecPlan:
+                 pp: int = 1, wa: bool = False) -> ExecPlan:
         """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each, process i's
-        memory on NUMA nodes ``numa[i]`` when given, in ``pp`` pipeline stages."""
+        memory on NUMA nodes ``numa[i]`` when given, in ``pp`` pipeline stages (``wa``: the last
+        process is the attention rank)."""
         prefill, decode = ranks[0]
         return cls(tuple(prefill), tuple(decode), source, ttft, tpot,
-                   tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()), pp)
+                   tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()), pp,
+                   wa)
 
     def describe(self) -> str:
         if self.processes == 1:
@@ -104,7 +121,8 @@ class ExecPlan:
                     f"decode {self.decode_threads} on {list(self.decode_cpus)} ({self.source})")
         each = "; ".join(f"rank {i}: prefill {list(p)}, decode {list(d)}"
                          for i, (p, d) in enumerate(self.ranks))
-        how = ("tensor parallel" if self.pp == 1 else
+        how = ("weight-attention separation: the last rank attends" if self.wa else "tensor parallel"
+               if self.pp == 1 else
                f"{self.pp} pipeline stages" + (f" of {self.tp} tensor-parallel ranks" if self.tp > 1 else ""))
         return f"{self.processes} processes ({how}) -- {each} ({self.source})"
 
@@ -116,7 +134,7 @@ class ExecPlan:
     def to_dict(self) -> dict:
         """The plans.json entry ``from_dict`` reads back (predictions and NUMA nodes when known)."""
         d: dict = {"processes": self.processes, "tp": self.tp, "pp": self.pp,
-                   "prefill_cpus": [list(p) for p, _ in self.ranks],
+                   **({"wa": True} if self.wa else {}), "prefill_cpus": [list(p) for p, _ in self.ranks],
                    "decode_cpus": [list(dec) for _, dec in self.ranks], "source": self.source}
         if self.numa:
             d["numa"] = [list(n) for n in self.numa]
@@ -131,22 +149,25 @@ class ExecPlan:
         if not isinstance(d, dict):
             raise PlanError(f"{source}: the best plan is {_clip(d)}, not a JSON object; {REPLAN}")
         prefill, decode = _cpu_lists(d, "prefill_cpus", source), _cpu_lists(d, "decode_cpus", source)
-        if d.get("wa"):
-            raise PlanError(f"{source}: the plan asks for weight-attention separation (\"wa\": true), which "
-                            "this version does not run yet; use a plan without it")
-        pp = d.get("pp", 1)
+        pp, wa = d.get("pp", 1), d.get("wa", False)
         if type(pp) is not int or pp < 1:
             raise PlanError(f"{source}: pp (pipeline stages) is {_clip(pp)}, not a positive integer; "
                             f"{REPLAN}")
+        if type(wa) is not bool:
+            raise PlanError(f"{source}: wa (weight-attention separation) is {_clip(wa)}, not true or false")
         tp = d.get("tp")
         if tp is None:  # written as processes (and pp)
             processes = d.get("processes", len(prefill))
-            tp = processes // pp if type(processes) is int else None
+            tp = (processes - wa) // pp if type(processes) is int else None
         else:
-            processes = d.get("processes", tp * pp if type(tp) is int else None)
-        if type(tp) is not int or type(processes) is not int or tp < 1 or tp * pp != processes:
+            processes = d.get("processes", tp * pp + wa if type(tp) is int else None)
+        if type(tp) is not int or type(processes) is not int or tp < 1 or tp * pp + wa != processes:
+            extra = " plus the attention rank" if wa else ""
             raise PlanError(f"{source}: the plan says {_clip(processes)} processes, tp {_clip(tp)} and pp "
-                            f"{pp}; processes must be tp x pp; {REPLAN}")
+                            f"{pp}; processes must be tp x pp{extra}; {REPLAN}")
+        if wa and (tp, pp) != (1, 1):
+            raise PlanError(f"{source}: weight-attention separation runs one weight rank and one attention "
+                            f"rank in this version (tp 1, pp 1, processes 2), not tp {tp} x pp {pp}")
         if len(prefill) != processes or len(decode) != processes:
             stages = f" x pp {pp}" if pp > 1 else ""
             raise PlanError(f"{source}: the plan says tp {tp}{stages} but lists CPUs for {len(prefill)} "
@@ -157,7 +178,7 @@ class ExecPlan:
             raise PlanError(f"{source}: numa of the best plan is {_clip(numa)}, not one list of NUMA node "
                             f"ids per process; {REPLAN}")
         plan = cls.of_ranks(list(zip(prefill, decode, strict=True)), source,
-                            d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp)
+                            d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp, wa)
         every = [c for p, dec in plan.ranks for c in p + dec]
         outside = sorted(set(every) - PROCESS_CPUS)
         if outside:

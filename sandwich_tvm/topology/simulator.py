@@ -13,6 +13,9 @@ costs the collective's latency and bandwidth. Stages on other hosts (``ServiceCo
 pay the network instead (``HopCost``, measured by ``bench hop``): a round trip to every host per
 exchange of the controller's relay (``runtime.relay``) and one to start the step, carrying the
 hidden states there and back (the head runs on the first stage, so no logits cross).
+Weight-attention separation (``ServiceConfig.wa``) runs each layer's weight-centric operators on
+the weight side and its attention on the attention rank, one after the other, with two hand-offs
+per layer (the fused QKV there, the attention output back), each reading its own memory.
 """
 
 from __future__ import annotations
@@ -186,6 +189,31 @@ class LatencySimulator:
             return compute + self.hop.ms((ticks - 1 + wanted + 1) * (p - 1), moved)
         return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.hidden_size * ACT_BYTES)
 
+    def _separated_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool) -> np.ndarray:
+        """A prefill (``tokens``: prompt lengths) or a batch-1 decode step (context lengths) of a
+        weight-attention separated model: per layer the weight side's GEMMs, then attention on
+        the attention rank, with the QKV and the attention output handed over between them."""
+        m, b = self.model, self.weight_bytes
+        weights, attention = config.side(0), config.side(1)
+        n = np.asarray(tokens, dtype=float)
+        rows = np.ones_like(n) if decode else n  # tokens through the layer's GEMMs
+        w_gemm = self.compute_gflops(weights) * 1e6 * self.profile.gemm_efficiency
+        w_bw = self.bandwidth_gbs(weights) * 1e6
+        gemms = np.maximum(2 * rows * m.layer_params() / w_gemm, m.layer_params() * b / w_bw)
+        a_peak = self.compute_gflops(attention) * 1e6
+        a_bw = self.bandwidth_gbs(attention) * 1e6
+        heads, d = m.num_attention_heads, m.head_dim
+        if decode:
+            kv = 2 * n * m.num_key_value_heads * d * self.kv_bytes
+            attend = np.maximum(kv / a_bw, 4 * n * heads * d / (a_peak * self.profile.gemm_efficiency))
+        else:
+            attend = 2 * n * n * heads * d / (a_peak * self.profile.attention_efficiency)
+        width = (heads + 2 * m.num_key_value_heads) * d
+        hops = self._hop_ms(rows * width * ACT_BYTES) + self._hop_ms(rows * heads * d * ACT_BYTES)
+        layer = gemms + attend + hops + self.profile.layer_overhead_us / 1e3
+        head = self._decode_head_ms(weights) if decode else self._prefill_head_ms(weights)
+        return m.num_hidden_layers * layer + head
+
     # ---- phases ---------------------------------------------------------------------
     def _prefill_layer_ms(self, config: ServiceConfig, s: np.ndarray, context: np.ndarray | None = None
                           ) -> np.ndarray:
@@ -225,6 +253,8 @@ class LatencySimulator:
 
     def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
         """Prefill time of prompts of the given lengths."""
+        if config.wa:
+            return self._separated_ms(config, prompt, decode=False)
         if config.pp > 1:
             return self._pipeline_ms(config, prompt, decode=False)
         s = np.asarray(prompt, dtype=float)
@@ -233,6 +263,8 @@ class LatencySimulator:
 
     def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
         """Time of one decode step at the given context lengths (batch 1)."""
+        if config.wa:
+            return self._separated_ms(config, context, decode=True)
         if config.pp > 1:
             return self._pipeline_ms(config, context, decode=True)
         ctx = np.asarray(context, dtype=float)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +71,7 @@ def test_a_plan_file_names_processes_tp_and_pp(tmp_path):
 @pytest.mark.parametrize("fields, message", [
     ({"processes": 2, "tp": 2, "pp": 2}, "processes must be tp x pp"),
     ({"processes": 2, "pp": 0}, "pp \\(pipeline stages\\) is 0"),
-    ({"processes": 2, "pp": 2, "wa": True}, "weight-attention separation"),
+    ({"processes": 2, "pp": 2, "wa": True}, "processes must be tp x pp plus the attention rank"),
 ])
 def test_a_plan_whose_stages_do_not_add_up_is_refused(tmp_path, fields, message):
     cpus = {"prefill_cpus": [[CPUS[0]], [CPUS[-1]]], "decode_cpus": [[CPUS[0]], [CPUS[-1]]]}
@@ -99,16 +98,23 @@ warm_up(__name__, "test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanl
 warm_up(__name__, "test_an_untied_head_on_the_first_stage_matches_hf", lambda b: pp2_specs(b, "mha-untied"))
 
 
-def kill_after(pid: int, tokens: int) -> Callable[[int], None]:
-    """An ``on_token`` that kills ``pid`` once ``tokens`` tokens have streamed (mid-request)."""
-    streamed: list[int] = []
+class KillAfter:
+    """An ``on_token`` that kills ``pid`` once ``tokens`` tokens have streamed (mid-request);
+    ``at``: when it killed (``time.monotonic``), so a test times the failure from the kill, not
+    from a prefill a loaded machine may slow down."""
 
-    def on_token(token: int) -> None:
-        streamed.append(token)
-        if len(streamed) == tokens:
-            os.kill(pid, signal.SIGKILL)
+    def __init__(self, pid: int, tokens: int):
+        self.pid, self.tokens, self.streamed, self.at = pid, tokens, 0, None
 
-    return on_token
+    def __call__(self, token: int) -> None:
+        self.streamed += 1
+        if self.streamed == self.tokens:
+            self.at = time.monotonic()
+            os.kill(self.pid, signal.SIGKILL)
+
+    def seconds_since(self) -> float:
+        assert self.at is not None, "the request ended before the kill"
+        return time.monotonic() - self.at
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:
@@ -162,10 +168,10 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
         # kill the last stage mid-request: the request fails naming it, the group is shut down
         segment = Path("/dev/shm", engine.group.name)
         worker = engine.group.pids[1]
-        start = time.monotonic()
+        killer = KillAfter(worker, 3)
         with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
-            engine.generate(prompt, 100, on_token=kill_after(worker, 3))
-        assert time.monotonic() - start < 20
+            engine.generate(prompt, 100, on_token=killer)
+        assert killer.seconds_since() < 20
         assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
     finally:
         engine.shutdown()

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import generate_spec, selected, warm_up
 from .hf_models import CONFIGS, hf_checkpoint
+from .test_pipeline_parallel import KillAfter
 
 torch = pytest.importorskip("torch")
 
@@ -160,18 +159,11 @@ def test_two_processes_match_hf_and_a_killed_rank_ends_cleanly(hf_case, precompi
         worker = engine.group.pids[1]
         assert segment.exists() and worker != os.getpid()
 
-        streamed: list[int] = []
-
-        def kill_at_five(token: int) -> None:
-            streamed.append(token)
-            if len(streamed) == 5:
-                os.kill(worker, signal.SIGKILL)
-
-        start = time.monotonic()
+        killer = KillAfter(worker, 5)
         with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
-            engine.generate(prompt, 100, on_token=kill_at_five)
-        assert time.monotonic() - start < 20  # not the collective's 60 s deadline
-        assert len(streamed) == 5 and engine.disco is None
+            engine.generate(prompt, 100, on_token=killer)
+        assert killer.seconds_since() < 20  # not the collective's 60 s deadline
+        assert killer.streamed == 5 and engine.disco is None
         assert not segment.exists() and not Path(f"/proc/{worker}").exists()
         with pytest.raises(EngineError, match="shut down"):
             engine.generate(prompt, 2)

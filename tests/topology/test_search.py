@@ -163,6 +163,32 @@ def test_simulator_pipeline_stages(trace):
     assert sim.ttft_ms(pp2, np.array([20.0]))[0] > sim.ttft_ms(socket, np.array([20.0]))[0]  # one piece
 
 
+def test_simulator_weight_attention_separation(trace):
+    """Weights on one socket, the KV cache and attention on the other: a decode step reads the
+    weights at one socket's speed, then the cache at the other's, with two hand-offs a layer; a
+    longer context costs only the attention side more, and a slower hand-off costs 2 per layer."""
+    import dataclasses
+
+    from sandwich_tvm.topology.configs import ServiceConfig
+
+    tree, _ = load_tree(xml=MILAN)
+    model, profile = PRESETS["llama-3-8b"], load_profile("epyc-milan7763-2s")
+    sim = LatencySimulator(tree, profile, model, trace)
+    tp2 = parse_config(tree, "2x64")
+    wa = ServiceConfig(tp2.processes, tp2.domains, wa=True)
+    socket = ServiceConfig(tp2.processes[:1], tp2.domains[:1])
+    assert wa.tp == 1 and wa.side(1).processes == tp2.processes[1:] and "attention rank" in wa.describe()
+    short, long = sim.tpot_ms(wa, np.array([512.0]))[0], sim.tpot_ms(wa, np.array([8192.0]))[0]
+    attention = ServiceConfig(tp2.processes[1:], tp2.domains[1:])
+    kv = model.num_hidden_layers * 2 * 7680 * model.num_key_value_heads * model.head_dim * 4
+    assert long - short == pytest.approx(kv / (sim.bandwidth_gbs(attention) * 1e6), rel=1e-6)
+    assert sim.tpot_ms(socket, np.array([512.0]))[0] < short  # the same weight bytes, plus the hand-offs
+    slower = LatencySimulator(tree, dataclasses.replace(profile, allreduce_latency_us=105.0), model, trace)
+    added = slower.tpot_ms(wa, np.array([512.0]))[0] - short
+    assert added == pytest.approx(2 * model.num_hidden_layers * (105.0 - profile.allreduce_latency_us) / 1e3)
+    assert sim.ttft_ms(wa, np.array([1024.0]))[0] > 0
+
+
 def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
     """Stages across hosts: the shared-memory hand-offs become relayed hops (``bench hop``'s
     latency per call and bandwidth per byte); without a measured hop cost it is an error."""
