@@ -165,12 +165,14 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
 
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
               refresh: bool = True, decode_gbs: dict[int, float] | None = None,
-              gemm_speedup: float = 1.0, weight_bytes: int = 4, kv_bytes: int = 4) -> list[dict]:
+              gemm_speedup: float = 1.0, weight_bytes: float = 4, kv_bytes: float = 4,
+              kernels: dict | None = None) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
     ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
     on the decode cores when given (the bandwidth sampled around that length's requests).
     ``gemm_speedup``: the Linear layers' compute roof over the measured fp32 one (2 for bf16
-    pairs on vdpbf16ps, which does two k steps per instruction; attention stays fp32)."""
+    pairs on vdpbf16ps, which does two k steps per instruction; attention stays fp32);
+    ``kernels``: the decode GEMMs' measured times per thread count (``decode_kernels``)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
@@ -196,10 +198,31 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
         profile = measured if gbs is None else with_bandwidth(measured, len(plan.all_decode_cpus), gbs)
         p = np.array([n], dtype=float)
         sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)),
-                               weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+                               weight_bytes=weight_bytes, kv_bytes=kv_bytes, decode_kernels=kernels)
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
                     "llc_roof_gbs": measured.llc_gbs_per_core * len(plan.all_decode_cpus), **allreduce})
+    return out
+
+
+def decode_kernels(cfg: LlamaConfig, dtype: str, threads: set[int], records: Path | None) -> dict:
+    """Per thread count, the decode GEMMs' m = 1 times from their tuning records (an unsharded
+    model's shapes; a thread count missing any record is left to the roofline)."""
+    from ..kernels.database import find_record
+    from ..model.shapes import linear_shapes
+    from ..topology.simulator import DecodeKernels
+
+    out = {}
+    for t in sorted(threads):
+        ms = {}
+        for name, shape in linear_shapes(cfg, dtype).items():
+            rec = find_record(shape, t, records)
+            one = next((x for x in rec.tuned if x.m == 1 and x.gflops), None) if rec else None
+            if one is None:
+                break
+            ms[name] = 2 * shape.n * shape.k / (one.gflops * 1e6)
+        else:
+            out[t] = DecodeKernels(sum(v for k, v in ms.items() if k != "lm_head"), ms["lm_head"])
     return out
 
 
@@ -282,9 +305,10 @@ def bench_e2e(args, console: Console) -> dict:
 
     def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
+        kernels = decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
                          gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
-                         kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
+                         kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim), kernels=kernels)
 
     preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile)}
     if also is not None:

@@ -52,6 +52,16 @@ class HopCost:
 
 
 @dataclass(frozen=True)
+class DecodeKernels:
+    """What a process's decode GEMMs take at m = 1 as their tuning measured them (weights warm
+    in cache): every Linear of one layer, and the head (ms). A model whose weights stream
+    faster than its kernels compute (small, quantized) is bound by these, not by bandwidth."""
+
+    layer_ms: float
+    head_ms: float
+
+
+@dataclass(frozen=True)
 class Trace:
     """Request lengths (tokens) the simulator replays."""
 
@@ -81,10 +91,14 @@ class LatencySimulator:
     """Predicts TTFT/TPOT for configurations on one machine, model and trace."""
 
     def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace, *,
-                 weight_bytes: int = 4, kv_bytes: int = 4, hop: HopCost | None = None):
+                 weight_bytes: float = 4, kv_bytes: float = 4, hop: HopCost | None = None,
+                 decode_kernels: dict[int, DecodeKernels] | None = None):
         """``weight_bytes`` / ``kv_bytes``: bytes per weight and per cached K/V element (the run
-        spec's weight and KV dtypes); ``hop``: the network's, for stages on other hosts."""
+        spec's weight and KV dtypes); ``hop``: the network's, for stages on other hosts;
+        ``decode_kernels``: per thread count, the decode GEMMs' own measured times (a floor under
+        the roofline for an unsharded process of that many threads)."""
         self.profile, self.model, self.trace, self.hop = profile, model, trace, hop
+        self.decode_kernels = decode_kernels or {}
         self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
         self._instance = {r.name: _instances(tree, r) for r in profile.resources}
         core_depth = tree.depth_of("Core")
@@ -200,6 +214,8 @@ class LatencySimulator:
         w_gemm = self.compute_gflops(weights) * 1e6 * self.profile.gemm_efficiency
         w_bw = self.bandwidth_gbs(weights) * 1e6
         gemms = np.maximum(2 * rows * m.layer_params() / w_gemm, m.layer_params() * b / w_bw)
+        if decode and (kernels := self._kernels(weights)) is not None:
+            gemms = np.maximum(gemms, kernels.layer_ms)
         a_peak = self.compute_gflops(attention) * 1e6
         a_bw = self.bandwidth_gbs(attention) * 1e6
         heads, d = m.num_attention_heads, m.head_dim
@@ -242,14 +258,22 @@ class LatencySimulator:
         kv = 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
         flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
+        if (kernels := self._kernels(config)) is not None:
+            layer = np.maximum(layer, kernels.layer_ms + kv / bw)
         layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)
         return layer + self.profile.layer_overhead_us / 1e3
+
+    def _kernels(self, config: ServiceConfig) -> DecodeKernels | None:
+        """The measured decode kernels of an unsharded process of ``config``'s threads."""
+        return self.decode_kernels.get(config.threads) if config.tp == 1 else None
 
     def _decode_head_ms(self, config: ServiceConfig) -> float:
         m, tp, b = self.model, config.tp, self.weight_bytes
         bw = self.bandwidth_gbs(config) * 1e6
-        return m.hidden_size * m.vocab_size * b / tp / bw + float(
-            self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
+        head = m.hidden_size * m.vocab_size * b / tp / bw
+        if (kernels := self._kernels(config)) is not None:
+            head = max(head, kernels.head_ms)
+        return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
 
     def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
         """Prefill time of prompts of the given lengths."""

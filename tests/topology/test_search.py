@@ -189,6 +189,28 @@ def test_simulator_weight_attention_separation(trace):
     assert sim.ttft_ms(wa, np.array([1024.0]))[0] > 0
 
 
+def test_simulator_takes_the_decode_kernels_measured_time_as_a_floor(trace):
+    """A small quantized model's decode GEMMs compute slower than its weights stream: with their
+    tuning's m = 1 times the step is those times per layer (plus the cache) and the head's."""
+    from sandwich_tvm.topology.configs import ServiceConfig
+    from sandwich_tvm.topology.simulator import DecodeKernels
+
+    tree, _ = load_tree(xml=MILAN)
+    model, profile = PRESETS["llama-3-8b"], load_profile("epyc-milan7763-2s")
+    socket = ServiceConfig(parse_config(tree, "2x64").processes[:1], parse_config(tree, "2x64").domains[:1])
+    ctx = np.array([512.0])
+    roof = LatencySimulator(tree, profile, model, trace).tpot_ms(socket, ctx)[0]
+    slow = DecodeKernels(layer_ms=10.0, head_ms=30.0)
+    sim = LatencySimulator(tree, profile, model, trace, decode_kernels={socket.threads: slow})
+    kv = 2 * 512 * model.num_key_value_heads * model.head_dim * 4 / (sim.bandwidth_gbs(socket) * 1e6)
+    expected = model.num_hidden_layers * (10.0 + kv + profile.layer_overhead_us / 1e3) + 30.0
+    assert sim.tpot_ms(socket, ctx)[0] == pytest.approx(expected) and expected > roof
+    fast = LatencySimulator(tree, profile, model, trace, decode_kernels={socket.threads: DecodeKernels(0, 0)})
+    assert fast.tpot_ms(socket, ctx)[0] == pytest.approx(roof)  # kernels faster than the roofline: no change
+    other = LatencySimulator(tree, profile, model, trace, decode_kernels={socket.threads + 1: slow})
+    assert other.tpot_ms(socket, ctx)[0] == pytest.approx(roof)  # another thread count's kernels
+
+
 def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
     """Stages across hosts: the shared-memory hand-offs become relayed hops (``bench hop``'s
     latency per call and bandwidth per byte); without a measured hop cost it is an error."""
