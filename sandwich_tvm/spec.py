@@ -253,6 +253,9 @@ def _check_hosts(hosts: str | Sequence[str], plan: ExecPlan) -> tuple[str, ...]:
         parsed = parse_hosts(hosts if isinstance(hosts, str) else ",".join(hosts))
     except HostError as err:
         raise SpecError(str(err)) from None
+    if plan.wa:
+        raise SpecError("--hosts runs pipeline stages on other hosts; weight-attention separation runs on "
+                        "one host in this version (use a plan without \"wa\")")
     if plan.tp != 1 or plan.pp != 1 + len(parsed):
         raise SpecError(f"--hosts names {len(parsed)} host(s): the plan must have {1 + len(parsed)} pipeline "
                         f"stages of one process each (stage 0 runs here, one stage on each host); it has "

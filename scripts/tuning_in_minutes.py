@@ -12,7 +12,8 @@ the full search's records in one `bench gemm` run per GEMM.
    the two taking turns, for every GEMM at m = 1..512 (the lm_head at m = 1).
 
 The summary JSON (``--out``) holds every step's result, the wall time of the tuning and the
-geomean of the paired GFLOPS ratios over every (GEMM, m).
+geomean of the paired GFLOPS ratios over every (GEMM, m). It is written after every step;
+``--resume`` goes on from it (the world and its tuning kept, the GEMMs not yet timed).
 
     python scripts/tuning_in_minutes.py --model llama-3.2-1b --dtype bfloat16 \\
         --extra /tmp/collect --out docs/tuning/zen4/summary_bf16.json
@@ -82,7 +83,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--resume", action="store_true", help="go on from --out's steps (same world)")
     args = p.parse_args()
+    from sandwich_tvm.host import save_atomic
     from sandwich_tvm.kernels.database import SHIPPED_DIR
     from sandwich_tvm.model.config import load_config
     from sandwich_tvm.model.shapes import linear_shapes
@@ -90,20 +93,29 @@ def main() -> int:
     py, w = sys.executable, str(args.world)
     logs = args.out.with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
-    out: dict = {"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "world": build_world(args.world, args.model, args.holdout, args.extra)}
-    if args.holdout == "heldout":
-        res = run([py, "-m", "sandwich_tvm.bench", "costmodel", "--records", w, "--costmodel-data", "records",
-                   "--holdout", args.model, "--dtype", args.dtype, "--json"], logs / "costmodel.err")
-        out["costmodel"] = json.loads(res.stdout)
-    t0 = time.perf_counter()
-    res = run([py, "-m", "sandwich_tvm.tune", "kernels", "--model", args.model, "--dtype", args.dtype,
-               "--threads", str(args.threads), "--max-m", "512", "--records", w, "--costmodel-data",
-               "records"], logs / "tune.err")
-    out["tune_seconds"] = round(time.perf_counter() - t0, 1)
-    (logs / "tune.log").write_text(res.stdout)
-    out["gemm"] = {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out: dict = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else {}
+    if args.resume and "tune_seconds" not in out:
+        raise SystemExit(f"--resume: {args.out} holds no finished tuning; run without --resume")
+    if "tune_seconds" not in out:
+        out = {"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "world": build_world(args.world, args.model, args.holdout, args.extra)}
+        if args.holdout == "heldout":
+            res = run([py, "-m", "sandwich_tvm.bench", "costmodel", "--records", w, "--costmodel-data",
+                       "records", "--holdout", args.model, "--dtype", args.dtype, "--json"],
+                      logs / "costmodel.err")
+            out["costmodel"] = json.loads(res.stdout)
+        t0 = time.perf_counter()
+        res = run([py, "-m", "sandwich_tvm.tune", "kernels", "--model", args.model, "--dtype", args.dtype,
+                   "--threads", str(args.threads), "--max-m", "512", "--records", w, "--costmodel-data",
+                   "records"], logs / "tune.err")
+        out["tune_seconds"] = round(time.perf_counter() - t0, 1)
+        (logs / "tune.log").write_text(res.stdout)
+        save_atomic(args.out, json.dumps(out, indent=1))
+    out.setdefault("gemm", {})
     for name, shape in linear_shapes(load_config(args.model), args.dtype).items():
+        if name in out["gemm"]:
+            continue
         ms = "1" if name == "lm_head" else M_LIST
         res = run([py, "-m", "sandwich_tvm.bench", "gemm", "--n", str(shape.n), "--k", str(shape.k),
                    "--epilogue", shape.epilogue, "--dtype", shape.dtype, "--m", ms,
@@ -111,13 +123,13 @@ def main() -> int:
                    "--rounds", str(args.rounds), "--json",
                    "--plot", str(logs / f"gemm_{name}.png")], logs / f"gemm_{name}.err")
         out["gemm"][name] = json.loads(res.stdout)
+        save_atomic(args.out, json.dumps(out, indent=1))
         print(f"{name}: geomean {out['gemm'][name]['against']['geomean_ratio']:.3f}x the full search's",
               flush=True)
     ratios = [r["ratio_vs_against"] for g in out["gemm"].values() for r in g["rows"]]
     out["geomean_vs_full_search"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3)
     out["min_vs_full_search"] = round(min(ratios), 3)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    save_atomic(args.out, json.dumps(out, indent=1))
     print(f"tuning {out['tune_seconds']:.0f} s; geomean {out['geomean_vs_full_search']}x the full search's "
           f"over {len(ratios)} (GEMM, m)", flush=True)
     return 0

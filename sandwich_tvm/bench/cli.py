@@ -78,9 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=positive_int, default=5,
                    help="rounds in which the libraries take turns at each m; GFLOPS are medians over "
                         "rounds, ratios the medians of each round's paired ratios (default 5)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"),
+                   default="float32",
                    help="the weight's precision: Sandwich's kernel for it, torch's F.linear in it "
-                        "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32)")
+                        "(oneDNN; AMX or AVX512-BF16 where present), numpy in fp32 (default float32). "
+                        "Quantized types (llama.cpp's blocks, int8 activations where the CPU has an int8 "
+                        "dot product): numpy and torch multiply the dequantized weights, torch in bf16 "
+                        "where the CPU has a bf16 unit, as `generate` runs it, else fp32")
     g.add_argument("--epilogue", choices=EPILOGUES, default="none",
                    help="what follows the GEMM, as the model runs it: Sandwich fuses it (its record "
                         "tuned with it), numpy and torch run it after the product: residual (+ R), "
@@ -123,10 +127,12 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     from ..kernels.microkernel import kernel_isa
     from ..kernels.packing import WeightLayout, numpy_dtype
     from ..kernels.peak import fma_peak_gflops
+    from ..kernels.quant import QuantBlocks, qtype
     from ..kernels.schedule import GemmShape
     from ..kernels.tuner import tune_gemm
     from ..topology.microbench import sgemm_gflops
     from ..tvm_compat import host_isa, host_target, tvm
+    from .baselines.torch_hf import torch_dtype
 
     if epilogue != "none" and ms_trials > 0:
         raise ValueError("--metaschedule-trials tunes the plain GEMM; run it without --epilogue")
@@ -152,25 +158,34 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     # Cold weights (default): enough copies to overflow the caches, all CPUs' together, used in
     # turn; checked in the run against a streaming read (bench/cold.py), grown if they were not.
     layout = WeightLayout(kernel_isa(host_isa(), dtype, cpu_flags()), dtype, epilogue == "silu_mul")
-    wbytes = numpy_dtype(dtype).itemsize
+    quant = qtype(dtype)
+    wbytes = quant.block_bytes / 32 if quant is not None else numpy_dtype(dtype).itemsize
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     cold_bytes = max(cold_weight_bytes(), 2 * llc_bytes_of(cpus))
     copies = 1 if hot else max(1, math.ceil(cold_bytes / (n * k * wbytes)))
     torch.set_num_threads(threads)
-    t_dtype = getattr(torch, dtype)  # torch runs in the dtype asked, as its users would
+    # torch runs in the dtype asked, as its users would; quantized weights have no torch kernel: their
+    # values (dequantized) in the dtype torch's users run a model in on this CPU
+    torch_name = torch_dtype("auto")[0] if quant is not None else dtype
+    t_dtype = getattr(torch, torch_name)
     ws: list[np.ndarray] = []
     wps: list = []
     wts: list = []
 
     def add_copies(count: int) -> None:
         while len(ws) < count:  # weights exactly representable in ``dtype``: the same values everywhere
-            ws.append(rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32"))
-            wps.append(tvm.runtime.tensor(layout.pack(ws[-1])))
+            if quant is not None:  # the blocks' values, and the kernel packs those blocks
+                raw = quant.quantize(rng.standard_normal((n, k)).astype("float32"))
+                ws.append(quant.dequantize(raw).astype("float32"))
+                wps.append(tvm.runtime.tensor(layout.pack(QuantBlocks(raw, quant, k))))
+            else:
+                ws.append(rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32"))
+                wps.append(tvm.runtime.tensor(layout.pack(ws[-1])))
             wts.append(torch.from_numpy(ws[-1]).to(t_dtype))
 
     add_copies(copies)
     w = ws[0]
-    log(f"Sandwich: {dtype} weights on {layout.isa} micro-kernels; torch F.linear in {dtype}; "
+    log(f"Sandwich: {dtype} weights on {layout.isa} micro-kernels; torch F.linear in {torch_name}; "
         "numpy in float32")
     ms_row = None
     if ms_trials > 0:
@@ -261,7 +276,8 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         rows.append(row)
     ratios = [r["ratio_vs_best"] for r in rows]
     vs_torch = [r["ratio_vs_torch"] for r in rows]
-    out = {"n": n, "k": k, "dtype": dtype, "epilogue": epilogue, "kernel_isa": layout.isa, "threads": threads,
+    out = {"n": n, "k": k, "dtype": dtype, "torch_dtype": torch_name, "epilogue": epilogue,
+           "kernel_isa": layout.isa, "threads": threads,
            "geomean_vs_torch": float(np.exp(np.mean(np.log(vs_torch)))), "min_vs_torch": min(vs_torch),
            "weights": "hot" if hot else "cold", "peak_gflops": peak,
            "fma_peak_gflops": fma_peak, "weight_copies": copies, "cold_check": cold,

@@ -162,7 +162,7 @@ def build_key(spec: RunSpec, stage: Stage | Role | None = None) -> str:
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
-    if not spec.stock:
+    if not spec.stock and not (isinstance(stage, Role) and stage.name == ATTENTION):  # no Linears there
         shapes = list(linear_shapes(cfg, spec.weight_dtype, plan.tp).values())
         for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:

@@ -9,6 +9,7 @@ returns what happened as ``TokenEvent`` values. It is synchronous and single-thr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Sequence as Seq
@@ -57,6 +58,8 @@ class BatchEngine:
         if min(policy.prefill_budget, policy.chunk) > engine.prefill_chunk:
             raise EngineError(f"a prefill step of {policy.prefill_budget} tokens exceeds the KV cache's "
                               f"prefill chunk of {engine.prefill_chunk}")
+        if policy.prefill_budget > engine.prefill_chunk:  # several sequences' chunks add up to the budget
+            policy = dataclasses.replace(policy, prefill_budget=engine.prefill_chunk)
         self.engine, self.policy, self.eos_ids, self.metrics = engine, policy, eos_ids, metrics
         if policy.num_speculative_tokens and engine.plan.processes > 1:
             raise EngineError("speculative decoding runs on one-process plans; this plan has "

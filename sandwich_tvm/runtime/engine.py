@@ -210,7 +210,7 @@ class Engine(EngineBase):
         the same model built with other kernel records (tuning landed). Call it between steps,
         on the engine's thread; a sequence in flight goes on where it was."""
         same = ("config", "params", "layouts", "kv_dtype", "dtype", "max_batch", "prefill_threads",
-                "decode_threads", "kernel_isa", "tp", "stage")
+                "decode_threads", "kernel_isa", "tp", "stage", "role")
         diff = [k for k in same if compiled.meta.get(k) != self.compiled.meta.get(k)]
         if diff:
             raise EngineError(f"{compiled.path} is not the running model with other kernels: it differs in "

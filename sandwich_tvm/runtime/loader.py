@@ -23,8 +23,8 @@ def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None
         from .tp import TPEngine
 
         engine = TPEngine(compiled, spec, log=log, stages=stages)
-        log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages) on each of "
-            f"{spec.plan.processes} ranks")
+        where = "on the attention rank" if spec.plan.wa else f"on each of {spec.plan.processes} ranks"
+        log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages) {where}")
         return engine, compiled
     isa, weight_dtype = compiled.weight_layout
     params = load_params(spec.model, spec.config, compiled.params, isa, seed=spec.seed, log=log,

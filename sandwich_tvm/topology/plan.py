@@ -45,6 +45,10 @@ class ExecPlan:
     def __post_init__(self) -> None:
         if not self.ranks:
             object.__setattr__(self, "ranks", ((tuple(self.prefill_cpus), tuple(self.decode_cpus)),))
+        if self.wa and (self.pp, len(self.ranks)) != (1, 2):
+            raise PlanError(f"weight-attention separation runs one weight rank and one attention rank in "
+                            f"this version (tp 1, pp 1, processes 2), not {len(self.ranks)} processes in "
+                            f"pp {self.pp}")
 
     @property
     def processes(self) -> int:
@@ -165,9 +169,6 @@ class ExecPlan:
             extra = " plus the attention rank" if wa else ""
             raise PlanError(f"{source}: the plan says {_clip(processes)} processes, tp {_clip(tp)} and pp "
                             f"{pp}; processes must be tp x pp{extra}; {REPLAN}")
-        if wa and (tp, pp) != (1, 1):
-            raise PlanError(f"{source}: weight-attention separation runs one weight rank and one attention "
-                            f"rank in this version (tp 1, pp 1, processes 2), not tp {tp} x pp {pp}")
         if len(prefill) != processes or len(decode) != processes:
             stages = f" x pp {pp}" if pp > 1 else ""
             raise PlanError(f"{source}: the plan says tp {tp}{stages} but lists CPUs for {len(prefill)} "
@@ -177,8 +178,11 @@ class ExecPlan:
                 isinstance(n, list) and n and all(type(x) is int and x >= 0 for x in n) for n in numa)):
             raise PlanError(f"{source}: numa of the best plan is {_clip(numa)}, not one list of NUMA node "
                             f"ids per process; {REPLAN}")
-        plan = cls.of_ranks(list(zip(prefill, decode, strict=True)), source,
-                            d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp, wa)
+        try:
+            plan = cls.of_ranks(list(zip(prefill, decode, strict=True)), source,
+                                d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp, wa)
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}") from None
         every = [c for p, dec in plan.ranks for c in p + dec]
         outside = sorted(set(every) - PROCESS_CPUS)
         if outside:
@@ -192,8 +196,8 @@ class ExecPlan:
         if len(set(claimed)) != len(claimed):
             raise PlanError(f"{source}: two processes share a CPU ({sorted(claimed)}); {REPLAN}")
         if len({(len(p), len(dec)) for p, dec in plan.ranks}) > 1:
-            raise PlanError(f"{source}: the processes have different thread counts; every rank runs the "
-                            f"same compiled model, so they must match; {REPLAN}")
+            raise PlanError(f"{source}: the processes have different thread counts; every rank's model is "
+                            f"compiled for rank 0's, so they must match; {REPLAN}")
         return plan
 
     @classmethod

@@ -119,8 +119,10 @@ class LatencySimulator:
         gain = sum(self.profile.smt_gain if n > 1 else 1.0 for n in per_core.values())
         return gain * self.profile.gflops_per_core
 
-    def bandwidth_gbs(self, config: ServiceConfig) -> float:
-        """Memory bandwidth of the slowest process while all processes stream."""
+    def bandwidth_gbs(self, config: ServiceConfig, resident: float | None = None) -> float:
+        """Memory bandwidth of the slowest process while all processes stream; ``resident``: the
+        bytes each process reads (default its share of the weights), served from the LLC when
+        they fit."""
         active: dict[tuple[str, int], int] = {}
         for pu in config.cpus():
             for name, inst in self._instance.items():
@@ -139,7 +141,8 @@ class LatencySimulator:
                 local = 1 / len(domains)
                 bw /= local + (1 - local) / self.profile.remote_factor
             worst = min(worst, bw)
-        weights = self.model.num_params() * self.weight_bytes / len(config.processes)
+        weights = (self.model.num_params() * self.weight_bytes / len(config.processes) if resident is None
+                   else resident)
         if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
@@ -159,6 +162,15 @@ class LatencySimulator:
         latency = self.profile.allreduce_latency_us if one_node else self.profile.allreduce_cross_numa_us
         gbs = self.profile.allreduce_gbs * (1.0 if one_node else self.profile.remote_factor)
         return latency / 1e3 + 2 * (p - 1) / p * np.asarray(nbytes, float) / (gbs * 1e6)
+
+    def _handoff_ms(self, config: ServiceConfig, nbytes: np.ndarray | float) -> np.ndarray:
+        """A separated layer's two hand-offs (``nbytes`` both ways together) between its sides:
+        the all-reduce's latency each, across NUMA nodes when the sides' memory differs."""
+        p = self.profile
+        one_node = len({d for ds in config.domains for d in ds}) == 1
+        latency = p.allreduce_latency_us if one_node else p.allreduce_cross_numa_us
+        gbs = p.allreduce_gbs * (1.0 if one_node else p.remote_factor)
+        return 2 * latency / 1e3 + np.asarray(nbytes, float) / (gbs * 1e6)
 
     def _hop_ms(self, nbytes: np.ndarray | float) -> np.ndarray:
         """One hand-off between pipeline stages: the collective's latency plus the bytes."""
@@ -217,15 +229,15 @@ class LatencySimulator:
         if decode and (kernels := self._kernels(weights)) is not None:
             gemms = np.maximum(gemms, kernels.layer_ms)
         a_peak = self.compute_gflops(attention) * 1e6
-        a_bw = self.bandwidth_gbs(attention) * 1e6
         heads, d = m.num_attention_heads, m.head_dim
+        kv = 2 * n * m.num_key_value_heads * d * self.kv_bytes  # one layer's cache
+        a_bw = self.bandwidth_gbs(attention, resident=float(np.max(kv)) * m.num_hidden_layers) * 1e6
         if decode:
-            kv = 2 * n * m.num_key_value_heads * d * self.kv_bytes
             attend = np.maximum(kv / a_bw, 4 * n * heads * d / (a_peak * self.profile.gemm_efficiency))
         else:
             attend = 2 * n * n * heads * d / (a_peak * self.profile.attention_efficiency)
         width = (heads + 2 * m.num_key_value_heads) * d
-        hops = self._hop_ms(rows * width * ACT_BYTES) + self._hop_ms(rows * heads * d * ACT_BYTES)
+        hops = self._handoff_ms(config, rows * (width + heads * d) * ACT_BYTES)
         layer = gemms + attend + hops + self.profile.layer_overhead_us / 1e3
         head = self._decode_head_ms(weights) if decode else self._prefill_head_ms(weights)
         return m.num_hidden_layers * layer + head
@@ -298,7 +310,7 @@ class LatencySimulator:
     # ---- over the trace -------------------------------------------------------------
     def prefill_cost(self, config: ServiceConfig) -> float:
         """Mean TTFT over the trace (memoised per configuration)."""
-        key = ("p", config.key)
+        key = ("p", config.key, config.pp, config.wa)
         if key not in self._memo:
             self._memo[key] = self.ttft_ms(config, self.trace.prompt)
         return float(self._memo[key].mean())
@@ -308,7 +320,7 @@ class LatencySimulator:
         return float((self.trace.output * self._tpot(config)).mean())
 
     def _tpot(self, config: ServiceConfig) -> np.ndarray:
-        key = ("d", config.key)
+        key = ("d", config.key, config.pp, config.wa)
         if key not in self._memo:
             mid = self.trace.prompt + self.trace.output / 2  # TPOT is linear in context
             self._memo[key] = self.tpot_ms(config, mid)

@@ -41,6 +41,25 @@ def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
     assert ms["sandwich_ratio"] == pytest.approx(out["rows"][1]["sandwich_gflops"] / ms["gflops"])
 
 
+def test_bench_gemm_times_a_quantized_weight_against_its_dequantized_values(tmp_path, capsys):
+    """q8_0 blocks (llama.cpp's) on the int8 kernels where the CPU has them: numpy and torch
+    multiply the same blocks' values, torch in the dtype `generate` would run it in."""
+    from sandwich_tvm.bench.baselines.torch_hf import torch_dtype
+    from sandwich_tvm.host import cpu_flags
+    from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
+    from sandwich_tvm.tvm_compat import host_isa
+
+    assert bench.main(["gemm", "--n", "40", "--k", "96", "--m", "1,3", "--dtype", "q8_0", "--schedules",
+                       str(tmp_path), "--rounds", "1", "--hot-weights", "--json",
+                       "--plot", str(tmp_path / "q.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    isa = kernel_isa(host_isa(), "q8_0", cpu_flags())
+    assert out["kernel_isa"] == isa and out["torch_dtype"] == torch_dtype("auto")[0]
+    # int8 activations (quantized per row and block, as llama.cpp's) cost up to ~1% of the largest value
+    bound = 0.02 if ISAS[isa].int8_dot else 1e-5
+    assert all(r["max_rel_err"] < bound and r["sandwich_gflops"] > 0 for r in out["rows"])
+
+
 def test_paired_ratio_cancels_the_hosts_drift():
     from sandwich_tvm.bench.timing import paired_median_ratio
 

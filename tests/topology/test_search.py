@@ -178,14 +178,17 @@ def test_simulator_weight_attention_separation(trace):
     wa = ServiceConfig(tp2.processes, tp2.domains, wa=True)
     socket = ServiceConfig(tp2.processes[:1], tp2.domains[:1])
     assert wa.tp == 1 and wa.side(1).processes == tp2.processes[1:] and "attention rank" in wa.describe()
-    short, long = sim.tpot_ms(wa, np.array([512.0]))[0], sim.tpot_ms(wa, np.array([8192.0]))[0]
+    # caches past the LLC: 4,096 more tokens cost their bytes at the attention socket's DRAM speed
+    short, long = sim.tpot_ms(wa, np.array([4096.0]))[0], sim.tpot_ms(wa, np.array([8192.0]))[0]
     attention = ServiceConfig(tp2.processes[1:], tp2.domains[1:])
-    kv = model.num_hidden_layers * 2 * 7680 * model.num_key_value_heads * model.head_dim * 4
-    assert long - short == pytest.approx(kv / (sim.bandwidth_gbs(attention) * 1e6), rel=1e-6)
-    assert sim.tpot_ms(socket, np.array([512.0]))[0] < short  # the same weight bytes, plus the hand-offs
-    slower = LatencySimulator(tree, dataclasses.replace(profile, allreduce_latency_us=105.0), model, trace)
-    added = slower.tpot_ms(wa, np.array([512.0]))[0] - short
-    assert added == pytest.approx(2 * model.num_hidden_layers * (105.0 - profile.allreduce_latency_us) / 1e3)
+    kv = model.num_hidden_layers * 2 * 4096 * model.num_key_value_heads * model.head_dim * 4
+    assert long - short == pytest.approx(kv / (sim.bandwidth_gbs(attention, resident=kv) * 1e6), rel=1e-6)
+    assert sim.tpot_ms(socket, np.array([4096.0]))[0] < short  # the same weight bytes, plus the hand-offs
+    # the sides are on two sockets: each hand-off pays the cross-NUMA latency
+    slower = LatencySimulator(tree, dataclasses.replace(profile, allreduce_cross_numa_us=115.0), model, trace)
+    added = slower.tpot_ms(wa, np.array([4096.0]))[0] - short
+    per_handoff_ms = (115.0 - profile.allreduce_cross_numa_us) / 1e3
+    assert added == pytest.approx(2 * model.num_hidden_layers * per_handoff_ms)
     assert sim.ttft_ms(wa, np.array([1024.0]))[0] > 0
 
 
