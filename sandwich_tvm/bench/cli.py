@@ -219,7 +219,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
         fma_peak = fma_peak_gflops(threads)
         log(f"FMA peak ({threads} threads, register-only loop): {fma_peak:.0f} GFLOPS; "
             f"OpenBLAS SGEMM x {threads} cores: {peak:.0f} GFLOPS; weights: "
-            + ("hot" if hot else f"{copies} copies over {copies * ws[0].size * wbytes >> 20} MB"))
+            + ("hot" if hot else f"{copies} copies over {int(copies * ws[0].size * wbytes) >> 20} MB"))
         errs = {}
         for m in ms:
             ta, y = tvm.runtime.tensor(xs[m]), tvm.runtime.empty((m, n_out), "float32", tvm.cpu())
