@@ -95,10 +95,14 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out: dict = json.loads(args.out.read_text()) if args.resume and args.out.is_file() else {}
+    asked = {k: str(v) for k, v in vars(args).items() if k != "resume"}
     if args.resume and "tune_seconds" not in out:
         raise SystemExit(f"--resume: {args.out} holds no finished tuning; run without --resume")
+    if args.resume and out.get("args") != asked:
+        raise SystemExit(f"--resume: {args.out} was made with other options ({out.get('args')}); "
+                         "run without --resume")
     if "tune_seconds" not in out:
-        out = {"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        out = {"command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": asked,
                "world": build_world(args.world, args.model, args.holdout, args.extra)}
         if args.holdout == "heldout":
             res = run([py, "-m", "sandwich_tvm.bench", "costmodel", "--records", w, "--costmodel-data",

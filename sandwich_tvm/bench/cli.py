@@ -171,16 +171,19 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
     ws: list[np.ndarray] = []
     wps: list = []
     wts: list = []
+    packed_bytes: list[int] = []
 
     def add_copies(count: int) -> None:
         while len(ws) < count:  # weights exactly representable in ``dtype``: the same values everywhere
             if quant is not None:  # the blocks' values, and the kernel packs those blocks
                 raw = quant.quantize(rng.standard_normal((n, k)).astype("float32"))
                 ws.append(quant.dequantize(raw).astype("float32"))
-                wps.append(tvm.runtime.tensor(layout.pack(QuantBlocks(raw, quant, k))))
+                packed = layout.pack(QuantBlocks(raw, quant, k))
             else:
                 ws.append(rng.standard_normal((n, k)).astype(numpy_dtype(dtype)).astype("float32"))
-                wps.append(tvm.runtime.tensor(layout.pack(ws[-1])))
+                packed = layout.pack(ws[-1])
+            packed_bytes.append(packed.nbytes)
+            wps.append(tvm.runtime.tensor(packed))
             wts.append(torch.from_numpy(ws[-1]).to(t_dtype))
 
     add_copies(copies)
@@ -228,7 +231,7 @@ def bench_gemm(n: int, k: int, ms: list[int], threads: int, root: Path | None, l
             errs[m] = float(np.abs(y.numpy() - ref).max() / max(1e-30, np.abs(ref).max()))
         cold = None
         if not hot:
-            one = {"sandwich": layout.pack(ws[0]).nbytes, "numpy": ws[0].nbytes,
+            one = {"sandwich": packed_bytes[0], "numpy": ws[0].nbytes,
                    "torch": wts[0].element_size() * wts[0].numel()}
             if fn_b is not None:
                 one["against"] = one["sandwich"]

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import time
 from pathlib import Path
 
@@ -217,7 +218,8 @@ def decode_kernels(cfg: LlamaConfig, dtype: str, threads: set[int], records: Pat
         ms = {}
         for name, shape in linear_shapes(cfg, dtype).items():
             rec = find_record(shape, t, records)
-            one = next((x for x in rec.tuned if x.m == 1 and x.gflops), None) if rec else None
+            one = next((x for x in rec.tuned if x.m == 1 and math.isfinite(x.gflops) and x.gflops > 0),
+                       None) if rec else None
             if one is None:
                 break
             ms[name] = 2 * shape.n * shape.k / (one.gflops * 1e6)

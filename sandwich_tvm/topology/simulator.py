@@ -53,9 +53,10 @@ class HopCost:
 
 @dataclass(frozen=True)
 class DecodeKernels:
-    """What a process's decode GEMMs take at m = 1 as their tuning measured them (weights warm
-    in cache): every Linear of one layer, and the head (ms). A model whose weights stream
-    faster than its kernels compute (small, quantized) is bound by these, not by bandwidth."""
+    """What a process's decode GEMMs take at m = 1 as their tuning measured them (cold weights,
+    one process alone): every Linear of one layer, and the head (ms). A model whose weights
+    stream faster than its kernels compute (small, quantized) is bound by these, not by the
+    bandwidth roof."""
 
     layer_ms: float
     head_ms: float
