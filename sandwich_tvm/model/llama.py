@@ -35,10 +35,8 @@ from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
-from .separation import WEIGHTS, Role, attend_cache, attend_remote
+from .separation import ACT_DTYPE, WEIGHTS, Role, attend_cache, attend_remote
 from .stages import Stage
-
-ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; weights and KV have their own
 
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,

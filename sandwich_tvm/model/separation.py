@@ -32,7 +32,7 @@ WA_ATTEND = "sandwich.wa_attend"  # weight rank (qkv, out): qkv to the attention
 WA_RECEIVE = "sandwich.wa_receive"  # attention rank (after, out): the weight rank's next qkv
 WA_REPLY = "sandwich.wa_reply"  # attention rank (x, out): x to the weight rank; out: a zero marker
 WEIGHTS, ATTENTION = "weights", "attention"
-ACT_DTYPE = "float32"
+ACT_DTYPE = "float32"  # activations, norms, RoPE, softmax and accumulation; weights and KV have their own
 
 
 @dataclass(frozen=True)

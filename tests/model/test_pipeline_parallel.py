@@ -122,6 +122,33 @@ def _reference(hf, tokens: list[int]) -> np.ndarray:
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
+def assert_hf_greedy(engine, hf, prompt: list[int]) -> None:
+    """13 greedy tokens: HF's logits (within 1e-4 of the largest) and HF's tokens."""
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, 13, logits_out=logits)
+    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
+
+
+def assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt: list[int]) -> None:
+    """Three requests at once (chunked prompts, two sharing a cached prefix) give each one's
+    tokens alone; then rank 1 killed mid-request fails it naming the rank within seconds of
+    the kill, and the group is shut down with its segment and process gone."""
+    rng = np.random.default_rng(2)
+    prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
+               "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
+    alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
+    assert batched == alone
+    segment = Path("/dev/shm", engine.group.name)
+    worker = engine.group.pids[1]
+    killer = KillAfter(worker, 3)
+    with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
+        engine.generate(prompt, 100, on_token=killer)
+    assert killer.seconds_since() < 20
+    assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
+
+
 def _tokens_alone_and_batched(engine, prompts: dict[str, list[int]], new: int) -> tuple[dict, dict]:
     alone = {rid: engine.generate(p, new).tokens for rid, p in prompts.items()}
     batch = BatchEngine(engine, SchedulerPolicy(max_batch=4, prefill_budget=32, chunk=32))
@@ -151,28 +178,10 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
         assert compiled.stage == Stage(0, 2, 0, 1)
         assert "lm_head.weight" not in dict(compiled.params)  # tied: the embedding's one copy is the head
         prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
-        logits: list[np.ndarray] = []
-        gen = engine.generate(prompt, 13, logits_out=logits)
-        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
-        np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-        assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
+        assert_hf_greedy(engine, hf, prompt)
         assert engine.phase == "decode" and len(engine.switches) == 2
 
-        # three requests at once, chunked prompts, two sharing a cached prefix: each one's tokens
-        rng = np.random.default_rng(2)
-        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
-                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
-        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
-        assert batched == alone
-
-        # kill the last stage mid-request: the request fails naming it, the group is shut down
-        segment = Path("/dev/shm", engine.group.name)
-        worker = engine.group.pids[1]
-        killer = KillAfter(worker, 3)
-        with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
-            engine.generate(prompt, 100, on_token=killer)
-        assert killer.seconds_since() < 20
-        assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
+        assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt)  # the last stage
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))

@@ -17,7 +17,6 @@ from sandwich_tvm.cli.options import synthetic_prompt
 from sandwich_tvm.compiler.artifact import build_key, model_part
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.separation import ATTENTION, WEIGHTS, Role
-from sandwich_tvm.runtime.engine import EngineError
 from sandwich_tvm.runtime.loader import open_engine
 from sandwich_tvm.spec import resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan, PlanError
@@ -25,7 +24,7 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import generate_spec, warm_up
 from .hf_models import hf_checkpoint
-from .test_pipeline_parallel import KillAfter, _reference, _tokens_alone_and_batched
+from .test_pipeline_parallel import _reference, assert_batched_as_alone_then_rank1_killed, assert_hf_greedy
 
 torch = pytest.importorskip("torch")
 
@@ -97,27 +96,9 @@ def test_separated_sides_match_hf_batch_and_a_killed_attention_rank_ends_cleanly
         assert compiled.role == Role(WEIGHTS) and compiled.stage is None
         assert "model.layers.0.self_attn.qkv_proj.weight" in dict(compiled.params)
         prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 45)]
-        logits: list[np.ndarray] = []
-        gen = engine.generate(prompt, 13, logits_out=logits)
-        ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
-        np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-        assert gen.tokens == [int(t) for t in ref.argmax(-1)]  # HF's greedy tokens
+        assert_hf_greedy(engine, hf, prompt)
 
-        # three requests at once, chunked prompts, two sharing a cached prefix: each one's tokens
-        rng = np.random.default_rng(2)
-        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
-                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
-        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
-        assert batched == alone
-
-        # kill the attention rank mid-request: the request fails naming it, the group is shut down
-        segment = Path("/dev/shm", engine.group.name)
-        worker = engine.group.pids[1]
-        killer = KillAfter(worker, 3)
-        with pytest.raises(EngineError, match=f"rank 1 \\(pid {worker}\\) exited"):
-            engine.generate(prompt, 100, on_token=killer)
-        assert killer.seconds_since() < 20
-        assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
+        assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt)  # the attention rank
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))
