@@ -44,9 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share cached prompt prefixes between requests (on by default; a request "
                         "opts out with \"cache_prompt\": false)")
-    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
-                   help="speculative decoding with prompt lookup: draft tokens per sequence and step "
-                        "(default 0: off; one-process plans)")
+    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=None,
+                   help="speculative decoding: draft tokens per sequence and step, from prompt lookup or "
+                        "--draft-model (default 0: off, or 4 with --draft-model; one-process plans)")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="draft with this model instead of prompt lookup: a smaller model sharing the "
+                        "tokenizer (a .gguf, an HF directory, a named model)")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="the draft model's weight type (default auto: as --dtype auto chooses)")
     p.add_argument("--prompt-lookup-max", type=positive_int, default=4,
                    help="longest n-gram matched for a draft (default 4)")
     p.add_argument("--prompt-lookup-min", type=positive_int, default=2,
@@ -74,11 +79,21 @@ def policy_of(args: argparse.Namespace) -> SchedulerPolicy:
         return SchedulerPolicy(max_batch=args.max_batch, prefill_budget=args.prefill_budget,
                                chunk=args.chunk or args.prefill_budget, priority=args.priority,
                                max_queue=args.max_queue, prefix_caching=args.prefix_caching,
-                               num_speculative_tokens=args.num_speculative_tokens,
+                               num_speculative_tokens=speculative_tokens(args),
                                prompt_lookup_max=args.prompt_lookup_max,
                                prompt_lookup_min=args.prompt_lookup_min, steps=args.step_policy)
     except ValueError as err:
         raise EngineError(str(err).replace("SchedulerPolicy.", "--").replace("_", "-")) from err
+
+
+def speculative_tokens(args: argparse.Namespace) -> int:
+    """``--num-speculative-tokens``, by default 4 with a draft model and 0 (off) without."""
+    if args.num_speculative_tokens is not None:
+        if args.draft_model and not args.num_speculative_tokens:
+            raise EngineError("--draft-model drafts --num-speculative-tokens tokens per step: give 1 or more "
+                              "(default 4)")
+        return args.num_speculative_tokens
+    return 4 if args.draft_model else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                               "or a plan of several processes")
         tok = load_model_tokenizer(args.model)
         log(spec.plan.describe())
-        from ..runtime.loader import open_engine
+        from ..runtime.loader import open_draft_model, open_engine, resolve_draft_spec
 
+        draft = resolve_draft_spec(spec, args.draft_model, dtype=args.draft_dtype, log=log) \
+            if args.draft_model else None
         engine, _ = open_engine(spec, log=log)
+        drafter = open_draft_model(draft, engine, log=log) if draft else None
     except LOAD_ERRORS as exc:
         print_error(Console(stderr=True), exc)
         return 2
@@ -112,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or str(args.model)
     metrics = ServingMetrics(name)
     try:
-        batch = BatchEngine(engine, policy, eos_ids=tok.eos_ids if tok else frozenset(), metrics=metrics)
+        batch = BatchEngine(engine, policy, eos_ids=tok.eos_ids if tok else frozenset(), metrics=metrics,
+                            drafter=drafter)
     except EngineError as exc:
         print_error(Console(stderr=True), exc)
         return 2

@@ -24,7 +24,7 @@ from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerPolicy, Step
 from .sequence import Sequence, Status
-from .speculative import accept
+from .speculative import Drafter, accept
 
 
 @dataclass
@@ -48,10 +48,12 @@ class TokenEvent:
 
 class BatchEngine:
     """Scheduler + samplers over a ``ServingEngine``'s model steps and KV cache (one process or
-    tensor-parallel ranks)."""
+    tensor-parallel ranks). ``drafter``: where speculative drafts come from when the policy
+    drafts (default prompt lookup; a ``draft_model.DraftModel``)."""
 
     def __init__(self, engine: ServingEngine, policy: SchedulerPolicy, *,
-                 eos_ids: frozenset[int] = frozenset(), metrics: ServingMetrics | None = None):
+                 eos_ids: frozenset[int] = frozenset(), metrics: ServingMetrics | None = None,
+                 drafter: Drafter | None = None):
         if policy.max_batch > engine.max_batch:
             raise EngineError(f"the policy batches {policy.max_batch} sequences but the KV cache was made "
                               f"for {engine.max_batch}")
@@ -65,7 +67,9 @@ class BatchEngine:
             raise EngineError("speculative decoding runs on one-process plans; this plan has "
                               f"{engine.plan.processes} processes")
         engine.clear()  # the scheduler owns the cache's sequences from here on
-        self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine)
+        if drafter is not None:
+            drafter.clear()
+        self.scheduler = Scheduler(policy, engine.available_pages(), engine.page_size, engine, drafter)
         self.seqs: dict[str, Sequence] = {}
         self.drafted = self.accepted = 0  # speculative draft tokens proposed and accepted
         self.grammar_s = 0.0  # time spent in grammars (masks and advancing them), all steps
@@ -122,7 +126,10 @@ class BatchEngine:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[TokenEvent]:
         """Run the next scheduled iteration; [] when there is nothing to run."""
+        drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)  # a draft model's time
         step = self.scheduler.schedule()
+        if self.metrics is not None and getattr(self.scheduler.drafter, "seconds", 0.0) > drafting_s:
+            self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
         if step is None or not step.seqs:
             return []
         switched = step.phase != self.engine.phase

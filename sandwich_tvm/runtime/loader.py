@@ -1,4 +1,5 @@
-"""From a run spec to a running engine: compile (cached), load the weights, open the engine."""
+"""From a run spec to a running engine: compile (cached), load the weights, open the engine (and
+a draft model's beside it)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from collections.abc import Callable
 
 from ..compiler.artifact import CompiledModel, compile_model
 from ..model.weights import load_params
-from ..spec import RunSpec
-from .engine import Engine
+from ..spec import RunSpec, resolve_run_spec
+from .draft_model import DraftModel, check_draft_model
+from .engine import Engine, EngineError
 
 
 def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None] = lambda _m: None
@@ -37,3 +39,33 @@ def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None
         gb = sum(a.nbytes for a in params) / 1e9
         log(f"weights: {gb:.2f} GB, {engine.huge_page_share:.0%} in 2 MiB pages")
     return engine, compiled
+
+
+def resolve_draft_spec(spec: RunSpec, model: str, *, dtype: str = "auto",
+                       log: Callable[[str], None] = lambda _m: None) -> RunSpec:
+    """The run spec of a draft model for speculative decoding beside ``spec``'s model: the same
+    plan, context, batch and KV cache type, its own weights (``dtype``: their type, auto as for
+    ``--dtype``). Checked before anything is compiled: one process, and the target's tokenizer."""
+    from ..model.config import load_config
+    from ..model.tokenizer import load_model_tokenizer
+
+    if spec.plan.processes > 1:
+        raise EngineError("a draft model runs beside a one-process plan; this plan has "
+                          f"{spec.plan.processes} processes")
+    cfg = load_config(model)
+    check_draft_model(spec.config, cfg, load_model_tokenizer(spec.model), load_model_tokenizer(model))
+    if cfg.max_position_embeddings < spec.context:
+        raise EngineError(f"the draft model {cfg.name} holds {cfg.max_position_embeddings} tokens of context, "
+                          f"this run {spec.context}; lower --context to {cfg.max_position_embeddings}")
+    return resolve_run_spec(model, dtype=dtype, kv_dtype=spec.kv_dtype, plan=spec.plan, context=spec.context,
+                            kv_tokens=spec.kv_tokens, max_batch=spec.max_batch,
+                            prefill_chunk=spec.prefill_chunk, records=spec.records, seed=spec.seed, log=log)
+
+
+def open_draft_model(draft: RunSpec, target: Engine, *,
+                     log: Callable[[str], None] = lambda _m: None) -> DraftModel:
+    """The draft model of ``draft`` (``resolve_draft_spec``) beside the ``target`` engine: its
+    own weights and KV cache, on the target's cores."""
+    log(f"draft model: {draft.describe()}")
+    engine, _ = open_engine(draft, log=log)
+    return DraftModel(engine, target.use)

@@ -48,10 +48,14 @@ class ServingMetrics:
         self.prefix_queries = gauge("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache (skipped)")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens")
-        self.spec_drafts = counter("spec_decode_num_draft_tokens", "Draft tokens proposed (prompt lookup)")
+        self.spec_drafts = counter("spec_decode_num_draft_tokens",
+                                   "Draft tokens proposed (prompt lookup or draft model)")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.spec_steps = counter("spec_decode_num_drafts", "Sequence steps verified with a draft")
         self.spec_rate = gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far")
+        self.spec_tokens_per_step = gauge("spec_decode_tokens_per_step",
+                                          "Tokens emitted per verified sequence step so far (accepted + 1)")
+        self.spec_draft_seconds = counter("spec_decode_draft_seconds", "Time spent in the draft model")
         self.prefix_evictions = gauge("prefix_cache_evictions", "Cached sequences evicted to free pages")
         self.tokens_per_s = gauge("generation_tokens_per_second",
                                   f"Output tokens per second over the last {RATE_WINDOW_S:.0f} s")
@@ -77,7 +81,7 @@ class ServingMetrics:
                            registry=r)
         self.finished = {k: finished.labels(model=model, reason=k)
                          for k in ("stop", "length", "abort", "error")}
-        self._drafted = self._accepted = 0
+        self._drafted = self._accepted = self._verified = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
@@ -98,6 +102,8 @@ class ServingMetrics:
         self.spec_steps.inc()
         self._drafted, self._accepted = self._drafted + proposed, self._accepted + accepted
         self.spec_rate.set(self._accepted / self._drafted if self._drafted else 0.0)
+        self._verified += 1
+        self.spec_tokens_per_step.set((self._accepted + self._verified) / self._verified)
 
     def on_masks(self, seconds: float) -> None:
         """A step spent ``seconds`` in its constrained sequences' grammars (masks, and advancing

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 from .pages import KVPages, pages_for
 from .prefix_cache import PrefixCache
 from .sequence import Sequence, Status
-from .speculative import propose
+from .speculative import Drafter, PromptLookup
 
 __all__ = ["KVOps", "QueueFull", "Scheduler", "SchedulerPolicy", "Step", "pages_for"]
 
@@ -76,8 +76,9 @@ class SchedulerPolicy:
     requests as soon as they fit, as vLLM's default scheduler does; "decode" finishes the running
     batch first); ``max_queue``: requests waiting for a slot before new ones are refused;
     ``prefix_caching``: share cached prompt prefixes (on by default, as in vLLM and llama-server);
-    ``num_speculative_tokens``: draft tokens per decoding sequence and step from prompt lookup
-    (0: off; ``prompt_lookup_max``/``min``: the n-gram lengths matched, ``speculative.py``);
+    ``num_speculative_tokens``: draft tokens per decoding sequence and step (0: off), from prompt
+    lookup (``prompt_lookup_max``/``min``: the n-gram lengths matched, ``speculative.py``) unless
+    the scheduler is given another ``Drafter`` (a draft model);
     ``steps``: "split" runs a step of prefill chunks *or* one of decodes (the plans hot-switched
     between them), "mixed" puts every decoding sequence's next token and prompt chunks under the
     rest of the budget in one step (chunked prefill piggybacked on decode, as Sarathi-Serve and
@@ -133,9 +134,12 @@ class Step:
 class Scheduler:
     """Waiting queue, running set and the KV cache's pages; ``schedule`` picks the next step."""
 
-    def __init__(self, policy: SchedulerPolicy, total_pages: int, page_size: int, kv: KVOps | None = None):
-        """``kv`` is the paged KV cache the scheduler's sequences live in (none: its tests)."""
+    def __init__(self, policy: SchedulerPolicy, total_pages: int, page_size: int, kv: KVOps | None = None,
+                 drafter: Drafter | None = None):
+        """``kv`` is the paged KV cache the scheduler's sequences live in (none: its tests);
+        ``drafter`` drafts speculative tokens (default: prompt lookup, when the policy drafts)."""
         self.policy, self.kv = policy, kv or NoKV()
+        self.drafter = drafter or PromptLookup(policy.prompt_lookup_max, policy.prompt_lookup_min)
         self.pages = KVPages(total_pages, page_size)
         self.prefix = PrefixCache(self.pages) if policy.prefix_caching else None
         self.waiting: deque[Sequence] = deque()
@@ -194,6 +198,7 @@ class Scheduler:
         if seq not in self.running:
             return False
         self.running.remove(seq)
+        self.drafter.release(seq)
         if self._caches(seq) and seq.computed:
             self.prefix.index(seq.slot, tuple(seq.tokens[:seq.computed]), seq.computed)
             self.prefix.keep(seq.slot)
@@ -212,6 +217,7 @@ class Scheduler:
         """The cache was cleared (a failed step): forget every page; the running sequences."""
         failed, self.running = self.running, []
         self.pages.clear()
+        self.drafter.clear()
         if self.prefix is not None:
             self.prefix.clear()
         for seq in failed:
@@ -327,19 +333,18 @@ class Scheduler:
         return Step("decode", decoders, [1] * len(decoders), preempted)
 
     def _drafts(self, decoders: list[Sequence]) -> list[list[int]] | None:
-        """Prompt-lookup drafts for the decoders (none for a constrained sequence, none past its
-        max_tokens), when any and when the pages they take are free; else None."""
-        p = self.policy
-        if not p.num_speculative_tokens or not decoders:
+        """The drafter's tokens for the decoders (none for a constrained sequence, none past its
+        max_tokens), when the pages a whole draft takes are free and any were drafted; else None."""
+        k = self.policy.num_speculative_tokens
+        if not k or not decoders:
             return None
-        drafts = [[] if s.constraint is not None else
-                  propose(s.tokens, min(p.num_speculative_tokens, s.max_tokens - s.num_output - 1),
-                          p.prompt_lookup_max, p.prompt_lookup_min) for s in decoders]
-        if not any(drafts):
+        ks = [0 if s.constraint is not None else max(min(k, s.max_tokens - s.num_output - 1), 0)
+              for s in decoders]
+        if not any(ks) or sum(self._grow(s, 1 + n) for s, n in zip(decoders, ks, strict=True)) > \
+                self.free_pages():
             return None
-        if sum(self._grow(s, 1 + len(d)) for s, d in zip(decoders, drafts, strict=True)) > self.free_pages():
-            return None
-        return drafts
+        drafts = self.drafter.propose(decoders, ks)
+        return drafts if any(drafts) else None
 
     def rollback(self, seq: Sequence, n: int) -> None:
         """Drop ``seq``'s last ``n`` cached tokens (rejected draft positions)."""

@@ -1,4 +1,8 @@
-"""Speculative decoding with prompt lookup: drafts from the sequence's own tokens, no second model.
+"""Speculative decoding: who drafts (``Drafter``), prompt-lookup drafts, and the acceptance walk.
+
+A ``Drafter`` proposes up to k tokens per decoding sequence before a decode step. Two exist:
+``PromptLookup`` here (the sequence's own tokens, no second model) and ``DraftModel`` in
+``draft_model.py`` (a smaller model sharing the tokenizer, run greedily on its own KV cache).
 
 ``propose`` finds the most recent earlier occurrence of the sequence's last n tokens (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, vLLM's names) and drafts the tokens that
@@ -12,15 +16,20 @@ in its place, ending the walk (or, with every draft token accepted, the last pos
 bonus token). For a draft that is one token, not a distribution, this is exactly rejection
 sampling: the draft token survives with its probability under the model, and a rejection draws
 from the rest of the distribution. Greedy decoding therefore gives exactly the tokens it gives
-without drafts, and sampling keeps its distribution. The cache keeps the keys and values of the
+without drafts, and sampling keeps its distribution. This holds for any draft that depends on
+the tokens so far only, a draft model's greedy tokens included. The cache keeps the keys and values of the
 accepted positions; the rest are popped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .sequence import Sequence as Seq
 
 
 def propose(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -49,3 +58,35 @@ def accept(draft: Sequence[int], rows: np.ndarray, sample: Callable[[np.ndarray]
         if j == len(draft) or token_of(s) != draft[j]:
             break
     return out
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a draft source before a decode step."""
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
+        """Up to ``ks[i]`` draft tokens continuing ``seqs[i].tokens`` (none where ``ks[i]`` is 0)."""
+        ...
+
+    def release(self, seq: Seq) -> None:
+        """``seq`` left the running set (finished, cancelled or preempted): drop what it holds."""
+        ...
+
+    def clear(self) -> None:
+        """Forget every sequence (the target's cache was cleared)."""
+        ...
+
+
+class PromptLookup:
+    """Drafts by prompt lookup (``propose``): no state, nothing to release."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
+        return [propose(s.tokens, k, self.n_max, self.n_min) for s, k in zip(seqs, ks, strict=True)]
+
+    def release(self, seq: Seq) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass

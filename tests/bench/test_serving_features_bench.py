@@ -63,3 +63,21 @@ def test_structured_bench_times_the_grammars_and_keeps_the_plain_requests_tokens
     assert all(r["steps"] > 0 and r["grammar_ms_per_step"] > 0 for r in out["rounds"])
     assert all(r["companion_sample"].startswith('{"title":"') for r in out["rounds"])  # the schema's JSON
     assert "structured" in out["command"] and out["cpu"]
+
+
+@pytest.mark.compile
+def test_speculative_bench_with_a_draft_model_on_chat_messages(tmp_path, capsys):
+    """The model drafting for itself (fp32 both): nearly every draft accepted, the tokens equal."""
+    from sandwich_tvm.bench.cli import main
+
+    from ..model.hf_models import byte_level_tokenizer, write_hf_model
+
+    write_hf_model("mha-untied", tmp_path, seed=2)
+    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    rc = main(["speculative", "--model", str(tmp_path), "--dtype", "float32", "--draft-model", str(tmp_path),
+               "--draft-dtype", "float32", "--workload", "chat", "--passage-chars", "120", "--max-tokens", "16",
+               "--rounds", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafts"].startswith("draft model") and out["same_tokens"] and out["acceptance_rate"] > 0.9
+    assert out["median_tokens_per_step"] > 2 and out["draft_seconds"] > 0 and "ShareGPT first" in out["workload"]

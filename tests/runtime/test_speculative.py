@@ -1,8 +1,9 @@
-"""Prompt-lookup drafts and their acceptance, without a model."""
+"""Prompt-lookup drafts, their acceptance and a draft model's tokenizer check, without a model."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sandwich_tvm.runtime.speculative import accept, propose
 
@@ -41,3 +42,23 @@ def test_accepting_preserves_the_sampled_distribution():
                   for _ in range(20000)]
         freq = np.bincount(firsts, minlength=3) / len(firsts)
         np.testing.assert_allclose(freq, p, atol=0.015)
+
+
+def test_a_draft_model_must_share_the_tokenizer():
+    from dataclasses import replace
+
+    from sandwich_tvm.model.config import PRESETS
+    from sandwich_tvm.model.tokenizer import ModelTokenizer
+    from sandwich_tvm.runtime.draft_model import check_draft_model
+    from sandwich_tvm.runtime.engine import EngineError
+
+    from ..model.hf_models import byte_level_tokenizer
+
+    cfg = replace(PRESETS["llama-160m"], vocab_size=257)
+    plain = ModelTokenizer(byte_level_tokenizer([(b"a", b"b")]), frozenset(), source="target")
+    other = ModelTokenizer(byte_level_tokenizer([(b"c", b"d")]), frozenset(), source="draft")
+    check_draft_model(cfg, cfg, plain, plain)  # the same tokenizer: fine
+    with pytest.raises(EngineError, match=r"tokenizer \(draft\) maps tokens differently .*'ab', 256"):
+        check_draft_model(cfg, cfg, plain, other)
+    with pytest.raises(EngineError, match="vocabulary of 32000 tokens, the model llama-160m one of 257"):
+        check_draft_model(cfg, PRESETS["llama-160m"], plain, None)

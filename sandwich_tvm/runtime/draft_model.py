@@ -1,0 +1,175 @@
+"""Speculative drafts from a draft model: a smaller model that shares the target's tokenizer.
+
+``DraftModel`` is a ``speculative.Drafter`` over an ``Engine`` of its own (its weights and its
+paged KV cache, in the same process and on the same cores as the target). Before a decode
+step it brings each sequence's draft cache up to the sequence's tokens (one ``batch_prefill``
+over every sequence's missing tokens: the whole prompt the first time, the tokens emitted since
+afterwards), then decodes k - 1 more tokens greedily, all sequences in one ``batch_decode`` per
+position. The draft is a function of the tokens so far, so ``speculative.accept`` keeps greedy
+outputs exact and sampling's distribution unchanged.
+
+The draft cache keeps the tokens it holds per sequence; the next proposal pops the ones the
+target rejected (everything after the first token that differs) and feeds what was emitted.
+Its pages are counted as TVM allocates them (``pages.KVPages``); a sequence that does not fit
+gets no draft this step. A draft-model step that fails clears the draft cache and turns drafting
+off (the target goes on decoding alone); ``error`` says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .engine import Engine, EngineError
+from .pages import KVPages
+
+if TYPE_CHECKING:
+    from ..model.config import LlamaConfig
+    from ..model.tokenizer import ModelTokenizer
+    from .sequence import Sequence as Seq
+
+PREFILL_PLAN_TOKENS = 32  # a catch-up of more tokens than this runs on the prefill plan's cores
+
+
+@dataclass
+class _Cached:
+    """One sequence's draft cache: its KV id, the tokens whose keys and values it holds, and how
+    many of them are the sequence's own (before the last draft: a sequence only grows)."""
+
+    kv_id: int
+    tokens: list[int] = field(default_factory=list)
+    synced: int = 0
+
+
+class DraftModel:
+    """Greedy drafts from ``engine`` (the draft model); ``use`` puts the thread pool on a phase's
+    cores (the target engine's ``use``, so the two never disagree about where the pool is)."""
+
+    def __init__(self, engine: Engine, use: Callable[[str], float]) -> None:
+        self.engine, self.use = engine, use
+        engine.clear()
+        self.pages = KVPages(engine.available_pages(), engine.page_size)
+        self._seqs: dict[str, _Cached] = {}
+        self._next_id = 0
+        self.error: str | None = None  # why drafting stopped, if it did
+        self.seconds = 0.0  # spent in the draft model
+        self.forwards = 0  # its batch_prefill and batch_decode calls
+
+    # ------------------------------------------------------------------ Drafter
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if self.error is not None:
+            return drafts
+        t0 = time.perf_counter()
+        try:
+            todo = self._sync(seqs, ks)
+            if todo:
+                self._draft(seqs, ks, todo, drafts)
+        except Exception as err:  # a failed draft kernel: the target decodes alone from here on
+            self.error = f"{type(err).__name__}: {err}"
+            self.clear()
+            drafts = [[] for _ in seqs]
+        self.seconds += time.perf_counter() - t0
+        return drafts
+
+    def release(self, seq: Seq) -> None:
+        cached = self._seqs.pop(seq.request_id, None)
+        if cached is not None:
+            self.pages.remove(cached.kv_id)
+            self.engine.stop(cached.kv_id)
+
+    def clear(self) -> None:
+        self.engine.clear()
+        self.pages.clear()
+        self._seqs.clear()
+
+    # ------------------------------------------------------------------ steps
+    def _sync(self, seqs: list[Seq], ks: list[int]) -> list[int]:
+        """Pop what each sequence's draft cache holds beyond its agreement with the sequence;
+        the indices of the sequences that get a draft (those whose whole draft fits the pages)."""
+        todo = []
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            if k < 1:
+                continue
+            cached = self._seqs.get(seq.request_id)
+            if cached is None:
+                cached = self._seqs[seq.request_id] = _Cached(self._next_id)
+                self._next_id += 1
+                self.pages.add(cached.kv_id)
+                self.engine.start(cached.kv_id)
+            keep = _agreement(cached, seq.tokens)
+            if keep < len(cached.tokens):
+                self.pages.pop(cached.kv_id, len(cached.tokens) - keep)
+                self.engine.popn(cached.kv_id, len(cached.tokens) - keep)
+                del cached.tokens[keep:]
+                cached.synced = min(cached.synced, keep)
+            grow = len(seq.tokens) + k - 1 - keep  # it will hold the sequence and k - 1 draft tokens
+            if self.pages.need(cached.kv_id, grow) <= self.pages.free():
+                self.pages.append(cached.kv_id, grow)
+                cached.synced = len(seq.tokens)
+                todo.append(i)
+        return todo
+
+    def _draft(self, seqs: list[Seq], ks: list[int], todo: list[int], drafts: list[list[int]]) -> None:
+        eng = self.engine
+        cached = [self._seqs[seqs[i].request_id] for i in todo]
+        missing = [seqs[i].tokens[len(c.tokens):] for i, c in zip(todo, cached, strict=True)]
+        self.use("prefill" if sum(map(len, missing)) > PREFILL_PLAN_TOKENS else "decode")
+        last = np.zeros(len(todo), dtype=np.int64)
+        done = [0] * len(todo)  # tokens of ``missing`` fed so far
+        while any(d < len(m) for d, m in zip(done, missing, strict=True)):  # at most prefill_chunk per call
+            budget, slots, chunks, rows = eng.prefill_chunk, [], [], []
+            for j, (c, m) in enumerate(zip(cached, missing, strict=True)):
+                n = min(len(m) - done[j], budget)
+                if n > 0:
+                    slots.append(c.kv_id)
+                    chunks.append(m[done[j]:done[j] + n])
+                    rows.append(j)
+                    done[j] += n
+                    budget -= n
+            logits = eng.batch_prefill(slots, chunks)
+            self.forwards += 1
+            for r, j in enumerate(rows):
+                cached[j].tokens += chunks[r]
+                if done[j] == len(missing[j]):
+                    last[j] = int(np.argmax(logits[r]))
+        for j, i in enumerate(todo):
+            drafts[i].append(int(last[j]))
+        self.use("decode")
+        for pos in range(1, max(ks[i] for i in todo)):
+            live = [j for j, i in enumerate(todo) if ks[i] > pos]
+            logits = eng.batch_decode([cached[j].kv_id for j in live], [drafts[todo[j]][-1] for j in live])
+            self.forwards += 1
+            for r, j in enumerate(live):
+                cached[j].tokens.append(drafts[todo[j]][-1])
+                drafts[todo[j]].append(int(np.argmax(logits[r])))
+
+
+def _agreement(cached: _Cached, tokens: Sequence[int]) -> int:
+    """How many leading tokens of the draft cache match the sequence (its first ``synced`` do),
+    leaving at least the sequence's last token to feed (its logits give the first draft token)."""
+    n = min(len(cached.tokens), len(tokens) - 1)
+    for i in range(min(cached.synced, n), n):
+        if cached.tokens[i] != tokens[i]:
+            return i
+    return max(n, 0)
+
+
+def check_draft_model(target: LlamaConfig, draft: LlamaConfig, target_tok: ModelTokenizer | None,
+                      draft_tok: ModelTokenizer | None) -> None:
+    """Raise ``EngineError`` unless the draft model shares the target's vocabulary and tokenizer."""
+    if draft.vocab_size != target.vocab_size:
+        raise EngineError(f"the draft model {draft.name} has a vocabulary of {draft.vocab_size} tokens, the "
+                          f"model {target.name} one of {target.vocab_size}: a draft model must share the "
+                          "model's tokenizer")
+    if target_tok is not None and draft_tok is not None:
+        a, b = target_tok.tok.get_vocab(), draft_tok.tok.get_vocab()
+        if a != b:
+            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+            raise EngineError(f"the draft model's tokenizer ({draft_tok.source}) maps tokens differently "
+                              f"from the model's ({target_tok.source}), e.g. {differ}: a draft model must "
+                              "share the model's tokenizer")
