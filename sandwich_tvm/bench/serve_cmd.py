@@ -58,7 +58,11 @@ def add_serve_parser(sub) -> None:
                    help=f"comma-separated systems, taking turns (default {','.join(SYSTEMS)}; "
                         "llamacpp-mlock is llama-server with --mlock --no-mmap; both are skipped with "
                         "the reason when llama-server is unavailable; sandwich-mixed is Sandwich with "
-                        "--step-policy mixed, sandwich-nocache with --no-prefix-caching)")
+                        "--step-policy mixed, sandwich-nocache with --no-prefix-caching, sandwich-spec "
+                        "with 4 prompt-lookup draft tokens, sandwich-draft with 4 from --draft-model)")
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="sandwich-draft's draft model (sharing the model's tokenizer)")
+    s.add_argument("--draft-dtype", default="auto", help="the draft model's weight type (default auto)")
     s.add_argument("--rounds", type=positive_int, default=2,
                    help="whole sweeps per system, the systems taking turns round by round and the order "
                         "reversed every other round, so each round's runs of a rate pair up (default 2; "
@@ -154,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         raise ValueError(f"--think-s {args.think_s}: a think time cannot be negative")
     if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
         raise ValueError(too_many)
+    if "sandwich-draft" in systems and not args.draft_model:
+        raise ValueError("--systems names sandwich-draft: give its --draft-model MODEL")
     cpus, plan = resolve_cpus(systems, args.plan, args.threads)
     return ServeBenchConfig(
         model=args.model, systems=systems, mode=args.mode, rates=rates, num_prompts=args.num_prompts,
@@ -163,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         max_batch=args.max_batch, plan=plan, context=context, seed=args.seed, out=args.out,
         rounds=args.rounds,
         kv_dtype=args.kv_dtype, prefill_budget=args.prefill_budget, priority=args.priority,
-        dtype=resolve_weight_dtype(args.dtype)[0],
+        dtype=resolve_weight_dtype(args.dtype)[0], draft_model=args.draft_model, draft_dtype=args.draft_dtype,
         timeout_s=args.timeout, ready_timeout_s=args.ready_timeout)
 
 

@@ -54,9 +54,9 @@ def resolve_draft_spec(spec: RunSpec, model: str, *, dtype: str = "auto",
                           f"{spec.plan.processes} processes")
     cfg = load_config(model)
     check_draft_model(spec.config, cfg, load_model_tokenizer(spec.model), load_model_tokenizer(model))
-    if cfg.max_position_embeddings < spec.context:
-        raise EngineError(f"the draft model {cfg.name} holds {cfg.max_position_embeddings} tokens of context, "
-                          f"this run {spec.context}; lower --context to {cfg.max_position_embeddings}")
+    if (most := cfg.max_position_embeddings) < spec.context:
+        raise EngineError(f"the draft model {cfg.name} holds {most} tokens of context, this run "
+                          f"{spec.context}; lower --context to {most}")
     return resolve_run_spec(model, dtype=dtype, kv_dtype=spec.kv_dtype, plan=spec.plan, context=spec.context,
                             kv_tokens=spec.kv_tokens, max_batch=spec.max_batch,
                             prefill_chunk=spec.prefill_chunk, records=spec.records, seed=spec.seed, log=log)

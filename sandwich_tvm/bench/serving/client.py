@@ -62,6 +62,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
     round: int = 0
+    speculative: dict | None = None  # the server's draft counters over the run (Sandwich, drafting)
 
 
 def make_client(timeout_s: float) -> httpx.AsyncClient:

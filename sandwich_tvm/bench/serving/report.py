@@ -146,6 +146,12 @@ def summarize_rate(rounds: Sequence[RunResult], slo: Slo, scales: Sequence[float
     """``summarize_run`` over all the rounds of one rate, with each round's own summary."""
     out = summarize_run(pooled(rounds), slo, scales, with_requests=False)
     out["rounds"] = [{"round": r.round, **summarize_run(r, slo, scales, with_requests=False)} for r in rounds]
+    spec = [r.speculative for r in rounds if r.speculative]
+    if spec:  # acceptance and tokens per verified step over the rounds, from the server's counters
+        total = {k: sum(x.get(k, 0.0) for x in spec) for k in spec[0]}
+        out["speculative"] = {**total, "acceptance_rate": total["accepted"] / total["drafted"],
+                              "tokens_per_step": (total["accepted"] + total["verified_steps"])
+                              / max(total["verified_steps"], 1)}
     if with_requests:
         out["requests"] = [{**x.to_json(), "round": r.round} for r in rounds for x in r.records]
     return out

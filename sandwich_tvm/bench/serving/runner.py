@@ -43,9 +43,18 @@ from .workload import Request, fixed_requests, sharegpt_conversations, sharegpt_
 # cache's 4 KiB pages); llamacpp-mlock: the same with --mlock --no-mmap (weights read into
 # memory it allocates and locks), so what the page size is worth shows as a second row.
 SYSTEMS = ("sandwich", "llamacpp", "llamacpp-mlock")
-# Sandwich variants, asked for by name: mixed steps, or no prefix caching (the server's options).
+# Sandwich variants, asked for by name: mixed steps, no prefix caching, speculative decoding with
+# prompt lookup or with ``--draft-model`` (the server's options).
+SPECULATIVE_TOKENS = 4
 SANDWICH_SYSTEMS = {"sandwich": [], "sandwich-mixed": ["--step-policy", "mixed"],
-                    "sandwich-nocache": ["--no-prefix-caching"]}
+                    "sandwich-nocache": ["--no-prefix-caching"],
+                    "sandwich-spec": ["--num-speculative-tokens", str(SPECULATIVE_TOKENS)],
+                    "sandwich-draft": ["--num-speculative-tokens", str(SPECULATIVE_TOKENS)]}
+# The server's speculative counters (``/metrics``), read after every run of a Sandwich system.
+SPEC_COUNTERS = {"drafted": "sandwich_spec_decode_num_draft_tokens_total",
+                 "accepted": "sandwich_spec_decode_num_accepted_tokens_total",
+                 "verified_steps": "sandwich_spec_decode_num_drafts_total",
+                 "draft_s": "sandwich_spec_decode_draft_seconds_total"}
 LLAMA_SERVER_SYSTEMS = {"llamacpp": False, "llamacpp-mlock": True}  # name -> weights locked
 Log = Callable[[str], None]
 # (system, command, port, environment, log file) -> a context manager yielding the base URL
@@ -83,6 +92,8 @@ class ServeBenchConfig:
     max_turns: int = 4  # multiturn: turns per conversation at most
     prefill_budget: int = 512  # Sandwich's SchedulerPolicy
     priority: str = "prefill"
+    draft_model: str | None = None  # sandwich-draft's --draft-model
+    draft_dtype: str = "auto"
     out: Path = Path("out")
     timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
@@ -235,6 +246,10 @@ def server_command(system: str, cfg: ServeBenchConfig, model: LlamaConfig, port:
                "--kv-dtype", cfg.kv_dtype, "--prefill-budget", str(cfg.prefill_budget),
                "--priority", cfg.priority, "--seed", str(cfg.seed), "--dtype", cfg.dtype,
                *SANDWICH_SYSTEMS[system]]
+        if system == "sandwich-draft":
+            if cfg.draft_model is None:
+                raise SystemUnavailable("sandwich-draft drafts with a model: give --draft-model MODEL")
+            cmd += ["--draft-model", cfg.draft_model, "--draft-dtype", cfg.draft_dtype]
         if cfg.plan is not None:
             cmd += ["--plan", str(cfg.plan)]
         return pinned(cmd, cfg.cpus), env
@@ -318,6 +333,7 @@ class _Benchmark:
             "rates": self.rates, "duration_s": cfg.duration_s, "threads": cfg.threads, "cpus": list(cfg.cpus),
             "max_batch": cfg.max_batch, "context": cfg.context, "kv_dtype": cfg.kv_dtype, "dtype": cfg.dtype,
             "scheduler": {"prefill_budget": cfg.prefill_budget, "priority": cfg.priority},
+            "draft_model": cfg.draft_model, "draft_dtype": cfg.draft_dtype if cfg.draft_model else None,
             "kv_cache_tokens": {k: cfg.kv_tokens() for k in cfg.systems},
             "plan": None if cfg.plan is None else str(cfg.plan), "seed": cfg.seed, "timeout_s": cfg.timeout_s,
             "rounds": cfg.rounds,
@@ -329,6 +345,7 @@ class _Benchmark:
         if any(LLAMA_SERVER_SYSTEMS.get(name) for name in cfg.systems):
             self.meta["memlock_limit_bytes"] = memlock_limit()  # --mlock raises soft to hard
         self.systems = {name: SystemRuns(name) for name in cfg.systems}
+        self._spec_seen: dict[str, dict[str, float]] = {}
 
     def save(self, plot: bool = False) -> dict:
         doc = build_report(self.meta, list(self.systems.values()), self.slo, self.slo_source,
@@ -379,12 +396,21 @@ class _Benchmark:
                 warm = asyncio.run(warm_up(base_url, cfg.model, self.warm_prompt, timeout_s=cfg.timeout_s))
                 if not warm.ok:
                     raise RuntimeError(f"the warm-up request failed: {warm.error}")
+                if s.name in SANDWICH_SYSTEMS:  # the runs' draft counters start after the warm-up
+                    self._spec_seen[s.name] = scrape_counters(base_url, SPEC_COUNTERS)
                 for i, rate in enumerate(self.rates):
                     self.run_rate(s, base_url, k, i, rate)
             s.status = "ok"
         except (ServerStartError, OSError, RuntimeError) as err:
             s.status, s.reason = "failed", f"round {k + 1}: {err}" if cfg.rounds > 1 else str(err)
             self.log(f"{s.name}: failed: {err} (server log: {log_path})")
+
+    def _spec_delta(self, s: SystemRuns, base_url: str) -> dict | None:
+        """The server's speculative counters since its previous run (None where it drafted nothing)."""
+        now = scrape_counters(base_url, SPEC_COUNTERS)
+        before, self._spec_seen[s.name] = self._spec_seen.get(s.name, {}), now
+        delta = {k: v - before.get(k, 0.0) for k, v in now.items()}
+        return delta if delta.get("drafted") else None
 
     def run_rate(self, s: SystemRuns, base_url: str, k: int, i: int, rate: float | None) -> None:
         cfg = self.cfg
@@ -395,6 +421,8 @@ class _Benchmark:
                                        seed=cfg.seed + k, duration_s=cfg.duration_s, timeout_s=cfg.timeout_s,
                                        think_s=cfg.think_s,
                                        progress=_Progress(self.log, label)))
+        if s.name in SANDWICH_SYSTEMS:
+            run = replace(run, speculative=self._spec_delta(s, base_url))
         s.runs.append(replace(run, round=k))
         self.save()
         self.log(_run_line(s.name, run, self.slo))
@@ -413,3 +441,21 @@ def run_benchmark(cfg: ServeBenchConfig, model: LlamaConfig, log: Log,
             return launch_server(system, cmd, port, env, log_path, cfg.ready_timeout_s)
 
     return _Benchmark(cfg, model, log, launcher).run()
+
+
+def scrape_counters(base_url: str, names: dict[str, str]) -> dict[str, float]:
+    """Prometheus counters of a server's ``/metrics`` (``names``: key -> metric name), summed
+    over their labels; a metric it does not report is absent."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        metric = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, name in names.items():
+            if metric == name:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -30,6 +30,8 @@ class FakeState:
     max_in_flight: int = 0
     bodies: list[dict] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)
+    served: int = 0  # completions finished
+    drafts: bool = False  # /metrics counts 4 draft tokens, 3 accepted, per finished completion
 
 
 def make_app(state: FakeState) -> Starlette:
@@ -57,12 +59,21 @@ def make_app(state: FakeState) -> Starlette:
                     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
+                state.served += 1
             finally:
                 state.in_flight -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/health", health),
+    async def metrics(_: Request):
+        n = state.served if state.drafts else 0
+        return PlainTextResponse(
+            f'sandwich_spec_decode_num_draft_tokens_total{{model="m"}} {4.0 * n}\n'
+            f'sandwich_spec_decode_num_accepted_tokens_total{{model="m"}} {3.0 * n}\n'
+            f'sandwich_spec_decode_num_drafts_total{{model="m"}} {1.0 * n}\n'
+            f'sandwich_spec_decode_draft_seconds_total{{model="m"}} {0.01 * n}\n')
+
+    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics),
                              Route("/v1/completions", completions, methods=["POST"])])
 
 

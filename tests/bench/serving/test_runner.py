@@ -99,3 +99,25 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert bench.main(["serve", *argv]) == 2
     out = capsys.readouterr().out.strip()
     assert out.startswith("error: ") and message in out and "\n" not in out
+
+
+def test_drafting_systems_report_acceptance_and_tokens_per_step_per_run(tmp_path):
+    """sandwich-spec runs the server with prompt-lookup drafts; each run's counters are the
+    server's since the previous run (4 drafted, 3 accepted per request here)."""
+    state, started = FakeState(first_s=0.0, gap_s=0.0, drafts=True), []
+    doc = run_benchmark(config(tmp_path, systems=("sandwich-spec",)), MODEL, lambda _m: None,
+                        launcher=fake_launcher(state, started))
+    runs = doc["systems"]["sandwich-spec"]["runs"]
+    assert [r["speculative"]["drafted"] for r in runs] == [24.0, 24.0]  # 6 requests per rate, no warm-up
+    assert all(r["speculative"]["acceptance_rate"] == 0.75 and r["speculative"]["tokens_per_step"] == 4.0
+               for r in runs)
+    assert "--num-speculative-tokens" in doc["systems"]["sandwich-spec"]["command"]
+
+
+def test_the_draft_system_needs_a_draft_model(tmp_path):
+    cmd, _env = runner.server_command("sandwich-draft", config(tmp_path, draft_model="tiny-draft"), MODEL,
+                                      8000, lambda _m: None)
+    assert cmd[cmd.index("--draft-model") + 1] == "tiny-draft" and "--num-speculative-tokens" in cmd
+    with pytest.raises(runner.SystemUnavailable, match="give --draft-model"):
+        runner.server_command("sandwich-draft", config(tmp_path), MODEL, 8000, lambda _m: None)
+    assert bench.main(["serve", "--systems", "sandwich-draft"]) == 2
