@@ -96,6 +96,7 @@ def main_speculative(args: argparse.Namespace, console: Console) -> int:
                              num_speculative_tokens=args.num_speculative_tokens)
     _run(engine, plain, prompts[0][:32], 4)  # warm-up
     _run(engine, drafts, prompts[0][:32], 4, drafter)
+    warm_draft_s = drafter.seconds if drafter else 0.0
     rounds = []
     for r, prompt in enumerate(prompts):
         order = [("plain", plain), ("speculative", drafts)]
@@ -131,7 +132,8 @@ def main_speculative(args: argparse.Namespace, console: Console) -> int:
            "acceptance_rate": sum(x["accepted"] for x in rounds) / drafted if drafted else 0.0,
            "same_tokens": all(x["same_tokens"] for x in rounds),
            "median_tokens_per_step": float(np.median([x["tokens_per_step"] for x in rounds])),
-           "draft_seconds": drafter.seconds if drafter else None,
+           "draft_seconds": drafter.seconds - warm_draft_s if drafter else None,
+           "draft_error": drafter.error if drafter else None,
            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["speculative"]))}
     if args.json:

@@ -127,14 +127,15 @@ class BatchEngine:
     def step(self) -> list[TokenEvent]:
         """Run the next scheduled iteration; [] when there is nothing to run."""
         drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)  # a draft model's time
+        switches = len(self.engine.switches)  # a draft model may switch the pool too
         step = self.scheduler.schedule()
         if self.metrics is not None and getattr(self.scheduler.drafter, "seconds", 0.0) > drafting_s:
             self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
         if step is None or not step.seqs:
             return []
-        switched = step.phase != self.engine.phase
         self.steps["mixed" if step.mixed else step.phase] += 1
         self.engine.use(step.phase)
+        switched = len(self.engine.switches) - switches
         t0 = time.perf_counter()
         try:
             logits = self._forward(step)

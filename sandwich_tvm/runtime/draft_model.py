@@ -11,12 +11,15 @@ outputs exact and sampling's distribution unchanged.
 The draft cache keeps the tokens it holds per sequence; the next proposal pops the ones the
 target rejected (everything after the first token that differs) and feeds what was emitted.
 Its pages are counted as TVM allocates them (``pages.KVPages``); a sequence that does not fit
-gets no draft this step. A draft-model step that fails clears the draft cache and turns drafting
-off (the target goes on decoding alone); ``error`` says why.
+gets no draft this step and gives its draft pages back (the target shares prompt prefixes, the
+draft cache does not, so it can run out first). A draft-model call that fails clears the draft
+cache and turns drafting off (the target goes on decoding alone); ``error`` says why, and
+``log`` is told once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,8 +52,12 @@ class DraftModel:
     """Greedy drafts from ``engine`` (the draft model); ``use`` puts the thread pool on a phase's
     cores (the target engine's ``use``, so the two never disagree about where the pool is)."""
 
-    def __init__(self, engine: Engine, use: Callable[[str], float]) -> None:
-        self.engine, self.use = engine, use
+    def __init__(self, engine: Engine, use: Callable[[str], float], vocab_size: int | None = None,
+                 log: Callable[[str], None] = lambda _m: None) -> None:
+        """``vocab_size``: the target's, when the draft's embedding rows are padded past it (draft
+        tokens are taken from the first ``vocab_size`` logits)."""
+        self.engine, self.use, self.log = engine, use, log
+        self.vocab = vocab_size or engine.cfg.vocab_size
         engine.clear()
         self.pages = KVPages(engine.available_pages(), engine.page_size)
         self._seqs: dict[str, _Cached] = {}
@@ -70,22 +77,39 @@ class DraftModel:
             if todo:
                 self._draft(seqs, ks, todo, drafts)
         except Exception as err:  # a failed draft kernel: the target decodes alone from here on
-            self.error = f"{type(err).__name__}: {err}"
-            self.clear()
+            self._fail(err)
             drafts = [[] for _ in seqs]
         self.seconds += time.perf_counter() - t0
         return drafts
 
     def release(self, seq: Seq) -> None:
         cached = self._seqs.pop(seq.request_id, None)
-        if cached is not None:
+        if cached is not None and self.error is None:
             self.pages.remove(cached.kv_id)
-            self.engine.stop(cached.kv_id)
+            try:
+                self.engine.stop(cached.kv_id)
+            except Exception as err:  # never into the serving loop
+                self._fail(err)
 
     def clear(self) -> None:
-        self.engine.clear()
         self.pages.clear()
         self._seqs.clear()
+        if self.error is None:
+            try:
+                self.engine.clear()
+            except Exception as err:
+                self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        """Drafting off for good: the draft cache's state is unknown after a failed call (emptied
+        if it still can be)."""
+        if self.error is None:
+            self.error = f"{type(err).__name__}: {err}"
+            self.log(f"the draft model failed ({self.error}); decoding goes on without drafts")
+        self.pages.clear()
+        self._seqs.clear()
+        with contextlib.suppress(Exception):
+            self.engine.clear()
 
     # ------------------------------------------------------------------ steps
     def _sync(self, seqs: list[Seq], ks: list[int]) -> list[int]:
@@ -112,6 +136,8 @@ class DraftModel:
                 self.pages.append(cached.kv_id, grow)
                 cached.synced = len(seq.tokens)
                 todo.append(i)
+            else:  # no draft this step, and its pages go back to the others
+                self.release(seq)
         return todo
 
     def _draft(self, seqs: list[Seq], ks: list[int], todo: list[int], drafts: list[list[int]]) -> None:
@@ -136,7 +162,7 @@ class DraftModel:
             for r, j in enumerate(rows):
                 cached[j].tokens += chunks[r]
                 if done[j] == len(missing[j]):
-                    last[j] = int(np.argmax(logits[r]))
+                    last[j] = int(np.argmax(logits[r, :self.vocab]))
         for j, i in enumerate(todo):
             drafts[i].append(int(last[j]))
         self.use("decode")
@@ -146,7 +172,7 @@ class DraftModel:
             self.forwards += 1
             for r, j in enumerate(live):
                 cached[j].tokens.append(drafts[todo[j]][-1])
-                drafts[todo[j]].append(int(np.argmax(logits[r])))
+                drafts[todo[j]].append(int(np.argmax(logits[r, :self.vocab])))
 
 
 def _agreement(cached: _Cached, tokens: Sequence[int]) -> int:
@@ -161,12 +187,15 @@ def _agreement(cached: _Cached, tokens: Sequence[int]) -> int:
 
 def check_draft_model(target: LlamaConfig, draft: LlamaConfig, target_tok: ModelTokenizer | None,
                       draft_tok: ModelTokenizer | None) -> None:
-    """Raise ``EngineError`` unless the draft model shares the target's vocabulary and tokenizer."""
-    if draft.vocab_size != target.vocab_size:
-        raise EngineError(f"the draft model {draft.name} has a vocabulary of {draft.vocab_size} tokens, the "
-                          f"model {target.name} one of {target.vocab_size}: a draft model must share the "
-                          "model's tokenizer")
-    if target_tok is not None and draft_tok is not None:
+    """Raise ``EngineError`` unless the draft model shares the target's tokenizer: the same
+    token-to-id map where both have a tokenizer (embedding tables padded to other sizes are fine),
+    else the same vocabulary size."""
+    if target_tok is None or draft_tok is None:
+        if draft.vocab_size != target.vocab_size:
+            raise EngineError(f"the draft model {draft.name} has a vocabulary of {draft.vocab_size} tokens, "
+                              f"the model {target.name} one of {target.vocab_size}: a draft model must share "
+                              "the model's tokenizer")
+    else:
         a, b = target_tok.tok.get_vocab(), draft_tok.tok.get_vocab()
         if a != b:
             differ = sorted(set(a.items()) ^ set(b.items()))[:3]

@@ -68,4 +68,4 @@ def open_draft_model(draft: RunSpec, target: Engine, *,
     own weights and KV cache, on the target's cores."""
     log(f"draft model: {draft.describe()}")
     engine, _ = open_engine(draft, log=log)
-    return DraftModel(engine, target.use)
+    return DraftModel(engine, target.use, target.cfg.vocab_size, log=log)

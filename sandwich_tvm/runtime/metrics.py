@@ -85,12 +85,13 @@ class ServingMetrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
-    def on_step(self, phase: str, tokens: int, switched: bool, seconds: float, preempted: int) -> None:
+    def on_step(self, phase: str, tokens: int, switched: int, seconds: float, preempted: int) -> None:
+        """One engine step; ``switched``: thread-pool switches it made (a draft model's included)."""
         self.step_time[phase].observe(seconds)
         if phase == "prefill":
             self.prompt_tokens.inc(tokens)
         if switched:
-            self.switches.inc()
+            self.switches.inc(switched)
         if preempted:
             self.preemptions.inc(preempted)
 

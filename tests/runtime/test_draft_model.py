@@ -150,3 +150,31 @@ def test_a_failing_draft_model_turns_drafting_off_and_loses_nothing(tiny_model, 
     spec = _batch(target, 3, drafter)
     assert _serve(spec, _prompts(301), GREEDY) == plain
     assert drafter.error == "RuntimeError: draft kernel fault" and calls["n"] == 3
+
+
+def test_stop_tokens_and_an_abort_mid_draft_leave_both_caches_empty(tiny_model, draft_model):
+    """A stop token inside an accepted draft ends the request there (the rest of the draft is
+    not emitted), as without drafts; an aborted request gives its draft pages back."""
+    prompts = _prompts(301)
+    plain = _serve(_batch(_target(tiny_model), 0), prompts, GREEDY)
+    stop = plain[1][9]  # the 10th token of the second request
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=(stop,))
+    want = _serve(_batch(_target(tiny_model), 0), prompts, params)
+    assert want[1][-1] == stop and len(want[1]) <= 10
+    target = _target(tiny_model)
+    _out, compiled, params_, _plan_ = tiny_model
+    drafter = _drafter((compiled, params_), target)  # always right: the stop token comes inside drafts
+    spec = _batch(target, 4, drafter)
+    assert _serve(spec, prompts, params) == want and spec.accepted > 0
+
+    spec.add("gone", prompts[2], GREEDY)
+    spec.add("kept", prompts[0], GREEDY)
+    got: list[int] = []
+    while len(got) < 6:
+        got += [e.token for e in spec.step() if e.request_id == "kept" and e.token is not None]
+    assert "gone" in {s.request_id for s in spec.scheduler.running} and len(drafter._seqs) == 2
+    spec.abort("gone")
+    while spec.has_work():
+        got += [e.token for e in spec.step() if e.token is not None]
+    assert got == plain[0] and not drafter._seqs and drafter.pages.free() == drafter.pages.total
+    assert drafter.engine.available_pages() == drafter.pages.total

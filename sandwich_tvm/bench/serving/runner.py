@@ -408,6 +408,8 @@ class _Benchmark:
     def _spec_delta(self, s: SystemRuns, base_url: str) -> dict | None:
         """The server's speculative counters since its previous run (None where it drafted nothing)."""
         now = scrape_counters(base_url, SPEC_COUNTERS)
+        if not now:  # not read this time: the next run's delta covers both
+            return None
         before, self._spec_seen[s.name] = self._spec_seen.get(s.name, {}), now
         delta = {k: v - before.get(k, 0.0) for k, v in now.items()}
         return delta if delta.get("drafted") else None

@@ -58,8 +58,8 @@ def make_app(state: FakeState) -> Starlette:
                 if body.get("model") != "nousage":
                     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                state.served += 1  # counted before the client can see the end
                 yield "data: [DONE]\n\n"
-                state.served += 1
             finally:
                 state.in_flight -= 1
 
