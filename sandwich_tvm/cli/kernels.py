@@ -22,6 +22,7 @@ from .args import positive_float, positive_int
 from .options import add_dtype_arg
 
 DEFAULT_BUDGET_MIN = 8.0
+REFINE_MIN_S = 20.0  # budget left after the first pass below this is not worth a second
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
@@ -95,9 +96,46 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                           str(record_path(shape, threads, root)))
     console.print(table)
     if model is not None:
+        _refine(args, spec, shapes, ladders, tops, threads, model, start + budget, console)
         spent = time.monotonic() - start
         console.print(f"model-guided search: {spent:.0f} s of a {budget / 60:g} min budget")
     return 0
+
+
+def _refine(args: argparse.Namespace, spec: RunSpec, shapes: dict, ladders: dict, tops: dict, threads: int,
+            model, end: float, console: Console) -> None:
+    """The budget the first pass left (``end``: when it runs out), spent searching every GEMM's
+    tuned m again with the model's next candidates (``tune_gemm_guided(refine=True)``), each GEMM
+    its share by ladder points."""
+    if end - time.monotonic() < REFINE_MIN_S:
+        return
+    console.print(f"{end - time.monotonic():.0f} s of the budget left: searching the tuned m again")
+    log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
+    names = list(shapes)
+    for i, name in enumerate(names):
+        left, rest = end - time.monotonic(), sum(len(ladders[n]) for n in names[i:])
+        if left <= 0:
+            break
+        shape = shapes[name]
+        before = record_of(shape, threads, spec.records)
+        rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=tops[name],
+                               root=spec.records, dtype=shape.dtype, epilogue=shape.epilogue,
+                               transfer_roots=training_roots(spec.records, _shipped(args)),
+                               deadline=time.monotonic() + left * len(ladders[name]) / rest, log=log,
+                               refine=True)
+        changed = [t.m for t in rec.tuned if before.get(t.m) not in (None, t.schedule)]
+        log(f"{name}: searched again; new schedules at m = {changed or 'none'}")
+
+
+def record_of(shape, threads: int, root) -> dict:
+    """m -> schedule of ``shape``'s record under ``root`` ({} without one)."""
+    from ..kernels.database import ScheduleDbError, load_record
+
+    try:
+        rec = load_record(record_path(shape, threads, root))
+    except (OSError, ScheduleDbError):
+        return {}
+    return {t.m: t.schedule for t in rec.tuned}
 
 
 def _shipped(args: argparse.Namespace) -> bool:

@@ -6,6 +6,12 @@ The ladder is walked best first: m = 1 (every decoded token), then coarse to fin
 m, then the points halving the gaps), so a tuning stopped by its deadline has measured points
 across the whole range; the points left take the schedule of their nearest measured m (clipped
 to their caps, marked unsearched), and a later run resumes and measures them.
+
+With time left once every GEMM's ladder is tuned, ``refine=True`` walks the ladder again, best
+first: each m measures its current schedule beside the cost model's next candidates (the top
+``2 * top`` that were never measured at that m on this CPU) and the winner's neighbours, and
+keeps whichever times best now. The budget the first pass left is spent where the model was
+least sure, not returned.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from ..tvm_compat import host_isa, host_target
 from .costmodel import CostModel, training_roots
 from .database import KernelRecord, record_path, save_record
 from .defaults import default_schedule
-from .measurements import MeasurementLog
+from .measurements import MeasurementLog, measurements_path, read_measurements
 from .microkernel import ISAS, MicroKernel, kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 from .search import Problem, SequenceTuner, Tuned, clipped
@@ -67,13 +73,14 @@ def tune_gemm_guided(
     dtype: str = "float32", epilogue: str = "none", deadline: float | None = None,
     progress: Callable[[Tuned], None] | None = None, log: Callable[[str], None] = lambda _msg: None,
     search: MetaScheduleSearch | None = None, clock: Callable[[], float] = time.monotonic,
-    transfer_roots: Sequence[Path] | None = None, top: int = 4,
+    transfer_roots: Sequence[Path] | None = None, top: int = 4, refine: bool = False,
 ) -> KernelRecord:
     """Tune ``Y = X @ W.T`` for every m of the ladder up to ``max_m`` with the cost model, until
     ``deadline`` (on ``clock``; the first m, m = 1, is tuned even past it: a GEMM earlier ones
     overran still gets its decode kernel); saved after every m under ``root`` (resumable). Transferred
     guesses come from the records under ``transfer_roots`` (default: ``root`` or the user's
-    records directory, and the shipped records)."""
+    records directory, and the shipped records). ``refine``: then search the tuned m again with the
+    model's next candidates, until ``deadline`` (the module's docstring)."""
     shape, here = GemmShape(n, k, dtype, epilogue), host_signature()
     isa = kernel_isa(host_isa(), dtype, cpu_flags())
     mks = microkernels(isa, dtype)
@@ -107,6 +114,18 @@ def tune_gemm_guided(
         sch, g = search.ranked(p, fitting(mks, m), score, list(dict.fromkeys(guesses)), top=top)
         write(Tuned(m, sch, g, searched=True))
     missing = [m for m in ladder if not any(t.m == m for t in rec.tuned)]
+    if refine and not missing and deadline is not None:
+        measured: dict[int, set[GemmSchedule]] = {}
+        for x in read_measurements(measurements_path(shape, threads, here, root)):
+            measured.setdefault(x.m, set()).add(x.schedule)
+        for m in best_first(ladder):
+            if clock() >= deadline:
+                break
+            now = next(t for t in rec.tuned if t.m == m)
+            sch, g = search.ranked(Problem(m, n, k, threads), fitting(mks, m), score, [now.schedule],
+                                   top=2 * top, skip=measured.get(m, set()))
+            rec.tuned = [t for t in rec.tuned if t.m != m]
+            write(Tuned(m, sch, g, searched=True))
     if missing and rec.tuned:
         fill = [Tuned(m, clipped(Problem(m, n, k, threads), nearest_tuned(rec.tuned, m).schedule),
                       math.nan, searched=False) for m in missing]

@@ -9,7 +9,7 @@ the micro-kernel sliding window and schedule reuse.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Container, Generator, Sequence
 from dataclasses import dataclass, field, replace
 
 from .microkernel import ISAS, MicroKernel
@@ -364,11 +364,12 @@ def measure_all(cands: Sequence[GemmSchedule]) -> Search:
 
 
 def ranked(p: Problem, mks: Sequence[MicroKernel], score: Score, guesses: Sequence[GemmSchedule] = (),
-           top: int = 4, steps: int = 2, step_top: int = 2) -> Search:
-    """Measure the cost model's ``top`` schedules of ``space`` beside the ``guesses`` (transferred
-    or reused schedules, clipped to this m); then up to ``steps`` times the best ``step_top`` of the
-    measured winner's unmeasured ``neighbours``, while they gain."""
-    cands = space(p, mks)
+           top: int = 4, steps: int = 2, step_top: int = 2, skip: Container[GemmSchedule] = ()) -> Search:
+    """Measure the cost model's ``top`` schedules of ``space`` (those not in ``skip``: measured
+    before) beside the ``guesses`` (transferred or reused schedules, clipped to this m); then up
+    to ``steps`` times the best ``step_top`` of the measured winner's unmeasured ``neighbours``,
+    while they gain."""
+    cands = [c for c in space(p, mks) if c not in skip]
     pred = list(score(p, cands))
     order = sorted(range(len(cands)), key=lambda i: -pred[i])
     first = list(dict.fromkeys([*(clipped(p, g) for g in guesses), *(cands[i] for i in order[:top])]))
@@ -376,7 +377,7 @@ def ranked(p: Problem, mks: Sequence[MicroKernel], score: Score, guesses: Sequen
     seen = dict(zip(first, gs, strict=True))
     best = max(seen, key=seen.__getitem__)
     for _ in range(steps):
-        near = [x for x in neighbours(p, best) if x not in seen]
+        near = [x for x in neighbours(p, best) if x not in seen and x not in skip]
         if not near:
             break
         pn = list(score(p, near))

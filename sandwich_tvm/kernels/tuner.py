@@ -59,11 +59,13 @@ class MetaScheduleSearch:
                                                                on_measured=self.on_measured))
 
     def ranked(self, p: Problem, mks: Sequence[MicroKernel], score: Score,
-               guesses: Sequence[GemmSchedule] = (), top: int = 4) -> tuple[GemmSchedule, float]:
+               guesses: Sequence[GemmSchedule] = (), top: int = 4,
+               skip: Container[GemmSchedule] = ()) -> tuple[GemmSchedule, float]:
         """The model-guided search (``search.ranked``): the ``top`` of the cost model's ranking
-        and the ``guesses`` measured, then the winner's best-ranked neighbours."""
+        (leaving out ``skip``) and the ``guesses`` measured, then the winner's best-ranked
+        neighbours."""
         strategy = SandwichSearchStrategy(p.threads, on_measured=self.on_measured,
-                                          search=lambda q: ranked(q, mks, score, guesses, top=top))
+                                          search=lambda q: ranked(q, mks, score, guesses, top=top, skip=skip))
         return self._run(p, list(mks[:1]), strategy)
 
     def measure(self, p: Problem, cands: Sequence[GemmSchedule]) -> list[float]:

@@ -45,8 +45,8 @@ def test_tune_kernels_spreads_the_budget_over_the_gemms(tmp_path, monkeypatch, c
     calls = []
 
     def fake(kind):
-        def run(n, k, *, threads, max_m, root, dtype, epilogue, progress, log, **kw):
-            calls.append((kind, n, k, max_m, kw.get("deadline")))
+        def run(n, k, *, threads, max_m, root, dtype, epilogue, log, progress=None, **kw):
+            calls.append((kind, n, k, max_m, kw.get("deadline"), kw.get("refine", False)))
             return KernelRecord(GemmShape(n, k, dtype, epilogue), threads, CPU)
         return run
 
@@ -57,10 +57,15 @@ def test_tune_kernels_spreads_the_budget_over_the_gemms(tmp_path, monkeypatch, c
     assert tune.main(["kernels", "--model", "llama-160m", "--records", str(tmp_path), "--threads", "2",
                       "--max-m", "16", "--search", search, "--budget", "2",
                       "--costmodel-data", "records"]) == 0
-    assert [c[0] for c in calls] == [search] * 5
-    assert [c[3] for c in calls] == [16, 16, 16, 16, 1]  # the lm_head: decode-sized m only
-    if search == "model":
-        deadlines = [c[4] for c in calls]
-        assert all(a < b for a, b in zip(deadlines, deadlines[1:], strict=False))
-        assert deadlines[-1] <= 120 + 7 * 20  # within the budget (the fake clock ticks 7 s a call)
+    first, again = [c for c in calls if not c[5]], [c for c in calls if c[5]]
+    assert [c[0] for c in first] == [search] * 5
+    assert [c[3] for c in first] == [16, 16, 16, 16, 1]  # the lm_head: decode-sized m only
+    if search == "model":  # the budget the first pass left goes to a second, GEMM by GEMM
+        assert again and [c[1:4] for c in again] == [c[1:4] for c in first][:len(again)]
+        for calls_ in (first, again):  # each GEMM's deadline after the one before, within the budget
+            deadlines = [c[4] for c in calls_]
+            assert all(a < b for a, b in zip(deadlines, deadlines[1:], strict=False))
+            assert deadlines[-1] <= 120 + 7 * 2  # the fake clock ticks 7 s a call
         assert "cost model: XGBoost on 216" in capsys.readouterr().out
+    else:
+        assert not again
