@@ -141,6 +141,8 @@ class BatchEngine:
             logits = self._forward(step)
         except Exception as err:  # a failed kernel: end every request in the cache, keep serving
             return self._fail_all(f"{type(err).__name__}: {err}")
+        if self.policy.num_speculative_tokens and not step.drafts:
+            self._draft_prefill(step)
         events = self._sample(step, logits)
         self.scheduler.index(step)
         if self.metrics is not None:
@@ -167,6 +169,16 @@ class BatchEngine:
             return self.engine.batch_decode(slots, [s.tokens[-1] for s in step.seqs])
         chunks = [s.tokens[s.computed:s.computed + n] for s, n in zip(step.seqs, step.lengths, strict=True)]
         return self.engine.batch_prefill(slots, chunks)
+
+    def _draft_prefill(self, step: Step) -> None:
+        """The step's prompt chunks (of sequences that will draft) to the drafter as well."""
+        fed = [(s, s.computed + n) for s, n in zip(step.seqs, step.lengths, strict=True)
+               if s.computed < len(s.tokens) - 1 and s.constraint is None]
+        if fed:
+            drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)
+            self.scheduler.drafter.prefill([s for s, _ in fed], [n for _, n in fed])
+            if self.metrics is not None and getattr(self.scheduler.drafter, "seconds", 0.0) > drafting_s:
+                self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
 
     def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
         events: list[TokenEvent] = []

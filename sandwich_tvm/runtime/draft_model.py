@@ -1,20 +1,22 @@
 """Speculative drafts from a draft model: a smaller model that shares the target's tokenizer.
 
 ``DraftModel`` is a ``speculative.Drafter`` over an ``Engine`` of its own (its weights and its
-paged KV cache, in the same process and on the same cores as the target). Before a decode
-step it brings each sequence's draft cache up to the sequence's tokens (one ``batch_prefill``
-over every sequence's missing tokens: the whole prompt the first time, the tokens emitted since
-afterwards), then decodes k - 1 more tokens greedily, all sequences in one ``batch_decode`` per
-position. The draft is a function of the tokens so far, so ``speculative.accept`` keeps greedy
-outputs exact and sampling's distribution unchanged.
+paged KV cache, in the same process and on the same cores as the target). Before a decode step
+it brings each sequence's draft cache up to the sequence's tokens (one ``batch_prefill`` over
+every sequence's missing tokens: usually the tokens emitted since the last step), then decodes
+k - 1 more tokens greedily, all sequences in one ``batch_decode`` per position. The draft is a
+function of the tokens so far, so ``speculative.accept`` keeps greedy outputs exact and
+sampling's distribution unchanged.
 
-The draft cache keeps the tokens it holds per sequence; the next proposal pops the ones the
-target rejected (everything after the first token that differs) and feeds what was emitted.
-Its pages are counted as TVM allocates them (``pages.KVPages``); a sequence that does not fit
-gets no draft this step and gives its draft pages back (the target shares prompt prefixes, the
-draft cache does not, so it can run out first). A draft-model call that fails clears the draft
-cache and turns drafting off (the target goes on decoding alone); ``error`` says why, and
-``log`` is told once.
+A prefill step feeds the prompt chunks it runs to the draft model as well (``prefill``), so a
+sequence's first decode step finds its draft cache holding the prompt. The draft cache keeps
+the tokens it holds per sequence; the next proposal pops the ones the target rejected
+(everything after the first token that differs) and feeds what was emitted. Its pages are
+counted as TVM allocates them (``pages.KVPages``); a sequence that does not fit gets no draft
+this step and gives its draft pages back (the target shares prompt prefixes, the draft cache
+does not, so it can run out first). A draft-model call that fails clears the draft cache and
+turns drafting off (the target goes on decoding alone); ``error`` says why, and ``log`` is told
+once.
 """
 
 from __future__ import annotations
@@ -82,6 +84,29 @@ class DraftModel:
         self.seconds += time.perf_counter() - t0
         return drafts
 
+    def prefill(self, seqs: list[Seq], upto: list[int]) -> None:
+        """A prefill step gave the target ``seqs[i].tokens[:upto[i]]``: the draft model takes
+        them too, in the same step (on the same cores), so that a prompt's first decode step
+        drafts without catching up on the whole prompt while other sequences wait. A sequence
+        whose tokens do not fit the draft cache is left to the decode step's catch-up."""
+        if self.error is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            cached, missing = [], []
+            for seq, n in zip(seqs, upto, strict=True):
+                c = self._entry(seq)
+                if len(c.tokens) >= n or self.pages.need(c.kv_id, n - len(c.tokens)) > self.pages.free():
+                    continue
+                self.pages.append(c.kv_id, n - len(c.tokens))
+                cached.append(c)
+                missing.append(list(seq.tokens[len(c.tokens):n]))
+            if cached:
+                self._feed(cached, missing)
+        except Exception as err:
+            self._fail(err)
+        self.seconds += time.perf_counter() - t0
+
     def release(self, seq: Seq) -> None:
         cached = self._seqs.pop(seq.request_id, None)
         if cached is not None and self.error is None:
@@ -119,12 +144,7 @@ class DraftModel:
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
             if k < 1:
                 continue
-            cached = self._seqs.get(seq.request_id)
-            if cached is None:
-                cached = self._seqs[seq.request_id] = _Cached(self._next_id)
-                self._next_id += 1
-                self.pages.add(cached.kv_id)
-                self.engine.start(cached.kv_id)
+            cached = self._entry(seq)
             keep = _agreement(cached, seq.tokens)
             if keep < len(cached.tokens):
                 self.pages.pop(cached.kv_id, len(cached.tokens) - keep)
@@ -140,15 +160,23 @@ class DraftModel:
                 self.release(seq)
         return todo
 
-    def _draft(self, seqs: list[Seq], ks: list[int], todo: list[int], drafts: list[list[int]]) -> None:
-        eng = self.engine
-        cached = [self._seqs[seqs[i].request_id] for i in todo]
-        missing = [seqs[i].tokens[len(c.tokens):] for i, c in zip(todo, cached, strict=True)]
-        self.use("prefill" if sum(map(len, missing)) > PREFILL_PLAN_TOKENS else "decode")
-        last = np.zeros(len(todo), dtype=np.int64)
-        done = [0] * len(todo)  # tokens of ``missing`` fed so far
-        while any(d < len(m) for d, m in zip(done, missing, strict=True)):  # at most prefill_chunk per call
-            budget, slots, chunks, rows = eng.prefill_chunk, [], [], []
+    def _entry(self, seq: Seq) -> _Cached:
+        """``seq``'s draft cache, made (empty) if it has none."""
+        cached = self._seqs.get(seq.request_id)
+        if cached is None:
+            cached = self._seqs[seq.request_id] = _Cached(self._next_id)
+            self._next_id += 1
+            self.pages.add(cached.kv_id)
+            self.engine.start(cached.kv_id)
+        return cached
+
+    def _feed(self, cached: list[_Cached], missing: list[list[int]]) -> list[int]:
+        """Append ``missing[j]`` to ``cached[j]`` (pages already counted), at most the cache's
+        prefill chunk per call; the greedy next token after each."""
+        last = [0] * len(cached)
+        done = [0] * len(cached)  # tokens of ``missing`` fed so far
+        while any(d < len(m) for d, m in zip(done, missing, strict=True)):
+            budget, slots, chunks, rows = self.engine.prefill_chunk, [], [], []
             for j, (c, m) in enumerate(zip(cached, missing, strict=True)):
                 n = min(len(m) - done[j], budget)
                 if n > 0:
@@ -157,14 +185,21 @@ class DraftModel:
                     rows.append(j)
                     done[j] += n
                     budget -= n
-            logits = eng.batch_prefill(slots, chunks)
+            logits = self.engine.batch_prefill(slots, chunks)
             self.forwards += 1
             for r, j in enumerate(rows):
                 cached[j].tokens += chunks[r]
                 if done[j] == len(missing[j]):
                     last[j] = int(np.argmax(logits[r, :self.vocab]))
-        for j, i in enumerate(todo):
-            drafts[i].append(int(last[j]))
+        return last
+
+    def _draft(self, seqs: list[Seq], ks: list[int], todo: list[int], drafts: list[list[int]]) -> None:
+        eng = self.engine
+        cached = [self._seqs[seqs[i].request_id] for i in todo]
+        missing = [seqs[i].tokens[len(c.tokens):] for i, c in zip(todo, cached, strict=True)]
+        self.use("prefill" if sum(map(len, missing)) > PREFILL_PLAN_TOKENS else "decode")
+        for i, first in zip(todo, self._feed(cached, missing), strict=True):
+            drafts[i].append(first)
         self.use("decode")
         for pos in range(1, max(ks[i] for i in todo)):
             live = [j for j, i in enumerate(todo) if ks[i] > pos]

@@ -67,6 +67,11 @@ class Drafter(Protocol):
         """Up to ``ks[i]`` draft tokens continuing ``seqs[i].tokens`` (none where ``ks[i]`` is 0)."""
         ...
 
+    def prefill(self, seqs: list[Seq], upto: list[int]) -> None:
+        """A prefill step gave the target ``seqs[i].tokens[:upto[i]]`` (a drafter with a cache of
+        its own may take them too)."""
+        ...
+
     def release(self, seq: Seq) -> None:
         """``seq`` left the running set (finished, cancelled or preempted): drop what it holds."""
         ...
@@ -84,6 +89,9 @@ class PromptLookup:
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
         return [propose(s.tokens, k, self.n_max, self.n_min) for s, k in zip(seqs, ks, strict=True)]
+
+    def prefill(self, seqs: list[Seq], upto: list[int]) -> None:
+        pass
 
     def release(self, seq: Seq) -> None:
         pass

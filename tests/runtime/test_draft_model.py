@@ -178,3 +178,24 @@ def test_stop_tokens_and_an_abort_mid_draft_leave_both_caches_empty(tiny_model, 
         got += [e.token for e in spec.step() if e.token is not None]
     assert got == plain[0] and not drafter._seqs and drafter.pages.free() == drafter.pages.total
     assert drafter.engine.available_pages() == drafter.pages.total
+
+
+def test_prefill_steps_feed_the_prompt_to_the_draft_model_too(tiny_model, draft_model):
+    """By the first decode step the draft cache holds the prompt, chunk by chunk as the target
+    took it, so that step feeds the draft model one token, not the prompt."""
+    target = _target(tiny_model)
+    drafter = _drafter(draft_model, target)
+    spec = _batch(target, 3, drafter)
+    prompt = _prompts(301)[2]  # 70 tokens: chunks of 32, 32, 6
+    spec.add("r", prompt, GREEDY)
+    held = []
+    while not spec.scheduler.running or not spec.scheduler.running[0].decoding:
+        spec.step()
+        held.append(len(drafter._seqs["r"].tokens))
+    assert held == [32, 64, 70] and drafter._seqs["r"].tokens == prompt
+    fed = drafter.forwards
+    spec.step()  # the first decode step: one token fed, two drafted
+    assert drafter.forwards == fed + 3 and len(drafter._seqs["r"].tokens) == 70 + 1 + 2
+    while spec.has_work():
+        spec.step()
+    assert not drafter._seqs
