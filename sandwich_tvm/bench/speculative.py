@@ -105,7 +105,8 @@ def main_speculative(args: argparse.Namespace, console: Console) -> int:
         runs = {name: _run(engine, pol, prompt, args.max_tokens, drafter if name == "speculative" else None)
                 for name, pol in order}
         a, b = runs["plain"], runs["speculative"]
-        rounds.append({"prompt_tokens": len(prompt), "output_tokens": len(a["tokens"]),
+        parted = None if a["tokens"] == b["tokens"] else _parting(engine, prompt, a["tokens"], b["tokens"])
+        rounds.append({"parted": parted, "prompt_tokens": len(prompt), "output_tokens": len(a["tokens"]),
                        "plain_tok_s": a["decode_tok_s"], "speculative_tok_s": b["decode_tok_s"],
                        "speedup": b["decode_tok_s"] / a["decode_tok_s"],
                        "same_tokens": a["tokens"] == b["tokens"],
@@ -170,3 +171,19 @@ def _messages(workload: str, chars: int, n: int) -> list[str]:
             if len(picked) == n:
                 break
     return picked
+
+
+def _parting(engine, prompt: list[int], plain: list[int], spec: list[int]) -> dict:
+    """Where the speculative tokens part from the plain ones: the position, both tokens, and the
+    plain run's logits there (the gap between its top two, and the speculative token's), from
+    one more plain greedy run that keeps its logits. A gap of a few hundredths is a near-tie the
+    verify chunk's and the one-token decode's summation orders settle differently."""
+    j = next(i for i, (x, y) in enumerate(zip(plain, spec, strict=False)) if x != y)
+    logits: list = []
+    again = engine.generate(prompt, j + 1, logits_out=logits).tokens
+    row = np.asarray(logits[j], dtype=np.float64)
+    top = np.sort(row)[-2:]
+    return {"position": j, "plain_token": plain[j], "speculative_token": spec[j],
+            "plain_top2_gap": float(top[1] - top[0]),
+            "speculative_token_below_max": float(top[1] - row[spec[j]]),
+            "plain_again": again == plain[:j + 1]}

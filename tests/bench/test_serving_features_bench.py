@@ -82,3 +82,21 @@ def test_speculative_bench_with_a_draft_model_on_chat_messages(tmp_path, capsys)
     assert out["drafts"].startswith("draft model") and out["same_tokens"] and out["acceptance_rate"] > 0.9
     assert out["median_tokens_per_step"] > 2 and out["draft_seconds"] > 0
     assert "ShareGPT first" in out["workload"]
+
+
+def test_where_speculative_tokens_part_the_plain_runs_logits_there_are_reported():
+    import numpy as np
+
+    from sandwich_tvm.bench.speculative import _parting
+
+    class Plain:
+        def generate(self, prompt, n, *, logits_out):
+            rows = [np.array([0.0, 5.0, 1.0]), np.array([3.0, 2.98, -1.0])]  # a near-tie at position 1
+            logits_out.extend(rows[:n])
+            return type("G", (), {"tokens": [1, 0][:n]})()
+
+    got = _parting(Plain(), [7, 7], plain=[1, 0, 2], spec=[1, 1, 2])
+    assert got["position"] == 1 and got["plain_token"] == 0 and got["speculative_token"] == 1
+    assert got["plain_top2_gap"] == pytest.approx(0.02)
+    assert got["speculative_token_below_max"] == pytest.approx(0.02)
+    assert got["plain_again"] is True
