@@ -35,6 +35,7 @@ from ..cli.common import print_error
 from ..cli.options import add_model_args, spec_from_args, synthetic_prompt
 from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
+from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
 from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
@@ -167,7 +168,7 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
 def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
               refresh: bool = True, decode_gbs: dict[int, float] | None = None,
               gemm_speedup: float = 1.0, weight_bytes: float = 4, kv_bytes: float = 4,
-              kernels: dict | None = None) -> list[dict]:
+              kernels: dict | None = None, head_bytes: float | None = None) -> list[dict]:
     """The simulator's TTFT/TPOT for the plan on this machine: its profile (measured now when
     ``refresh``), for each prompt length the memory-bandwidth curve scaled to ``decode_gbs[p]``
     on the decode cores when given (the bandwidth sampled around that length's requests).
@@ -199,7 +200,8 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
         profile = measured if gbs is None else with_bandwidth(measured, len(plan.all_decode_cpus), gbs)
         p = np.array([n], dtype=float)
         sim = LatencySimulator(tree, profile, cfg, Trace(prompt=p, output=np.full_like(p, new_tokens)),
-                               weight_bytes=weight_bytes, kv_bytes=kv_bytes, decode_kernels=kernels)
+                               weight_bytes=weight_bytes, kv_bytes=kv_bytes, decode_kernels=kernels,
+                               head_bytes=head_bytes)
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
                     "llc_roof_gbs": measured.llc_gbs_per_core * len(plan.all_decode_cpus), **allreduce})
@@ -310,6 +312,7 @@ def bench_e2e(args, console: Console) -> dict:
         kernels = decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
                          gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
+                         head_bytes=DTYPE_BYTES[head_dtype(dtype)],
                          kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim), kernels=kernels)
 
     preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile)}
@@ -363,8 +366,6 @@ def bench_e2e(args, console: Console) -> dict:
 def decode_weight_bytes(cfg: LlamaConfig, dtype: str) -> float:
     """Bytes of weights one decode step reads: every layer's Linears in ``dtype`` (quantized:
     with their blocks' scales) and the head in its own type (q8_0 under 4-bit weights)."""
-    from ..kernels.quant import head_dtype
-
     head = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[head_dtype(dtype)]
     return cfg.num_hidden_layers * cfg.layer_params() * DTYPE_BYTES[dtype] + head
 

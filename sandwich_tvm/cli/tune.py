@@ -21,6 +21,7 @@ from rich.text import Text
 
 from ..host import HostError, cache_dir, ensure_writable
 from ..kernels.attention import DEFAULT_KV_DTYPE
+from ..kernels.quant import head_dtype
 from ..model.config import ModelConfigError
 from ..spec import DTYPE_BYTES, RunSpec, SpecError, kv_value_bytes, resolve_run_spec
 from ..topology.hwobj import TopologyError
@@ -126,6 +127,7 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
                 args, tree, model, profile, trace,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total),
                 weight_bytes=DTYPE_BYTES[spec.weight_dtype],
+                head_bytes=DTYPE_BYTES[head_dtype(spec.weight_dtype)],
                 kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
         print_error(console, exc)

@@ -109,10 +109,11 @@ class _EarlyStop:
 def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, trace: Trace, *,
                  top_k: int = 10, patience: int = 32, max_group_levels: int = 2,
                  power_of_two: bool = True, max_trees: int | None = MAX_TREES,
-                 progress: Progress | None = None, max_tp: int | None = None, weight_bytes: int = 4,
-                 kv_bytes: int = 4) -> SearchResult:
+                 progress: Progress | None = None, max_tp: int | None = None, weight_bytes: float = 4,
+                 kv_bytes: float = 4, head_bytes: float | None = None) -> SearchResult:
     """Explore `tree` and return the top-k Sandwich plans by predicted request latency of a run
-    whose weights and KV cache take `weight_bytes` and `kv_bytes` per element.
+    whose weights and KV cache take `weight_bytes` and `kv_bytes` per element (the lm_head
+    `head_bytes`, default `weight_bytes`).
 
     At most `max_trees` TopoTrees are generated (None: no bound); `stats.bounded` tells
     whether the bound cut the exploration short. `max_tp` bounds the processes of a plan.
@@ -122,7 +123,8 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
                          f"({max_trees}) must be >= 1, max_group_levels ({max_group_levels}) >= 0")
     start = time.perf_counter()
     stats = SearchStats(max_trees=max_trees)
-    sim = LatencySimulator(tree, profile, model, trace, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    sim = LatencySimulator(tree, profile, model, trace, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+                           head_bytes=head_bytes)
     group_budget = TreeBudget(None if max_trees is None else max_trees // 2)
     grouped, stats.group_trees_generated = explore_groups(
         tree, max_new_levels=max_group_levels, power_of_two=power_of_two, budget=group_budget)

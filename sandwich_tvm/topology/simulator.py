@@ -93,14 +93,16 @@ class LatencySimulator:
 
     def __init__(self, tree: TopoTree, profile: MachineProfile, model: LlamaConfig, trace: Trace, *,
                  weight_bytes: float = 4, kv_bytes: float = 4, hop: HopCost | None = None,
-                 decode_kernels: dict[int, DecodeKernels] | None = None):
+                 decode_kernels: dict[int, DecodeKernels] | None = None, head_bytes: float | None = None):
         """``weight_bytes`` / ``kv_bytes``: bytes per weight and per cached K/V element (the run
-        spec's weight and KV dtypes); ``hop``: the network's, for stages on other hosts;
-        ``decode_kernels``: per thread count, the decode GEMMs' own measured times (a floor under
+        spec's weight and KV dtypes); ``head_bytes``: per lm_head weight, where its type differs
+        (q8_0 under 4-bit weights; default ``weight_bytes``); ``hop``: the network's, for stages on
+        other hosts; ``decode_kernels``: per thread count, the decode GEMMs' own measured times (a floor under
         the roofline for an unsharded process of that many threads)."""
         self.profile, self.model, self.trace, self.hop = profile, model, trace, hop
         self.decode_kernels = decode_kernels or {}
         self.weight_bytes, self.kv_bytes = weight_bytes, kv_bytes
+        self.head_bytes = weight_bytes if head_bytes is None else head_bytes
         self._instance = {r.name: _instances(tree, r) for r in profile.resources}
         core_depth = tree.depth_of("Core")
         self._core_of = _by_node(tree, core_depth) if core_depth is not None else {}
@@ -258,7 +260,7 @@ class LatencySimulator:
         return layer + self.profile.layer_overhead_us / 1e3
 
     def _prefill_head_ms(self, config: ServiceConfig) -> float:
-        m, tp, b = self.model, config.tp, self.weight_bytes
+        m, tp, b = self.model, config.tp, self.head_bytes
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
         bw = self.bandwidth_gbs(config) * 1e6
         head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
@@ -281,7 +283,7 @@ class LatencySimulator:
         return self.decode_kernels.get(config.threads) if config.tp == 1 else None
 
     def _decode_head_ms(self, config: ServiceConfig) -> float:
-        m, tp, b = self.model, config.tp, self.weight_bytes
+        m, tp, b = self.model, config.tp, self.head_bytes
         bw = self.bandwidth_gbs(config) * 1e6
         head = m.hidden_size * m.vocab_size * b / tp / bw
         if (kernels := self._kernels(config)) is not None:

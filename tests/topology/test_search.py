@@ -293,3 +293,20 @@ def test_a_searched_plan_is_the_plan_the_runtime_follows(trace):
         assert plan.tp == p.tp and plan.numa == p.prefill.domains
         assert plan.ranks == tuple(zip(p.prefill.processes, p.decode.processes, strict=True))
         assert plan.predicted_tpot_ms == round(ranked.prediction.tpot_ms, 3)
+
+
+def test_the_simulator_reads_the_head_in_its_own_type(trace):
+    """Under 4-bit weights the lm_head is q8_0: its bytes, not the layers', cost its stream."""
+    from sandwich_tvm.spec import DTYPE_BYTES
+    from sandwich_tvm.topology.configs import ServiceConfig
+
+    tree, _ = load_tree(xml=MILAN)
+    model, profile = PRESETS["llama-3-8b"], load_profile("epyc-milan7763-2s")
+    socket = ServiceConfig(parse_config(tree, "2x64").processes[:1], parse_config(tree, "2x64").domains[:1])
+    ctx = np.array([512.0])
+    q4 = LatencySimulator(tree, profile, model, trace, weight_bytes=DTYPE_BYTES["q4_0"])
+    mixed = LatencySimulator(tree, profile, model, trace, weight_bytes=DTYPE_BYTES["q4_0"],
+                             head_bytes=DTYPE_BYTES["q8_0"])
+    extra = model.hidden_size * model.vocab_size * (DTYPE_BYTES["q8_0"] - DTYPE_BYTES["q4_0"])
+    gap = mixed.tpot_ms(socket, ctx)[0] - q4.tpot_ms(socket, ctx)[0]
+    assert gap == pytest.approx(extra / (q4.bandwidth_gbs(socket) * 1e6)) and gap > 0
