@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
 from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes
+from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
 from .rounds import Runner, interleaved, merge_rounds, paired_ratio
 
@@ -174,7 +174,7 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
     on the decode cores when given (the bandwidth sampled around that length's requests).
     ``gemm_speedup``: the Linear layers' compute roof over the measured fp32 one (2 for bf16
     pairs on vdpbf16ps, which does two k steps per instruction; attention stays fp32);
-    ``kernels``: the decode GEMMs' measured times per thread count (``decode_kernels``)."""
+    ``kernels``: the decode GEMMs' measured times per thread count (``measured_decode_kernels``)."""
     from ..topology import load_tree
     from ..topology.configs import ServiceConfig
     from ..topology.microbench import measure_profile
@@ -205,28 +205,6 @@ def predicted(cfg: LlamaConfig, plan, prompts: list[int], new_tokens: int, log,
         out.append({"prompt": n, "ttft_ms": float(sim.ttft_ms(pre, p)[0]),
                     "tpot_ms": float(sim.tpot_ms(dec, p + new_tokens / 2)[0]), "decode_gbs": gbs,
                     "llc_roof_gbs": measured.llc_gbs_per_core * len(plan.all_decode_cpus), **allreduce})
-    return out
-
-
-def decode_kernels(cfg: LlamaConfig, dtype: str, threads: set[int], records: Path | None) -> dict:
-    """Per thread count, the decode GEMMs' m = 1 times from their tuning records (an unsharded
-    model's shapes; a thread count missing any record is left to the roofline)."""
-    from ..kernels.database import find_record
-    from ..model.shapes import linear_shapes
-    from ..topology.simulator import DecodeKernels
-
-    out = {}
-    for t in sorted(threads):
-        ms = {}
-        for name, shape in linear_shapes(cfg, dtype).items():
-            rec = find_record(shape, t, records)
-            one = next((x for x in rec.tuned if x.m == 1 and math.isfinite(x.gflops) and x.gflops > 0),
-                       None) if rec else None
-            if one is None:
-                break
-            ms[name] = 2 * shape.n * shape.k / (one.gflops * 1e6)
-        else:
-            out[t] = DecodeKernels(sum(v for k, v in ms.items() if k != "lm_head"), ms["lm_head"])
     return out
 
 
@@ -309,7 +287,7 @@ def bench_e2e(args, console: Console) -> dict:
 
     def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
-        kernels = decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
+        kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
                          gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
                          head_bytes=DTYPE_BYTES[head_dtype(dtype)],

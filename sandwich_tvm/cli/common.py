@@ -104,14 +104,15 @@ def resolve_model_and_trace(args: argparse.Namespace) -> tuple[LlamaConfig, Trac
 
 def run_search(args: argparse.Namespace, tree: TopoTree, model: LlamaConfig, profile: MachineProfile,
                trace: Trace, progress: Callable[[str, int, int], None] | None = None,
-               weight_bytes: float = 4, kv_bytes: float = 4, head_bytes: float | None = None) -> SearchResult:
+               weight_bytes: float = 4, kv_bytes: float = 4, head_bytes: float | None = None,
+               decode_kernels: dict | None = None) -> SearchResult:
     """`search_plans` with the options of add_machine_args, for weights and a KV cache of
     ``weight_bytes`` / ``kv_bytes`` per element (the run spec's dtypes; the lm_head's
     ``head_bytes``)."""
     return search_plans(tree, model, profile, trace, top_k=args.top_k, patience=args.patience,
                         max_group_levels=args.max_group_levels, max_trees=args.max_trees,
                         progress=progress, max_tp=getattr(args, "max_tp", None), weight_bytes=weight_bytes,
-                        kv_bytes=kv_bytes, head_bytes=head_bytes)
+                        kv_bytes=kv_bytes, head_bytes=head_bytes, decode_kernels=decode_kernels)
 
 
 def bound_note(stats: SearchStats) -> str | None:

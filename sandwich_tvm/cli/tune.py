@@ -27,6 +27,7 @@ from ..spec import DTYPE_BYTES, RunSpec, SpecError, kv_value_bytes, resolve_run_
 from ..topology.hwobj import TopologyError
 from ..topology.plan import ExecPlan, PlanError, save_plans
 from ..topology.profile import ProfileError
+from ..topology.simulator import measured_decode_kernels
 from .args import positive_int, threads_beyond_cpus
 from .chain import DEFAULT_QUESTION
 from .common import (
@@ -119,6 +120,13 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
         model, trace = resolve_model_and_trace(args)
         console.print(f"model: {model.name} ({model.num_params() / 1e6:.0f}M parameters), "
                       f"{len(trace.prompt)} requests")
+        kernels = None
+        if args.synthetic is None and args.xml is None:  # this host: its records' decode times
+            kernels = measured_decode_kernels(spec.config, spec.weight_dtype,
+                                              set(range(1, len(tree.pus) + 1)), spec.records)
+            if kernels:
+                console.print(f"decode kernels: this host's m = 1 records for {sorted(kernels)} threads "
+                              "(a floor under the roofline)")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())
         with Progress(*columns, console=console, transient=False) as bar:
@@ -127,7 +135,7 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
                 args, tree, model, profile, trace,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total),
                 weight_bytes=DTYPE_BYTES[spec.weight_dtype],
-                head_bytes=DTYPE_BYTES[head_dtype(spec.weight_dtype)],
+                head_bytes=DTYPE_BYTES[head_dtype(spec.weight_dtype)], decode_kernels=kernels,
                 kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:
         print_error(console, exc)

@@ -110,10 +110,12 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
                  top_k: int = 10, patience: int = 32, max_group_levels: int = 2,
                  power_of_two: bool = True, max_trees: int | None = MAX_TREES,
                  progress: Progress | None = None, max_tp: int | None = None, weight_bytes: float = 4,
-                 kv_bytes: float = 4, head_bytes: float | None = None) -> SearchResult:
+                 kv_bytes: float = 4, head_bytes: float | None = None,
+                 decode_kernels: dict | None = None) -> SearchResult:
     """Explore `tree` and return the top-k Sandwich plans by predicted request latency of a run
     whose weights and KV cache take `weight_bytes` and `kv_bytes` per element (the lm_head
-    `head_bytes`, default `weight_bytes`).
+    `head_bytes`, default `weight_bytes`); `decode_kernels`: the decode GEMMs' measured times
+    per thread count (`simulator.measured_decode_kernels`), a floor under the roofline.
 
     At most `max_trees` TopoTrees are generated (None: no bound); `stats.bounded` tells
     whether the bound cut the exploration short. `max_tp` bounds the processes of a plan.
@@ -124,7 +126,7 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
     start = time.perf_counter()
     stats = SearchStats(max_trees=max_trees)
     sim = LatencySimulator(tree, profile, model, trace, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
-                           head_bytes=head_bytes)
+                           head_bytes=head_bytes, decode_kernels=decode_kernels)
     group_budget = TreeBudget(None if max_trees is None else max_trees // 2)
     grouped, stats.group_trees_generated = explore_groups(
         tree, max_new_levels=max_group_levels, power_of_two=power_of_two, budget=group_budget)

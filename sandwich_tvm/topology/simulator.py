@@ -354,3 +354,27 @@ def _instances(tree: TopoTree, resource: Resource) -> dict[int, int]:
     kind = {"package": "Package", "l3": "L3Cache", "core": "Core"}[resource.scope]
     depth = tree.depth_of(kind)
     return _by_node(tree, depth) if depth is not None else {pu: 0 for pu in tree.pus}
+
+
+def measured_decode_kernels(cfg: LlamaConfig, dtype: str, threads: set[int],
+                            records=None) -> dict[int, DecodeKernels]:
+    """Per thread count, the decode GEMMs' m = 1 times from this host's tuning records (an
+    unsharded model's shapes; a thread count missing any record is left to the roofline)."""
+    import math
+
+    from ..kernels.database import find_record
+    from ..model.shapes import linear_shapes
+
+    out = {}
+    for t in sorted(threads):
+        ms = {}
+        for name, shape in linear_shapes(cfg, dtype).items():
+            rec = find_record(shape, t, records)
+            one = next((x for x in rec.tuned if x.m == 1 and math.isfinite(x.gflops) and x.gflops > 0),
+                       None) if rec else None
+            if one is None:
+                break
+            ms[name] = 2 * shape.n * shape.k / (one.gflops * 1e6)
+        else:
+            out[t] = DecodeKernels(sum(v for k, v in ms.items() if k != "lm_head"), ms["lm_head"])
+    return out

@@ -75,9 +75,17 @@ def test_profile_is_measured_cached_and_sane(tmp_path):
     assert measure_profile(tree, found.cpu_model) == profile  # second call: from the cache
 
 
-def test_tune_plan_stage_writes_plans(tmp_path):
+def test_tune_plan_stage_writes_plans(tmp_path, capsys):
     assert tune_cli.main(["plan", "--lengths", "128:32,512:64", "--out", str(tmp_path)]) == 0
     import json
 
+    from sandwich_tvm.model.config import DEFAULT_MODEL
+    from sandwich_tvm.spec import resolve_run_spec
+    from sandwich_tvm.topology.simulator import measured_decode_kernels
+
     plans = json.loads((tmp_path / "plans.json").read_text())["plans"]
     assert plans and all(p["predicted_tpot_ms"] > 0 for p in plans)
+    spec = resolve_run_spec(DEFAULT_MODEL)  # this host's records of its decode GEMMs, where it has them
+    have = measured_decode_kernels(spec.config, spec.weight_dtype, set(range(1, len(load_tree()[0].pus) + 1)))
+    said = capsys.readouterr().out
+    assert ("decode kernels: this host's m = 1 records" in said) == bool(have)
