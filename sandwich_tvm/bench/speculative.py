@@ -178,7 +178,10 @@ def _parting(engine, prompt: list[int], plain: list[int], spec: list[int]) -> di
     plain run's logits there (the gap between its top two, and the speculative token's), from
     one more plain greedy run that keeps its logits. A gap of a few hundredths is a near-tie the
     verify chunk's and the one-token decode's summation orders settle differently."""
-    j = next(i for i, (x, y) in enumerate(zip(plain, spec, strict=False)) if x != y)
+    j = next((i for i, (x, y) in enumerate(zip(plain, spec, strict=False)) if x != y),
+             min(len(plain), len(spec)))
+    if j >= min(len(plain), len(spec)):  # one ended sooner (a stop token), same up to there
+        return {"position": j, "ended_sooner": "plain" if len(plain) < len(spec) else "speculative"}
     logits: list = []
     again = engine.generate(prompt, j + 1, logits_out=logits).tokens
     row = np.asarray(logits[j], dtype=np.float64)

@@ -73,9 +73,11 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                for name, sh in shapes.items()}
     model = _cost_model(args, root, console)
     start, budget = time.monotonic(), 60.0 * getattr(args, "budget", DEFAULT_BUDGET_MIN)
+    searched = 0  # m the first pass searched in this run (none: the records were complete)
     with Progress(*columns, console=console) as bar:
         for i, (name, shape) in enumerate(shapes.items()):
             ladder = ladders[name]
+            before = record_of(shape, threads, root)
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
             if model is not None:  # this GEMM's share of what is left, by ladder points
@@ -90,12 +92,13 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                 rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=tops[name], window=args.window,
                                 root=root, dtype=shape.dtype, epilogue=shape.epilogue,
                                 progress=lambda _t, task=task: bar.advance(task), log=log)
+            searched += sum(t.searched and before.get(t.m) != t.schedule for t in rec.tuned)
             best = max((t.gflops for t in rec.tuned if t.searched), default=float("nan"))
             table.add_row(name, str(shape.n), str(shape.k), str(len(rec.tuned)),
                           str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",
                           str(record_path(shape, threads, root)))
     console.print(table)
-    if model is not None:
+    if model is not None and searched:  # a re-run over complete records leaves them (and builds) be
         _refine(args, spec, shapes, ladders, tops, threads, model, start + budget, console)
         spent = time.monotonic() - start
         console.print(f"model-guided search: {spent:.0f} s of a {budget / 60:g} min budget")

@@ -172,8 +172,8 @@ class BatchEngine:
 
     def _draft_prefill(self, step: Step) -> None:
         """The step's prompt chunks (of sequences that will draft) to the drafter as well."""
-        fed = [(s, s.computed + n) for s, n in zip(step.seqs, step.lengths, strict=True)
-               if s.computed < len(s.tokens) - 1 and s.constraint is None]
+        fed = [(s, s.computed + n) for s, n in zip(step.seqs, step.lengths, strict=True)  # will draft:
+               if s.computed < len(s.tokens) - 1 and s.constraint is None and s.max_tokens > 2]
         if fed:
             drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)
             self.scheduler.drafter.prefill([s for s, _ in fed], [n for _, n in fed])

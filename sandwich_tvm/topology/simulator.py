@@ -20,6 +20,7 @@ per layer (the fused QKV there, the attention output back), each reading its own
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,7 +145,9 @@ class LatencySimulator:
                 local = 1 / len(domains)
                 bw /= local + (1 - local) / self.profile.remote_factor
             worst = min(worst, bw)
-        weights = (self.model.num_params() * self.weight_bytes / len(config.processes) if resident is None
+        m = self.model
+        head = m.hidden_size * m.vocab_size * (self.head_bytes - self.weight_bytes)  # in its own type
+        weights = ((m.num_params() * self.weight_bytes + head) / len(config.processes) if resident is None
                    else resident)
         if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
@@ -279,8 +282,17 @@ class LatencySimulator:
         return layer + self.profile.layer_overhead_us / 1e3
 
     def _kernels(self, config: ServiceConfig) -> DecodeKernels | None:
-        """The measured decode kernels of an unsharded process of ``config``'s threads."""
-        return self.decode_kernels.get(config.threads) if config.tp == 1 else None
+        """The measured decode kernels of an unsharded process of ``config``'s threads; for a
+        thread count without records, the nearest measured count's times scaled by the thread
+        ratio (so that plans of measured and unmeasured counts compare fairly)."""
+        if config.tp != 1 or not self.decode_kernels:
+            return None
+        t = config.threads
+        if t in self.decode_kernels:
+            return self.decode_kernels[t]
+        near = min(self.decode_kernels, key=lambda x: (abs(math.log(x / t)), x))
+        k, f = self.decode_kernels[near], near / t
+        return DecodeKernels(k.layer_ms * f, k.head_ms * f)
 
     def _decode_head_ms(self, config: ServiceConfig) -> float:
         m, tp, b = self.model, config.tp, self.head_bytes
@@ -359,9 +371,7 @@ def _instances(tree: TopoTree, resource: Resource) -> dict[int, int]:
 def measured_decode_kernels(cfg: LlamaConfig, dtype: str, threads: set[int],
                             records=None) -> dict[int, DecodeKernels]:
     """Per thread count, the decode GEMMs' m = 1 times from this host's tuning records (an
-    unsharded model's shapes; a thread count missing any record is left to the roofline)."""
-    import math
-
+    unsharded model's shapes; a thread count missing any record is left out)."""
     from ..kernels.database import find_record
     from ..model.shapes import linear_shapes
 

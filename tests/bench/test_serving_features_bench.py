@@ -76,7 +76,7 @@ def test_speculative_bench_with_a_draft_model_on_chat_messages(tmp_path, capsys)
     byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
     rc = main(["speculative", "--model", str(tmp_path), "--dtype", "float32", "--draft-model",
                str(tmp_path), "--draft-dtype", "float32", "--workload", "chat", "--passage-chars", "120",
-               "--max-tokens", "16", "--rounds", "2", "--json"])
+               "--max-tokens", "12", "--rounds", "1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["drafts"].startswith("draft model") and out["same_tokens"] and out["acceptance_rate"] > 0.9

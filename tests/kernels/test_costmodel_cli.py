@@ -12,7 +12,7 @@ from sandwich_tvm.cli import tune
 from sandwich_tvm.kernels.database import KernelRecord
 from sandwich_tvm.kernels.measurements import MeasurementLog
 from sandwich_tvm.kernels.schedule import GemmShape
-from sandwich_tvm.kernels.search import Problem, space
+from sandwich_tvm.kernels.search import Problem, Tuned, space
 from tests.kernels.test_costmodel import CPU, MKS, synthetic_gflops
 
 
@@ -47,7 +47,9 @@ def test_tune_kernels_spreads_the_budget_over_the_gemms(tmp_path, monkeypatch, c
     def fake(kind):
         def run(n, k, *, threads, max_m, root, dtype, epilogue, log, progress=None, **kw):
             calls.append((kind, n, k, max_m, kw.get("deadline"), kw.get("refine", False)))
-            return KernelRecord(GemmShape(n, k, dtype, epilogue), threads, CPU)
+            rec = KernelRecord(GemmShape(n, k, dtype, epilogue), threads, CPU)
+            rec.add(Tuned(1, space(Problem(1, n, k, threads), MKS)[0], 1.0, searched=True))  # one m searched
+            return rec
         return run
 
     monkeypatch.setattr(kernels_cli, "tune_gemm_guided", fake("model"))
@@ -69,3 +71,19 @@ def test_tune_kernels_spreads_the_budget_over_the_gemms(tmp_path, monkeypatch, c
         assert "cost model: XGBoost on 216" in capsys.readouterr().out
     else:
         assert not again
+
+
+def test_a_rerun_over_complete_records_searches_nothing_again(tmp_path, monkeypatch):
+    """The second pass follows a first pass that searched something: a re-run over records that
+    were complete leaves them (and the builds keyed on them) as they were."""
+    _measure_some(tmp_path)
+    calls = []
+
+    def done(n, k, *, threads, max_m, root, dtype, epilogue, log, progress=None, **kw):
+        calls.append(kw.get("refine", False))
+        return KernelRecord(GemmShape(n, k, dtype, epilogue), threads, CPU)  # nothing new searched
+
+    monkeypatch.setattr(kernels_cli, "tune_gemm_guided", done)
+    assert tune.main(["kernels", "--model", "llama-160m", "--records", str(tmp_path), "--threads", "2",
+                      "--max-m", "16", "--budget", "2", "--costmodel-data", "records"]) == 0
+    assert calls == [False] * 5

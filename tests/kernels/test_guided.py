@@ -75,21 +75,21 @@ def test_a_spent_budget_fills_the_rest_from_the_nearest_tuned_m_and_a_rerun_meas
 
 def test_refining_measures_the_current_schedule_against_candidates_never_measured(tmp_path):
     model = _model()
-    rec = tune_gemm_guided(96, 64, threads=2, model=model, top=2, max_m=3, root=tmp_path)
+    rec = tune_gemm_guided(96, 64, threads=2, model=model, top=1, max_m=2, root=tmp_path)
     first = {t.m: t.schedule for t in rec.tuned}
     before = all_measurements(tmp_path)
-    again = tune_gemm_guided(96, 64, threads=2, model=model, top=2, max_m=3, root=tmp_path, deadline=50.0,
+    again = tune_gemm_guided(96, 64, threads=2, model=model, top=1, max_m=2, root=tmp_path, deadline=50.0,
                              clock=lambda: 0.0, refine=True)
     new = all_measurements(tmp_path)[len(before):]
-    assert {x.m for x in new} == {1, 2, 3}
-    for m in (1, 2, 3):
+    assert {x.m for x in new} == {1, 2}
+    for m in (1, 2):
         old = {x.schedule for x in before if x.m == m}
         tried = [x for x in new if x.m == m]
         assert {x.schedule for x in tried} & old == {first[m]}  # only the incumbent again
         assert len(tried) > 1
         kept = next(t for t in again.tuned if t.m == m)
         assert kept.searched and kept.gflops == pytest.approx(max(x.gflops for x in tried), abs=0.01)
-    assert [t.m for t in load_record(record_path(GemmShape(96, 64), 2, tmp_path)).tuned] == [1, 2, 3]
-    spent = tune_gemm_guided(96, 64, threads=2, model=model, top=2, max_m=3, root=tmp_path, deadline=0.0,
+    assert [t.m for t in load_record(record_path(GemmShape(96, 64), 2, tmp_path)).tuned] == [1, 2]
+    spent = tune_gemm_guided(96, 64, threads=2, model=model, top=1, max_m=2, root=tmp_path, deadline=0.0,
                              clock=lambda: 1.0, refine=True)  # no time left: nothing measured
-    assert len(all_measurements(tmp_path)) == len(before) + len(new) and len(spent.tuned) == 3
+    assert len(all_measurements(tmp_path)) == len(before) + len(new) and len(spent.tuned) == 2

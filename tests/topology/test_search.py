@@ -210,8 +210,9 @@ def test_simulator_takes_the_decode_kernels_measured_time_as_a_floor(trace):
     assert sim.tpot_ms(socket, ctx)[0] == pytest.approx(expected) and expected > roof
     fast = LatencySimulator(tree, profile, model, trace, decode_kernels={socket.threads: DecodeKernels(0, 0)})
     assert fast.tpot_ms(socket, ctx)[0] == pytest.approx(roof)  # kernels faster than the roofline: no change
-    other = LatencySimulator(tree, profile, model, trace, decode_kernels={socket.threads + 1: slow})
-    assert other.tpot_ms(socket, ctx)[0] == pytest.approx(roof)  # another thread count's kernels
+    other = LatencySimulator(tree, profile, model, trace,  # only another thread count measured: scaled
+                             decode_kernels={2 * socket.threads: DecodeKernels(5.0, 15.0)})
+    assert other.tpot_ms(socket, ctx)[0] == pytest.approx(expected)
 
 
 def test_simulator_stages_on_other_hosts_pay_the_measured_hops(trace):
