@@ -59,12 +59,9 @@ def add_tuning_curve_parser(sub) -> None:
 
 def scrape(text: str) -> dict[str, float]:
     """The background-tuning values of a Prometheus exposition (0 where absent)."""
-    out = dict.fromkeys(METRICS, 0.0)
-    for line in text.splitlines():
-        for key, name in METRICS.items():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[key] = float(line.rsplit(" ", 1)[1])
-    return out
+    from .serving.client import read_metrics
+
+    return dict.fromkeys(METRICS, 0.0) | read_metrics(text, METRICS)
 
 
 def stream_once(client: httpx.Client, base: str, body: dict) -> dict:

@@ -73,6 +73,7 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                for name, sh in shapes.items()}
     model = _cost_model(args, root, console)
     start, budget = time.monotonic(), 60.0 * getattr(args, "budget", DEFAULT_BUDGET_MIN)
+    names = list(shapes)
     searched = 0  # m the first pass searched in this run (none: the records were complete)
     with Progress(*columns, console=console) as bar:
         for i, (name, shape) in enumerate(shapes.items()):
@@ -80,13 +81,11 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
             before = record_of(shape, threads, root)
             task = bar.add_task(f"{name} n={shape.n} k={shape.k}", total=len(ladder))
             log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
-            if model is not None:  # this GEMM's share of what is left, by ladder points
-                left = budget - (time.monotonic() - start)
-                rest = sum(len(ladders[n]) for n in list(shapes)[i:])
+            if model is not None:
                 rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=tops[name],
                                        root=root, dtype=shape.dtype, epilogue=shape.epilogue,
                                        transfer_roots=training_roots(root, _shipped(args)),
-                                       deadline=time.monotonic() + max(0.0, left) * len(ladder) / rest,
+                                       deadline=_deadline(start + budget, ladders, names, i),
                                        progress=lambda _t, task=task: bar.advance(task), log=log)
             else:
                 rec = tune_gemm(shape.n, shape.k, threads=threads, max_m=tops[name], window=args.window,
@@ -98,8 +97,9 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                           str(sum(t.searched for t in rec.tuned)), f"{best:.1f}", f"{rec.seconds:.0f}",
                           str(record_path(shape, threads, root)))
     console.print(table)
-    if model is not None and searched:  # a re-run over complete records leaves them (and builds) be
-        _refine(args, spec, shapes, ladders, tops, threads, model, start + budget, console)
+    if model is not None:
+        if searched:  # a re-run over complete records leaves them (and the builds keyed on them) be
+            _refine(args, spec, shapes, ladders, tops, threads, model, start + budget, console)
         spent = time.monotonic() - start
         console.print(f"model-guided search: {spent:.0f} s of a {budget / 60:g} min budget")
     return 0
@@ -116,18 +116,22 @@ def _refine(args: argparse.Namespace, spec: RunSpec, shapes: dict, ladders: dict
     log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
     names = list(shapes)
     for i, name in enumerate(names):
-        left, rest = end - time.monotonic(), sum(len(ladders[n]) for n in names[i:])
-        if left <= 0:
+        if end <= time.monotonic():
             break
         shape = shapes[name]
         before = record_of(shape, threads, spec.records)
         rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=tops[name],
                                root=spec.records, dtype=shape.dtype, epilogue=shape.epilogue,
                                transfer_roots=training_roots(spec.records, _shipped(args)),
-                               deadline=time.monotonic() + left * len(ladders[name]) / rest, log=log,
-                               refine=True)
+                               deadline=_deadline(end, ladders, names, i), log=log, refine=True)
         changed = [t.m for t in rec.tuned if before.get(t.m) not in (None, t.schedule)]
         log(f"{name}: searched again; new schedules at m = {changed or 'none'}")
+
+
+def _deadline(end: float, ladders: dict, names: list, i: int) -> float:
+    """GEMM ``names[i]``'s deadline: its share, by ladder points, of the budget left until ``end``."""
+    rest = sum(len(ladders[n]) for n in names[i:])
+    return time.monotonic() + max(0.0, end - time.monotonic()) * len(ladders[names[i]]) / rest
 
 
 def record_of(shape, threads: int, root) -> dict:

@@ -126,11 +126,9 @@ class BatchEngine:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[TokenEvent]:
         """Run the next scheduled iteration; [] when there is nothing to run."""
-        drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)  # a draft model's time
+        drafting_s = self.scheduler.drafter.seconds  # a draft model's time, this step's added below
         switches = len(self.engine.switches)  # a draft model may switch the pool too
         step = self.scheduler.schedule()
-        if self.metrics is not None and getattr(self.scheduler.drafter, "seconds", 0.0) > drafting_s:
-            self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
         if step is None or not step.seqs:
             return []
         self.steps["mixed" if step.mixed else step.phase] += 1
@@ -146,6 +144,7 @@ class BatchEngine:
         events = self._sample(step, logits)
         self.scheduler.index(step)
         if self.metrics is not None:
+            self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
             self.metrics.on_tokens(sum(e.token is not None for e in events))
             self.metrics.on_step(step.phase, sum(step.lengths), switched, time.perf_counter() - t0,
                                  len(step.preempted))
@@ -175,10 +174,7 @@ class BatchEngine:
         fed = [(s, s.computed + n) for s, n in zip(step.seqs, step.lengths, strict=True)  # will draft:
                if s.computed < len(s.tokens) - 1 and s.constraint is None and s.max_tokens > 2]
         if fed:
-            drafting_s = getattr(self.scheduler.drafter, "seconds", 0.0)
             self.scheduler.drafter.prefill([s for s, _ in fed], [n for _, n in fed])
-            if self.metrics is not None and getattr(self.scheduler.drafter, "seconds", 0.0) > drafting_s:
-                self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)
 
     def _sample(self, step: Step, logits: np.ndarray) -> list[TokenEvent]:
         events: list[TokenEvent] = []

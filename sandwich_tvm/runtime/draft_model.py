@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -73,16 +73,11 @@ class DraftModel:
         drafts: list[list[int]] = [[] for _ in seqs]
         if self.error is not None:
             return drafts
-        t0 = time.perf_counter()
-        try:
+        with self._calls():
             todo = self._sync(seqs, ks)
             if todo:
                 self._draft(seqs, ks, todo, drafts)
-        except Exception as err:  # a failed draft kernel: the target decodes alone from here on
-            self._fail(err)
-            drafts = [[] for _ in seqs]
-        self.seconds += time.perf_counter() - t0
-        return drafts
+        return drafts if self.error is None else [[] for _ in seqs]
 
     def prefill(self, seqs: list[Seq], upto: list[int]) -> None:
         """A prefill step gave the target ``seqs[i].tokens[:upto[i]]``: the draft model takes
@@ -91,8 +86,7 @@ class DraftModel:
         whose tokens do not fit the draft cache is left to the decode step's catch-up."""
         if self.error is not None:
             return
-        t0 = time.perf_counter()
-        try:
+        with self._calls():
             cached, missing = [], []
             for seq, n in zip(seqs, upto, strict=True):
                 c = self._entry(seq)
@@ -103,27 +97,32 @@ class DraftModel:
                 missing.append(list(seq.tokens[len(c.tokens):n]))
             if cached:
                 self._feed(cached, missing)
-        except Exception as err:
-            self._fail(err)
-        self.seconds += time.perf_counter() - t0
 
     def release(self, seq: Seq) -> None:
         cached = self._seqs.pop(seq.request_id, None)
         if cached is not None and self.error is None:
             self.pages.remove(cached.kv_id)
-            try:
+            with self._calls():
                 self.engine.stop(cached.kv_id)
-            except Exception as err:  # never into the serving loop
-                self._fail(err)
 
     def clear(self) -> None:
         self.pages.clear()
         self._seqs.clear()
         if self.error is None:
-            try:
+            with self._calls():
                 self.engine.clear()
-            except Exception as err:
-                self._fail(err)
+
+    @contextlib.contextmanager
+    def _calls(self) -> Iterator[None]:
+        """Calls into the draft model: timed, and a failure (never into the serving loop) turns
+        drafting off; the target decodes alone from here on."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as err:
+            self._fail(err)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def _fail(self, err: Exception) -> None:
         """Drafting off for good: the draft cache's state is unknown after a failed call (emptied

@@ -340,8 +340,8 @@ class Scheduler:
             return None
         ks = [0 if s.constraint is not None else max(min(k, s.max_tokens - s.num_output - 1), 0)
               for s in decoders]
-        if not any(ks) or sum(self._grow(s, 1 + n) for s, n in zip(decoders, ks, strict=True)) > \
-                self.free_pages():
+        pages = sum(self._grow(s, 1 + n) for s, n in zip(decoders, ks, strict=True))  # a whole draft each
+        if not any(ks) or pages > self.free_pages():
             return None
         drafts = self.drafter.propose(decoders, ks)
         return drafts if any(drafts) else None

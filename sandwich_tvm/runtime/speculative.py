@@ -17,8 +17,8 @@ bonus token). For a draft that is one token, not a distribution, this is exactly
 sampling: the draft token survives with its probability under the model, and a rejection draws
 from the rest of the distribution. Greedy decoding therefore gives exactly the tokens it gives
 without drafts, and sampling keeps its distribution. This holds for any draft that depends on
-the tokens so far only, a draft model's greedy tokens included. The cache keeps the keys and values of the
-accepted positions; the rest are popped.
+the tokens so far only, a draft model's greedy tokens included. The cache keeps the keys and
+values of the accepted positions; the rest are popped.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def accept(draft: Sequence[int], rows: np.ndarray, sample: Callable[[np.ndarray]
 
 
 class Drafter(Protocol):
-    """What the scheduler asks of a draft source before a decode step."""
+    """What the scheduler asks of a draft source before a decode step; ``seconds``: the time it
+    has spent drafting."""
+
+    seconds: float
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` draft tokens continuing ``seqs[i].tokens`` (none where ``ks[i]`` is 0)."""
@@ -83,6 +86,8 @@ class Drafter(Protocol):
 
 class PromptLookup:
     """Drafts by prompt lookup (``propose``): no state, nothing to release."""
+
+    seconds = 0.0  # drafts come from the tokens: no model time
 
     def __init__(self, n_max: int = 4, n_min: int = 2) -> None:
         self.n_max, self.n_min = n_max, n_min

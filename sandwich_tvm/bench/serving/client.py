@@ -235,3 +235,18 @@ async def warm_up(base_url: str, model: str, prompt_ids: list[int], max_tokens: 
     async with make_client(timeout_s) as client:
         return await send_request(client, base_url, model, Request(prompt_ids, max_tokens),
                                   timeout_s=timeout_s)
+
+
+def read_metrics(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Samples of a Prometheus exposition (``names``: key -> sample name), summed over their
+    labels; a sample the text does not hold is absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {name: key for key, name in names.items()}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                key = wanted[sample.name]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ...model.config import LlamaConfig
 from ..baselines.server_process import ServerProcess, ServerStartError, free_port
-from .client import RunResult, run_requests, warm_up
+from .client import RunResult, read_metrics, run_requests, warm_up
 from .report import (
     DEFAULT_SCALES,
     Slo,
@@ -451,13 +451,6 @@ def scrape_counters(base_url: str, names: dict[str, str]) -> dict[str, float]:
     import httpx
 
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    except httpx.HTTPError:
+        return read_metrics(httpx.get(f"{base_url}/metrics", timeout=10).text, names)
+    except (httpx.HTTPError, ValueError):  # unreachable, or not an exposition
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        metric = line.split("{", 1)[0].split(" ", 1)[0]
-        for key, name in names.items():
-            if metric == name:
-                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
