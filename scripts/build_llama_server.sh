@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (the serving benchmark's baseline) from source and install it
-# as .venv/bin/llama-server. The source is the llama.cpp that the llama-cpp-python sdist on PyPI
+# Build llama.cpp's `llama-server` (the serving benchmark's baseline) and `llama-perplexity` (the
+# perplexity benchmark's) from source and install them in .venv/bin/. The source is the llama.cpp that the llama-cpp-python sdist on PyPI
 # vendors (tools/server included), so the build needs PyPI only, never GitHub.
-#   bash scripts/build_llama_server.sh           # skip when .venv/bin/llama-server exists
+#   bash scripts/build_llama_server.sh           # skip the tools already in .venv/bin
 #   bash scripts/build_llama_server.sh --force   # rebuild anyway
 # Release, -DGGML_NATIVE=ON (tuned for this CPU: build it on the machine that benchmarks),
 # static libraries, no network features (CURL, OpenSSL, the web UI download). Minutes on 2 cores.
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 VERSION=0.3.36  # llama-cpp-python sdist; its vendor/llama.cpp is what gets built
 ROOT=$PWD
-BIN=$ROOT/.venv/bin/llama-server
+TOOLS=(llama-server llama-perplexity)
 WORK=${LLAMA_SERVER_BUILD_DIR:-$ROOT/.venv/build/llama-server}
 SDIST=$WORK/llama_cpp_python-$VERSION.tar.gz
 SRC=$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp
@@ -28,8 +28,12 @@ for arg in "$@"; do
   esac
 done
 
-if [ -x "$BIN" ] && [ "$FORCE" = 0 ]; then
-  log "$BIN exists; nothing to do (--force rebuilds)"
+MISSING=()
+for tool in "${TOOLS[@]}"; do
+  if [ "$FORCE" = 1 ] || [ ! -x "$ROOT/.venv/bin/$tool" ]; then MISSING+=("$tool"); fi
+done
+if [ ${#MISSING[@]} = 0 ]; then
+  log "${TOOLS[*]} are in .venv/bin; nothing to do (--force rebuilds)"
   exit 0
 fi
 [ -x .venv/bin/python ] || die ".venv/bin/python not found: run 'bash scripts/setup.sh' first"
@@ -74,11 +78,14 @@ log "configuring (Release, GGML_NATIVE=ON) in $WORK/build"
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   || die "cmake configure failed (see the output above)"
-log "building llama-server with $JOBS jobs (minutes)"
-"$CMAKE" --build "$WORK/build" --target llama-server -j "$JOBS" || die "build failed (see the output above)"
+log "building ${MISSING[*]} with $JOBS jobs (minutes)"
+"$CMAKE" --build "$WORK/build" --target "${MISSING[@]}" -j "$JOBS" || die "build failed (see the output above)"
 
-BUILT=$(find "$WORK/build" -type f -name llama-server -perm -u+x | head -1)
-[ -n "$BUILT" ] || die "the build finished but produced no llama-server binary"
-install -m 755 "$BUILT" "$BIN"
-"$BIN" --version >/dev/null 2>&1 || die "$BIN does not run"
-log "installed $BIN ($(( $(date +%s) - START )) s): $("$BIN" --version 2>&1 | grep -m1 version || true)"
+for tool in "${MISSING[@]}"; do
+  BUILT=$(find "$WORK/build" -type f -name "$tool" -perm -u+x | head -1)
+  [ -n "$BUILT" ] || die "the build finished but produced no $tool binary"
+  BIN=$ROOT/.venv/bin/$tool
+  install -m 755 "$BUILT" "$BIN"
+  "$BIN" --version >/dev/null 2>&1 || die "$BIN does not run"
+  log "installed $BIN ($(( $(date +%s) - START )) s): $("$BIN" --version 2>&1 | grep -m1 version || true)"
+done

