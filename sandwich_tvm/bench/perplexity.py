@@ -157,12 +157,6 @@ def torch_nll(model_spec: str, cfg, chunks: list[list[int]]) -> list[float]:
     return out
 
 
-def added_bos(tok) -> int | None:
-    """The BOS id the tokenizer puts before a raw text (None when it adds none)."""
-    plain, special = tok.encode("a"), tok.encode("a", add_special_tokens=True)
-    return special[0] if len(special) > len(plain) and special[1:len(plain) + 1] == plain else None
-
-
 def llamacpp_reference(model: str, tok, text: str, *, tokens: int, window: int, threads: int, log):
     """Run llama-perplexity on the model's GGUF: ``(run, its chunks as evaluated, whether our
     tokenizer gave the same ids)``."""
@@ -181,12 +175,16 @@ def llamacpp_reference(model: str, tok, text: str, *, tokens: int, window: int, 
     binary = find_llama_perplexity()
     if binary is None:
         raise LlamaPerplexityError(unavailable())
-    if tokens < window:
-        raise ValueError(f"--llamacpp scores whole windows: --tokens {tokens} is less than --window {window}")
+    if window < 4 or tokens < window:
+        raise ValueError(f"--llamacpp scores whole windows of at least 4 tokens: --window {window}, "
+                         f"--tokens {tokens}")
     log(f"llama.cpp: {binary} on {path.name}, {tokens // window} chunks of {window}, {threads} threads ...")
     run = run_llama_perplexity(binary, path, text, n_ctx=window, chunks=tokens // window, threads=threads)
     ours = tok.encode(text, add_special_tokens=True)[:len(run.tokens)]
-    return run, llama_chunks(run.tokens, window, added_bos(tok)), ours == run.tokens
+    # llama.cpp put a BOS first when its vocabulary adds one; it then starts every chunk with it
+    bos_id = tok.token_to_id(tok.bos_token) if tok.bos_token else None
+    bos = bos_id if bos_id is not None and run.tokens[0] == bos_id else None
+    return run, llama_chunks(run.tokens, window, bos), ours == run.tokens
 
 
 def summarize(nlls: Sequence[float]) -> dict:
@@ -218,7 +216,8 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
     except (SpecError, ValueError, *LOAD_ERRORS) as exc:
         print_error(console, exc)
         return 2
-    text = sharegpt_text(args.tokens * 8)
+    # llama-perplexity wants at least two windows of text, whatever it scores
+    text = sharegpt_text(max(args.tokens, 2 * args.window) * 8 if args.llamacpp else args.tokens * 8)
     llama = None
     if args.llamacpp:
         from .baselines.llama_perplexity import LlamaPerplexityError
@@ -273,6 +272,7 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
             row["vs_llamacpp"] = row["ppl_second_half"] / llama.ppl
             row["vs_fp32_second_half"] = row["ppl_second_half"] / ref["ppl_second_half"] if ref else None
         rows[LLAMACPP_ROW] = {
+            "ppl": None, "nll": None, "vs_fp32": None, "vs_llamacpp": 1.0,
             "ppl_second_half": llama.ppl, "plus_minus": llama.plus_minus, "tokens": llama.scored,
             "dtype": "the GGUF's", "activations": "llama.cpp's", "kv_dtype": "float16",
             "vs_fp32_second_half": llama.ppl / ref["ppl_second_half"] if ref else None,

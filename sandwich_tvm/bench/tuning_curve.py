@@ -2,7 +2,10 @@
 tuning lands its records.
 
 It starts ``serve --tune-in-background idle`` on a model whose GEMMs lack records (a fresh
-records directory: only the records shipped in the package are read beside it), then sends the
+records directory, the only one the server reads records from; the tuner's cost model and
+transfer also learn from the package's shipped records unless ``--costmodel-data records``, and
+``--copy-records DIR`` starts the directory as a copy of DIR, e.g. every shipped record but this
+CPU's, to tune as on a new CPU), then sends the
 same greedy request over and over, idling ``--idle`` seconds between requests (the worker tunes
 only while the server is idle), until the worker has finished and ``--after`` requests have run
 on its last build. Each request's TTFT and TPOT come from its token stream; the server's
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +46,11 @@ def add_tuning_curve_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="weights, as serve takes them (default auto)")
     p.add_argument("--records", type=Path, default=None,
                    help="records directory the server tunes into (default: a fresh temporary one)")
+    p.add_argument("--copy-records", type=Path, default=None, metavar="DIR",
+                   help="start the fresh records directory as a copy of DIR (default: empty)")
+    p.add_argument("--costmodel-data", choices=("all", "records"), default="all",
+                   help="serve --costmodel-data: records keeps the shipped records out of the tuner's cost "
+                        "model and transfer (default all)")
     p.add_argument("--budget", type=positive_float, default=8.0, metavar="MIN",
                    help="serve --tune-budget (default 8)")
     p.add_argument("--prompt-tokens", type=positive_int, default=512,
@@ -148,6 +157,11 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     records = args.records or Path(tempfile.mkdtemp(prefix="sandwich-records-"))
+    if args.copy_records is not None:
+        if not args.copy_records.is_dir():
+            print_error(console, ValueError(f"--copy-records {args.copy_records} is not a directory"))
+            return 2
+        shutil.copytree(args.copy_records, records, dirs_exist_ok=True)
     try:
         tok = load_model_tokenizer(args.model)
     except (OSError, ValueError) as exc:
@@ -161,7 +175,8 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
     port = free_port()
     cmd = [sys.executable, "-m", "sandwich_tvm.serve", "--model", str(args.model), "--dtype", args.dtype,
            "--records", str(records), "--port", str(port), "--host", "127.0.0.1",
-           "--served-model-name", "m", "--tune-in-background", "idle", "--tune-budget", str(args.budget)]
+           "--served-model-name", "m", "--tune-in-background", "idle", "--tune-budget", str(args.budget),
+           "--costmodel-data", args.costmodel_data]
     env = {**os.environ, "SANDWICH_RECORDS_DIR": str(records)}
     log_path = records / "serve.log"
     log(f"serving {args.model} with background tuning into {records} (log {log_path})")
@@ -194,7 +209,9 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
     cpu = host_signature()
     out = {"model": str(args.model), "dtype": args.dtype, "cpu": f"{cpu.model_name} ({cpu.slug})",
            "budget_min": args.budget, "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-           "idle_s": args.idle, "records": str(records), "points": points, "summary": summarize(points),
+           "idle_s": args.idle, "records": str(records), "costmodel_data": args.costmodel_data,
+           "copied_records": None if args.copy_records is None else str(args.copy_records),
+           "points": points, "summary": summarize(points),
            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["tuning-curve"]))}
     if args.out:
         save_atomic(args.out, json.dumps(out, indent=1))

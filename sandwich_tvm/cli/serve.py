@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "only while no request is running; always: beside them (default off)")
     p.add_argument("--tune-budget", type=positive_float, default=8.0, metavar="MIN",
                    help="minutes of background tuning at most (default 8)")
+    p.add_argument("--costmodel-data", choices=("all", "records"), default="all",
+                   help="what background tuning's cost model and transfer learn from: all (default): the "
+                        "records directory and the records shipped in the package; records: the records "
+                        "directory alone (as tune kernels takes it)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level")
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..runtime.background_tuning import BackgroundTuner
 
         tuner = BackgroundTuner(spec, async_engine, args.tune_in_background, args.tune_budget, log,
-                                metrics=metrics).start()
+                                metrics=metrics, shipped=args.costmodel_data == "all").start()
     app = create_app(Server(async_engine, tok, name, metrics))
     log(f"serving {name} on http://{args.host}:{args.port} (max batch {policy.max_batch}, KV cache "
         f"{engine.kv_tokens} tokens in {engine.total_pages} pages, {engine.context} per request, tokenizer: "

@@ -7,8 +7,11 @@ model after each GEMM lands, and the engine thread swaps to the new build betwee
 (SIGSTOP) while the engine has work and continued (SIGCONT) when it goes idle, so tuning takes
 only cores the server is not using; "always": it runs beside the server.
 
-The worker is ``python -m sandwich_tvm.runtime.background_tuning``: it reads the pickled run spec
-and budget on stdin and prints ``landed <gemm>`` and ``compiled <artifact dir>`` lines.
+The worker is ``python -m sandwich_tvm.runtime.background_tuning``: it reads the pickled run spec,
+budget and training choice on stdin and prints ``landed <gemm>`` and ``compiled <artifact dir>``
+lines. Its cost model and transfer learn from the records directory and, unless ``shipped`` is
+False (``serve --costmodel-data records``, to hold this CPU's shipped records out), the records
+shipped in the package.
 """
 
 from __future__ import annotations
@@ -52,10 +55,10 @@ def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
     return out
 
 
-def worker(spec, budget_s: float, say: Callable[[str], None]) -> None:
+def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = True) -> None:
     """Tune ``spec``'s untuned GEMMs within ``budget_s``, rebuilding the model after each."""
     from ..compiler.artifact import compile_model
-    from ..kernels.costmodel import CostModel, training_samples
+    from ..kernels.costmodel import CostModel, training_roots, training_samples
     from ..kernels.guided import tune_gemm_guided
     from ..kernels.tuner import tune_gemm
     from ..tvm_compat import preload_tensor_intrinsics
@@ -65,7 +68,7 @@ def worker(spec, budget_s: float, say: Callable[[str], None]) -> None:
         say("nothing to tune")
         return
     try:
-        model = CostModel.train(training_samples(spec.records))
+        model = CostModel.train(training_samples(spec.records, shipped=shipped))
     except ValueError as err:  # nothing to learn from: the full search, within the same budget
         say(f"{err}")
         model = None
@@ -81,7 +84,8 @@ def worker(spec, budget_s: float, say: Callable[[str], None]) -> None:
         else:
             rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=max_m,
                                    root=spec.records, dtype=shape.dtype, epilogue=shape.epilogue,
-                                   deadline=time.monotonic() + left / (len(todo) - i))
+                                   deadline=time.monotonic() + left / (len(todo) - i),
+                                   transfer_roots=training_roots(spec.records, shipped))
         if not rec.tuned:
             continue
         say(f"landed {name} {shape.name} t{threads}: {sum(t.searched for t in rec.tuned)} m measured")
@@ -93,13 +97,14 @@ class BackgroundTuner:
     """Runs the worker for a serving engine (an ``AsyncEngine``) and swaps in what it builds."""
 
     def __init__(self, spec, engine, mode: str = "idle", budget_min: float = 8.0,
-                 log: Callable[[str], None] = lambda _m: None, metrics=None) -> None:
+                 log: Callable[[str], None] = lambda _m: None, metrics=None, shipped: bool = True) -> None:
         """``metrics``: a ``ServingMetrics`` whose background-tuning gauge and counters follow
-        the worker (running, GEMMs landed, builds swapped in)."""
+        the worker (running, GEMMs landed, builds swapped in); ``shipped``: whether the worker's
+        cost model and transfer read the package's records besides the records directory."""
         if mode not in MODES[1:]:
             raise ValueError(f"background tuning mode {mode!r}; one of {MODES[1:]}")
         self.spec, self.engine, self.mode, self.budget_s, self.log = spec, engine, mode, 60 * budget_min, log
-        self.metrics = metrics
+        self.metrics, self.shipped = metrics, shipped
         self._reader: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.swaps: list[tuple[float, str]] = []  # (time, artifact) of every build swapped in
@@ -110,7 +115,7 @@ class BackgroundTuner:
         self.proc = subprocess.Popen([sys.executable, "-m", "sandwich_tvm.runtime.background_tuning"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False,
                                      start_new_session=True)  # its own group: stopped as one
-        self.proc.stdin.write(pickle.dumps((self.spec, self.budget_s)))
+        self.proc.stdin.write(pickle.dumps((self.spec, self.budget_s, self.shipped)))
         self.proc.stdin.close()
         if self.metrics is not None:
             self.metrics.tuning_running.set(1)
@@ -182,14 +187,14 @@ class BackgroundTuner:
 
 
 def main() -> int:
-    spec, budget_s = pickle.load(sys.stdin.buffer)
+    spec, budget_s, shipped = pickle.load(sys.stdin.buffer)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what tuning and compiling print stays off the protocol
 
     def say(msg: str) -> None:
         out.write(msg + "\n")
 
-    worker(spec, budget_s, say)
+    worker(spec, budget_s, say, shipped)
     return 0
 
 

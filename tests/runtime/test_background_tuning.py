@@ -84,3 +84,38 @@ def test_serving_an_untuned_model_answers_at_once_then_swaps_in_tuned_kernels(ti
     assert metrics.tuning_running._value.get() == 0  # /metrics shows the worker gone
     assert any(x.startswith("background tuning: landed") for x in logs)
     assert list(tmp_path.glob("*/t*/linear_*.json"))  # the records it tuned are kept
+
+
+@pytest.mark.parametrize("shipped", [True, False])
+def test_the_worker_learns_from_the_shipped_records_unless_told_not_to(monkeypatch, tmp_path, shipped):
+    """``serve --costmodel-data records``: the cost model and transfer read the records
+    directory alone (a new CPU's view, with this CPU's shipped records held out)."""
+    from sandwich_tvm.kernels import costmodel, guided
+    from sandwich_tvm.kernels.database import SHIPPED_DIR
+    from sandwich_tvm.runtime import background_tuning as bt
+
+    seen = {}
+
+    class Seen(Exception):
+        pass
+
+    monkeypatch.setattr(costmodel, "training_samples",
+                        lambda root, shipped=True: seen.setdefault("data", shipped))
+    monkeypatch.setattr(costmodel.CostModel, "train", classmethod(lambda cls, samples: "model"))
+    monkeypatch.setattr("sandwich_tvm.tvm_compat.preload_tensor_intrinsics", lambda: None)
+
+    def tune(n, k, **kw):
+        seen["roots"] = tuple(kw["transfer_roots"])
+        raise Seen  # nothing more to see: the worker stops here
+
+    class Shape:
+        n, k, dtype, epilogue = 4, 4, "float32", "none"
+
+    monkeypatch.setattr(bt, "gemms_to_tune", lambda spec: [("o", Shape(), 2, 16)])
+    monkeypatch.setattr(guided, "tune_gemm_guided", tune)
+    spec = RunSpec.__new__(RunSpec)
+    object.__setattr__(spec, "records", tmp_path)
+    with pytest.raises(Seen):
+        bt.worker(spec, 60.0, lambda _m: None, shipped=shipped)
+    assert seen["data"] is shipped
+    assert (SHIPPED_DIR in seen["roots"]) is shipped and tmp_path in seen["roots"]

@@ -9,6 +9,7 @@ import pytest
 
 from sandwich_tvm.cli import topo as topo_cli
 from sandwich_tvm.model.config import PRESETS
+from sandwich_tvm.model.stages import split_layers
 from sandwich_tvm.topology import load_tree, parse_config, search_plans
 from sandwich_tvm.topology.hwobj import TopologyError
 from sandwich_tvm.topology.profile import (
@@ -161,6 +162,13 @@ def test_simulator_pipeline_stages(trace):
     prompt = np.array([1024.0])
     assert sim.ttft_ms(pp2, prompt)[0] < 0.75 * sim.ttft_ms(socket, prompt)[0]  # pieces overlap
     assert sim.ttft_ms(pp2, np.array([20.0]))[0] > sim.ttft_ms(socket, np.array([20.0]))[0]  # one piece
+    # llama-160m in bf16 (~320 MB) outgrows a socket's 256 MB of L3, each stage's half does not:
+    # a stage's steps read its own weights from its LLC, one socket reads them all from DRAM
+    small = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), PRESETS["llama-160m"], trace,
+                             weight_bytes=2.0)
+    assert small.bandwidth_gbs(socket) < small.bandwidth_gbs(socket, resident=small._stage_bytes(
+        split_layers(12, 2)[0], 1))
+    assert small.tpot_ms(pp2, ctx)[0] < 0.8 * small.tpot_ms(socket, ctx)[0]
 
 
 def test_simulator_weight_attention_separation(trace):

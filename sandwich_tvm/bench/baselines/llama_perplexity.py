@@ -28,6 +28,7 @@ from .llamaserver import find_tool, tool_unavailable
 NAME, ENV = "llama-perplexity", "LLAMA_PERPLEXITY"
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _MAGIC = b"_logits_"
+_ERROR = re.compile(r"error|failed|need at least|GGML_ASSERT|Unexpected", re.IGNORECASE)
 
 
 class LlamaPerplexityError(RuntimeError):
@@ -61,14 +62,20 @@ def unavailable() -> str | None:
 
 def read_tokens(path: Path) -> tuple[int, list[int]]:
     """``(n_ctx, token ids)`` from the head of a ``--kl-divergence-base`` logits file."""
-    with open(path, "rb") as f:
-        if f.read(8) != _MAGIC:
-            raise LlamaPerplexityError(f"{path} is not a llama-perplexity logits file")
-        n_ctx, _n_vocab, n_chunk = np.frombuffer(f.read(12), np.int32).tolist()
-        ids = np.frombuffer(f.read(4 * n_ctx * n_chunk), np.int32)
-    if n_ctx < 2 or n_chunk < 1 or ids.size != n_ctx * n_chunk:
+    try:
+        with open(path, "rb") as f:
+            magic, head = f.read(8), f.read(12)
+            if magic != _MAGIC:
+                raise LlamaPerplexityError(f"{path} is not a llama-perplexity logits file")
+            if len(head) != 12:
+                raise LlamaPerplexityError(f"{path}: truncated header")
+            n_ctx, _n_vocab, n_chunk = np.frombuffer(head, np.int32).tolist()
+            body = f.read(4 * max(n_ctx * n_chunk, 0))
+    except OSError as err:
+        raise LlamaPerplexityError(f"llama-perplexity's logits file cannot be read ({err})") from err
+    if n_ctx < 2 or n_chunk < 1 or len(body) != 4 * n_ctx * n_chunk:
         raise LlamaPerplexityError(f"{path}: truncated header (n_ctx {n_ctx}, {n_chunk} chunks)")
-    return n_ctx, ids.tolist()
+    return n_ctx, np.frombuffer(body, np.int32).tolist()
 
 
 def run_llama_perplexity(binary: Path | str, gguf: Path | str, text: str, *, n_ctx: int, chunks: int,
@@ -77,12 +84,13 @@ def run_llama_perplexity(binary: Path | str, gguf: Path | str, text: str, *, n_c
     tail of its output when it fails."""
     with tempfile.TemporaryDirectory(prefix="sandwich-ppl-") as tmp:
         text_file, logits = Path(tmp) / "text.txt", Path(tmp) / "logits.bin"
-        text_file.write_text(text)
+        text_file.write_text(text, encoding="utf-8")
         args = ["-c", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
         cmd = [str(binary), "-m", str(gguf), "-f", str(text_file), *args, "--kl-divergence-base", str(logits)]
         t0 = time.perf_counter()
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+            done = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace",
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired as err:
             raise LlamaPerplexityError(f"{NAME} ran past {timeout:.0f} s: {' '.join(cmd)}") from err
         except OSError as err:
@@ -91,12 +99,15 @@ def run_llama_perplexity(binary: Path | str, gguf: Path | str, text: str, *, n_c
         out = done.stdout + done.stderr
         found = _FINAL.search(out)
         if done.returncode != 0 or found is None:
-            tail = "\n".join(out.strip().splitlines()[-5:])
+            lines = out.strip().splitlines()
+            said = [x for x in lines if _ERROR.search(x)]
+            tail = "\n".join(dict.fromkeys(said[-5:] + lines[-3:]))
             raise LlamaPerplexityError(f"{NAME} failed (exit {done.returncode}, no final estimate): "
                                        f"{' '.join(cmd)}\n{tail}")
         got_ctx, ids = read_tokens(logits)
-    if got_ctx != n_ctx:
-        raise LlamaPerplexityError(f"{NAME} scored chunks of {got_ctx} tokens, not the {n_ctx} asked")
+    if got_ctx != n_ctx or len(ids) != n_ctx * chunks:
+        raise LlamaPerplexityError(f"{NAME} scored {len(ids) // max(got_ctx, 1)} chunks of {got_ctx} tokens, "
+                                   f"not the {chunks} of {n_ctx} asked (too little text?)")
     return LlamaPerplexity(float(found.group(1)), float(found.group(2)), ids, n_ctx,
                            [NAME, "-m", str(gguf), "-f", "TEXT", *args], seconds)
 
