@@ -1,6 +1,6 @@
 """`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
-speculative|structured|costmodel|tuning-curve|crosscheck|hop`: Sandwich's dynamic-shape GEMM against numpy and
-torch (``e2e``: the whole model, see ``bench/e2e.py``;
+speculative|structured|costmodel|tuning-curve|crosscheck|hop|cache-resident`: Sandwich's dynamic-shape
+GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
 ``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
@@ -12,7 +12,8 @@ cost the requests batched with them, ``bench/structured.py``; ``costmodel``: the
 model's ranking on held-out shapes, ``bench/costmodel.py``; ``tuning-curve``: a served model's
 tokens/s as background tuning lands records, ``bench/tuning_curve.py``; ``crosscheck``: kernels
 built here, checked against numpy and timed on a CPU with TVM's runtime only,
-``bench/crosscheck.py``; ``hop``: per-hop latency and bandwidth to a worker host, ``bench/hop.py``).
+``bench/crosscheck.py``; ``hop``: per-hop latency and bandwidth to a worker host, ``bench/hop.py``;
+``cache-resident``: modelled pipelines of cache-resident sockets per batch, ``bench/cache_resident.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -40,6 +41,7 @@ from ..kernels.schedule import EPILOGUES
 from .agreement_cmd import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
 from .attention import add_attention_parser, main_attention
+from .cache_resident import add_cache_resident_parser, main_cache_resident
 from .cold import cold_rotation, llc_bytes_of
 from .costmodel import add_costmodel_parser, main_costmodel
 from .crosscheck import add_crosscheck_parser, main_crosscheck
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tuning_curve_parser(sub)
     add_crosscheck_parser(sub)
     add_hop_parser(sub)
+    add_cache_resident_parser(sub)
     return parser
 
 
@@ -378,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.what == "crosscheck":
         return main_crosscheck(args)
+    if args.what == "cache-resident":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_cache_resident(args, console)
     if args.what == "hop":
         from ..runtime.disco_group import DiscoError
         from ..topology.hosts import HostError

@@ -110,6 +110,11 @@ PRESETS: dict[str, LlamaConfig] = {
                                 rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True),
     "llama-3-8b": LlamaConfig("llama-3-8b", 4096, 32, 32, 8, 14336, 128256,
                               max_position_embeddings=8192, rope_theta=500000.0),
+    # the cache-resident paper's two models (its Table 2), for the modelled cluster (bench cache-resident)
+    "llama-3.2-3b": LlamaConfig("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256,
+                                max_position_embeddings=131072, rope_theta=500000.0,
+                                rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True),
+    "llama-2-7b": LlamaConfig("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, max_position_embeddings=4096),
     # small enough that its q4_0 weights (19 MB read per token) stay in a 32 MiB last-level cache
     "llama-34m": LlamaConfig("llama-34m", 1024, 2, 16, 16, 2816, 4096, max_position_embeddings=2048),
 }

@@ -31,6 +31,8 @@ from .configs import ServiceConfig
 from .profile import MachineProfile, Resource
 from .tree import TopoTree
 
+LLC_FIT = 0.75  # weights up to this share of the last-level caches are served from them
+
 ACT_BYTES = 4  # the all-reduces carry activations and logits, which stay fp32 whatever the weights' dtype
 
 
@@ -149,7 +151,7 @@ class LatencySimulator:
         head = m.hidden_size * m.vocab_size * (self.head_bytes - self.weight_bytes)  # in its own type
         weights = ((m.num_params() * self.weight_bytes + head) / len(config.processes) if resident is None
                    else resident)
-        if self.profile.llc_gbs_per_core and weights <= 0.75 * self._llc_bytes(config):
+        if self.profile.llc_gbs_per_core and weights <= LLC_FIT * self.llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
 
@@ -157,11 +159,11 @@ class LatencySimulator:
         """``bandwidth_gbs`` for each of an array of resident byte counts (a cache per context
         length: the short ones may fit the LLC while the long ones stream from DRAM)."""
         resident = np.asarray(resident, dtype=float)
-        fits = resident <= 0.75 * self._llc_bytes(config)
+        fits = resident <= LLC_FIT * self.llc_bytes(config)
         llc, dram = self.bandwidth_gbs(config, resident=0.0), self.bandwidth_gbs(config, resident=math.inf)
         return np.where(fits, llc, dram)
 
-    def _llc_bytes(self, config: ServiceConfig) -> float:
+    def llc_bytes(self, config: ServiceConfig) -> float:
         proc = config.processes[0]
         l3s = {self._l3_of.get(pu) for pu in proc}
         sharers = {inst: sum(1 for p in config.processes
@@ -191,9 +193,10 @@ class LatencySimulator:
         p = self.profile
         return p.allreduce_latency_us / 1e3 + np.asarray(nbytes, float) / (p.allreduce_gbs * 1e6)
 
-    def _pipeline_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool) -> np.ndarray:
-        """A prefill (``tokens``: prompt lengths) or a batch-1 decode step (``tokens``: context
-        lengths) through ``config``'s stages, as ``runtime.stage`` runs it."""
+    def _pipeline_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool, batch: int = 1
+                     ) -> np.ndarray:
+        """A prefill (``tokens``: prompt lengths) or a decode step of ``batch`` sequences
+        (``tokens``: context lengths) through ``config``'s stages, as ``runtime.stage`` runs it."""
         m = self.model
         stages = split_layers(m.num_hidden_layers, config.pp)
         n = np.asarray(tokens, dtype=float)
@@ -206,16 +209,16 @@ class LatencySimulator:
             # every stage streaming at once (and a piece attends to the pieces before it)
             sub = config.stage(i) if decode else config
             # a stage reads (and may keep in its LLC) only its own layers' weights, the head too on the first
-            resident = self._stage_bytes(stage, sub.tp) if decode else None
-            layer = (self._decode_layer_ms(sub, n, resident) if decode
+            resident = self.stage_bytes(stage, sub.tp) if decode else None
+            layer = (self._decode_layer_ms(sub, n, resident, batch) if decode
                      else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
             t = stage.layers * layer
             if stage.first:  # the head is on the first stage, with the embedding
-                t = t + (self._decode_head_ms(sub, resident) if decode else self._prefill_head_ms(sub))
+                t = t + (self._decode_head_ms(sub, resident, batch) if decode else self._prefill_head_ms(sub))
             times.append(t)
         stacked = np.stack(times)
         ticks = pieces + config.pp - 1
-        hidden = (1 if decode else per_piece) * m.hidden_size * ACT_BYTES
+        hidden = (batch if decode else per_piece) * m.hidden_size * ACT_BYTES
         compute = stacked.sum(axis=0) + (pieces - 1) * stacked.max(axis=0)
         if config.hosts:
             if self.hop is None:
@@ -279,23 +282,24 @@ class LatencySimulator:
         head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
         return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
 
-    def _stage_bytes(self, stage: Stage, tp: int) -> float:
+    def stage_bytes(self, stage: Stage, tp: int) -> float:
         """The weight bytes one rank of a pipeline stage reads per decode step."""
         m = self.model
         head = m.hidden_size * m.vocab_size * self.head_bytes if stage.first else 0.0
         return (stage.layers * m.layer_params() * self.weight_bytes + head) / tp
 
-    def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray, resident: float | None = None
-                         ) -> np.ndarray:
-        """One layer of a batch-1 decode step; ``resident``: the bytes each process reads per
-        step (default its share of the whole model), which decide whether the LLC serves them."""
+    def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray, resident: float | None = None,
+                         batch: int = 1) -> np.ndarray:
+        """One layer of a decode step of ``batch`` sequences (the weights read once, each
+        sequence's cache its own); ``resident``: the weight bytes each process reads per step
+        (default its share of the whole model), which decide whether the LLC serves them."""
         m, tp, b = self.model, config.tp, self.weight_bytes
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
         bw = self.bandwidth_gbs(config, resident) * 1e6
-        kv = 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
-        flops = 2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp
+        kv = batch * 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
+        flops = batch * (2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp)
         layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
-        if (kernels := self._kernels(config)) is not None:
+        if batch == 1 and (kernels := self._kernels(config)) is not None:
             layer = np.maximum(layer, kernels.layer_ms + kv / bw)
         layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)
         return layer + self.profile.layer_overhead_us / 1e3
@@ -313,11 +317,13 @@ class LatencySimulator:
         k, f = self.decode_kernels[near], near / t
         return DecodeKernels(k.layer_ms * f, k.head_ms * f)
 
-    def _decode_head_ms(self, config: ServiceConfig, resident: float | None = None) -> float:
+    def _decode_head_ms(self, config: ServiceConfig, resident: float | None = None, batch: int = 1) -> float:
         m, tp, b = self.model, config.tp, self.head_bytes
         bw = self.bandwidth_gbs(config, resident) * 1e6
-        head = m.hidden_size * m.vocab_size * b / tp / bw
-        if (kernels := self._kernels(config)) is not None:
+        gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
+        weights = m.hidden_size * m.vocab_size / tp
+        head = max(weights * b / bw, batch * 2 * weights / gemm)
+        if batch == 1 and (kernels := self._kernels(config)) is not None:
             head = max(head, kernels.head_ms)
         return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
 
@@ -331,15 +337,19 @@ class LatencySimulator:
         layers = self.model.num_hidden_layers
         return layers * self._prefill_layer_ms(config, s) + self._prefill_head_ms(config)
 
-    def tpot_ms(self, config: ServiceConfig, context: np.ndarray) -> np.ndarray:
-        """Time of one decode step at the given context lengths (batch 1)."""
+    def tpot_ms(self, config: ServiceConfig, context: np.ndarray, batch: int = 1) -> np.ndarray:
+        """Time of one decode step of ``batch`` sequences at the given context lengths (a
+        separated model: batch 1 only)."""
         if config.wa:
+            if batch != 1:
+                raise ValueError("the separated model's decode is modelled at batch 1 only")
             return self._separated_ms(config, context, decode=True)
         if config.pp > 1:
-            return self._pipeline_ms(config, context, decode=True)
+            return self._pipeline_ms(config, context, decode=True, batch=batch)
         ctx = np.asarray(context, dtype=float)
         layers = self.model.num_hidden_layers
-        return layers * self._decode_layer_ms(config, ctx) + self._decode_head_ms(config)
+        return (layers * self._decode_layer_ms(config, ctx, batch=batch)
+                + self._decode_head_ms(config, batch=batch))
 
     # ---- over the trace -------------------------------------------------------------
     def prefill_cost(self, config: ServiceConfig) -> float:

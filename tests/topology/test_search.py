@@ -166,7 +166,7 @@ def test_simulator_pipeline_stages(trace):
     # a stage's steps read its own weights from its LLC, one socket reads them all from DRAM
     small = LatencySimulator(tree, load_profile("epyc-milan7763-2s"), PRESETS["llama-160m"], trace,
                              weight_bytes=2.0)
-    assert small.bandwidth_gbs(socket) < small.bandwidth_gbs(socket, resident=small._stage_bytes(
+    assert small.bandwidth_gbs(socket) < small.bandwidth_gbs(socket, resident=small.stage_bytes(
         split_layers(12, 2)[0], 1))
     assert small.tpot_ms(pp2, ctx)[0] < 0.8 * small.tpot_ms(socket, ctx)[0]
 
