@@ -156,11 +156,11 @@ def main_tuning_curve(args: argparse.Namespace, console: Console) -> int:
     from .perplexity import sharegpt_text
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
+    if args.copy_records is not None and not args.copy_records.is_dir():
+        print_error(console, ValueError(f"--copy-records {args.copy_records} is not a directory"))
+        return 2
     records = args.records or Path(tempfile.mkdtemp(prefix="sandwich-records-"))
     if args.copy_records is not None:
-        if not args.copy_records.is_dir():
-            print_error(console, ValueError(f"--copy-records {args.copy_records} is not a directory"))
-            return 2
         shutil.copytree(args.copy_records, records, dirs_exist_ok=True)
     try:
         tok = load_model_tokenizer(args.model)

@@ -147,10 +147,7 @@ class LatencySimulator:
                 local = 1 / len(domains)
                 bw /= local + (1 - local) / self.profile.remote_factor
             worst = min(worst, bw)
-        m = self.model
-        head = m.hidden_size * m.vocab_size * (self.head_bytes - self.weight_bytes)  # in its own type
-        weights = ((m.num_params() * self.weight_bytes + head) / len(config.processes) if resident is None
-                   else resident)
+        weights = self.weights_per_process(config) if resident is None else resident
         if self.profile.llc_gbs_per_core and weights <= LLC_FIT * self.llc_bytes(config):
             worst = max(worst, self.profile.llc_gbs_per_core * config.threads)
         return worst
@@ -210,7 +207,7 @@ class LatencySimulator:
             sub = config.stage(i) if decode else config
             # a stage reads (and may keep in its LLC) only its own layers' weights, the head too on the first
             resident = self.stage_bytes(stage, sub.tp) if decode else None
-            layer = (self._decode_layer_ms(sub, n, resident, batch) if decode
+            layer = (self._decode_layer_ms(sub, n, resident, batch, stage.layers) if decode
                      else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
             t = stage.layers * layer
             if stage.first:  # the head is on the first stage, with the embedding
@@ -230,9 +227,10 @@ class LatencySimulator:
             p = config.pp
             rows = m.hidden_size * ACT_BYTES
             wanted = pieces if decode else 1  # a prompt's pieces: only the last one's row comes back
-            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + wanted * rows
+            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + wanted * rows * (batch if decode else 1)
             return compute + self.hop.ms((ticks - 1 + wanted + 1) * (p - 1), moved)
-        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(m.hidden_size * ACT_BYTES)
+        last = (batch if decode else 1) * m.hidden_size * ACT_BYTES  # the last stage's rows to the head
+        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(last)
 
     def _separated_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool) -> np.ndarray:
         """A prefill (``tokens``: prompt lengths) or a batch-1 decode step (context lengths) of a
@@ -282,6 +280,13 @@ class LatencySimulator:
         head = max(2 * m.hidden_size * m.vocab_size / tp / gemm, m.hidden_size * m.vocab_size * b / tp / bw)
         return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
 
+    def weights_per_process(self, config: ServiceConfig) -> float:
+        """The weight bytes each process reads per decode step: its share of every layer and of
+        the head (in its own type); the input embedding is one row a token, not counted."""
+        m = self.model
+        head = m.hidden_size * m.vocab_size * self.head_bytes
+        return (m.num_hidden_layers * m.layer_params() * self.weight_bytes + head) / len(config.processes)
+
     def stage_bytes(self, stage: Stage, tp: int) -> float:
         """The weight bytes one rank of a pipeline stage reads per decode step."""
         m = self.model
@@ -289,19 +294,23 @@ class LatencySimulator:
         return (stage.layers * m.layer_params() * self.weight_bytes + head) / tp
 
     def _decode_layer_ms(self, config: ServiceConfig, ctx: np.ndarray, resident: float | None = None,
-                         batch: int = 1) -> np.ndarray:
+                         batch: int = 1, layers: int | None = None) -> np.ndarray:
         """One layer of a decode step of ``batch`` sequences (the weights read once, each
-        sequence's cache its own); ``resident``: the weight bytes each process reads per step
-        (default its share of the whole model), which decide whether the LLC serves them."""
+        sequence's cache its own). ``resident``: the weight bytes each process reads per step
+        (default ``weights_per_process``), served from the LLC when they fit; the cache of the
+        ``layers`` this process runs (default all) is served from it only when weights and cache
+        fit together, else from DRAM (weights read every step stay, the cache streams)."""
         m, tp, b = self.model, config.tp, self.weight_bytes
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
-        bw = self.bandwidth_gbs(config, resident) * 1e6
+        weights = self.weights_per_process(config) if resident is None else resident
+        bw = self.bandwidth_gbs(config, weights) * 1e6
         kv = batch * 2 * ctx * m.num_key_value_heads * m.head_dim * self.kv_bytes / tp
+        kv_bw = self._bandwidth_each(config, weights + (layers or m.num_hidden_layers) * kv) * 1e6
         flops = batch * (2 * m.layer_params() / tp + 4 * ctx * m.num_attention_heads * m.head_dim / tp)
-        layer = np.maximum((m.layer_params() * b / tp + kv) / bw, flops / gemm)
-        if batch == 1 and (kernels := self._kernels(config)) is not None:
-            layer = np.maximum(layer, kernels.layer_ms + kv / bw)
-        layer += 2 * self._allreduce_ms(config, m.hidden_size * ACT_BYTES)
+        layer = np.maximum(m.layer_params() * b / tp / bw + kv / kv_bw, flops / gemm)
+        if (kernels := self._kernels(config)) is not None:  # m = 1's time bounds every batch's
+            layer = np.maximum(layer, kernels.layer_ms + kv / kv_bw)
+        layer += 2 * self._allreduce_ms(config, batch * m.hidden_size * ACT_BYTES)
         return layer + self.profile.layer_overhead_us / 1e3
 
     def _kernels(self, config: ServiceConfig) -> DecodeKernels | None:
@@ -323,9 +332,9 @@ class LatencySimulator:
         gemm = self.compute_gflops(config) * 1e6 * self.profile.gemm_efficiency
         weights = m.hidden_size * m.vocab_size / tp
         head = max(weights * b / bw, batch * 2 * weights / gemm)
-        if batch == 1 and (kernels := self._kernels(config)) is not None:
+        if (kernels := self._kernels(config)) is not None:
             head = max(head, kernels.head_ms)
-        return head + float(self._allreduce_ms(config, m.vocab_size * ACT_BYTES / tp))
+        return head + float(self._allreduce_ms(config, batch * m.vocab_size * ACT_BYTES / tp))
 
     def ttft_ms(self, config: ServiceConfig, prompt: np.ndarray) -> np.ndarray:
         """Prefill time of prompts of the given lengths."""

@@ -169,6 +169,17 @@ def test_simulator_pipeline_stages(trace):
     assert small.bandwidth_gbs(socket) < small.bandwidth_gbs(socket, resident=small.stage_bytes(
         split_layers(12, 2)[0], 1))
     assert small.tpot_ms(pp2, ctx)[0] < 0.8 * small.tpot_ms(socket, ctx)[0]
+    # a batch reads the weights once: two sequences cost little more than one on a memory-bound
+    # socket; 32 cost their caches and arithmetic
+    one, two, many = (sim.tpot_ms(socket, ctx, batch=b)[0] for b in (1, 2, 32))
+    kv = cache_bytes(sim, 512) / (sim.bandwidth_gbs(socket, resident=float("inf")) * 1e6)
+    assert two == pytest.approx(one + kv, rel=0.02) and many > one + 30 * kv
+
+
+def cache_bytes(sim, context: int) -> float:
+    """One sequence's K and V over every layer."""
+    m = sim.model
+    return context * m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim * sim.kv_bytes
 
 
 def test_simulator_weight_attention_separation(trace):
