@@ -363,16 +363,30 @@ def measure_all(cands: Sequence[GemmSchedule]) -> Search:
     return cands[i], gs[i]
 
 
+def diverse(cands: Sequence[GemmSchedule], pred: Sequence[float], top: int) -> list[GemmSchedule]:
+    """The ``top`` best-predicted schedules, each of another micro-kernel while there are others
+    (a model that misjudges one register tile shape cannot fill the batch with it; the neighbour
+    steps then search the winner's tiles), best first."""
+    order = sorted(range(len(cands)), key=lambda i: -pred[i])
+    out, shapes = [], set()
+    for i in order:
+        if cands[i].mk not in shapes:
+            shapes.add(cands[i].mk)
+            out.append(cands[i])
+            if len(out) == top:
+                return out
+    return out + [cands[i] for i in order if cands[i] not in out][:top - len(out)]
+
+
 def ranked(p: Problem, mks: Sequence[MicroKernel], score: Score, guesses: Sequence[GemmSchedule] = (),
            top: int = 4, steps: int = 2, step_top: int = 2, skip: Container[GemmSchedule] = ()) -> Search:
     """Measure the cost model's ``top`` schedules of ``space`` (those not in ``skip``: measured
-    before) beside the ``guesses`` (transferred or reused schedules, clipped to this m); then up
-    to ``steps`` times the best ``step_top`` of the measured winner's unmeasured ``neighbours``,
-    while they gain."""
+    before), one per micro-kernel (``diverse``), beside the ``guesses`` (transferred or reused
+    schedules, clipped to this m); then up to ``steps`` times the best ``step_top`` of the
+    measured winner's unmeasured ``neighbours`` (its tiles), while they gain."""
     cands = [c for c in space(p, mks) if c not in skip]
     pred = list(score(p, cands))
-    order = sorted(range(len(cands)), key=lambda i: -pred[i])
-    first = list(dict.fromkeys([*(clipped(p, g) for g in guesses), *(cands[i] for i in order[:top])]))
+    first = list(dict.fromkeys([*(clipped(p, g) for g in guesses), *diverse(cands, pred, top)]))
     gs = yield first
     seen = dict(zip(first, gs, strict=True))
     best = max(seen, key=seen.__getitem__)

@@ -54,12 +54,12 @@ def test_reads_the_token_ids_and_refuses_other_files(tmp_path):
 
 
 FAKE = """#!{python}
-# A stand-in llama-perplexity: tokenizes -f with SmolLM2's tokenizer ({shift} added to every id,
-# BOS id {bos} first unless None, at most {most} chunks), writes the --kl-divergence-base header and
-# prints the final estimate, or fails ({fail}) as perplexity() does, its error before the perf lines.
-import sys
+# A stand-in llama-perplexity: the text's token ids come from {ids} (SmolLM2's tokenizer, computed by
+# the test; {shift} added to every id, BOS id {bos} first unless None, at most {most} chunks); it
+# writes the --kl-divergence-base header and prints the final estimate, or fails ({fail}) as
+# perplexity() does, its error before the perf lines.
+import json, sys
 import numpy as np
-from sandwich_tvm.model.tokenizer import load_model_tokenizer
 a = sys.argv
 if {fail}:
     print("perplexity: you need at least 512 tokens to evaluate perplexity", file=sys.stderr)
@@ -67,7 +67,7 @@ if {fail}:
         print(f"llama_perf_context_print: line {{i}}", file=sys.stderr)
     sys.exit(0)
 n_ctx, n_chunk = int(a[a.index("-c") + 1]), min(int(a[a.index("--chunks") + 1]), {most})
-ids = load_model_tokenizer("smollm2-135m").encode(open(a[a.index("-f") + 1]).read(), add_special_tokens=True)
+ids = json.load(open("{ids}"))[open(a[a.index("-f") + 1]).read()]
 ids = ([{bos}] if {bos} is not None else []) + [(i + {shift}) % 49152 for i in ids]
 ids = ids[:n_ctx * n_chunk]
 with open(a[a.index("--kl-divergence-base") + 1], "wb") as f:
@@ -76,6 +76,8 @@ with open(a[a.index("--kl-divergence-base") + 1], "wb") as f:
 print("[1]7.1,[2]6.5,")
 print("0.02.6 I Final estimate: PPL = 6.4563 +/- 0.65309", file=sys.stderr)
 """
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
 
 def _smollm2() -> Path:
@@ -87,8 +89,11 @@ def _smollm2() -> Path:
 
 def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False, bos: int | None = None,
           most: int = 1000) -> Path:
+    tok = load_model_tokenizer("smollm2-135m")
+    ids = tmp_path / "ids.json"  # stands for llama.cpp's tokenizer: ours (agreement is tested below)
+    ids.write_text(json.dumps({t: tok.encode(t, add_special_tokens=True) for t in (TEXT, "text " * 100)}))
     path = tmp_path / "llama-perplexity"
-    path.write_text(FAKE.format(python=sys.executable, shift=shift, fail=fail, bos=bos, most=most))
+    path.write_text(FAKE.format(python=sys.executable, shift=shift, fail=fail, bos=bos, most=most, ids=ids))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("LLAMA_PERPLEXITY", str(path))
     return path
@@ -96,8 +101,7 @@ def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False, bos: 
 
 def test_reference_scores_its_own_token_ids(tmp_path, monkeypatch):
     _smollm2()
-    tok = load_model_tokenizer("smollm2-135m")
-    text = "The quick brown fox jumps over the lazy dog. " * 40
+    tok, text = load_model_tokenizer("smollm2-135m"), TEXT
     _fake(tmp_path, monkeypatch)
     run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=100, window=32, threads=2,
                                            log=lambda _m: None)

@@ -25,7 +25,7 @@ from sandwich_tvm.kernels.guided import best_first, fitting, nearest_tuned
 from sandwich_tvm.kernels.measurements import MeasurementLog, all_measurements, read_measurements
 from sandwich_tvm.kernels.microkernel import MicroKernel, microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerization, Slice
-from sandwich_tvm.kernels.search import Problem, Tuned, caps, neighbours, ranked, run_search, space
+from sandwich_tvm.kernels.search import Problem, Tuned, caps, diverse, neighbours, ranked, run_search, space
 from sandwich_tvm.kernels.transfer import guess, shape_distance, transfer_sources
 
 CPU = replace(host_signature(), isa="avx512", features=("avx512f",), l1d_kib=32, l2_kib=1024, l3_kib=32768)
@@ -126,6 +126,20 @@ def test_ranked_search_measures_the_guesses_first_and_keeps_a_confirmed_one():
 
     best, g = run_search(ranked(p, MKS, lambda q, schs: [0.0] * len(schs), guesses=[good]), measure)
     assert first[0][0] == good and best == good and g == 1000.0
+
+
+def test_the_first_batch_spans_micro_kernels():
+    """A model that rates one register tile above all others measures its best schedule and the
+    best of the next micro-kernels, not four tilings of the same one."""
+    p = Problem(64, 2048, 2048, 2)
+    cands = space(p, fitting(MKS, 64))
+    favourite = cands[0].mk
+    pred = [10.0 + (s.slice.nc / 1e4) if s.mk == favourite else s.mk.nr / 1e3 for s in cands]
+    picked = diverse(cands, pred, 4)
+    assert len(picked) == 4 and len({s.mk for s in picked}) == 4 and picked[0].mk == favourite
+    assert picked[0] == max((s for s in cands if s.mk == favourite), key=lambda s: s.slice.nc)
+    one = [s for s in cands if s.mk == favourite][:6]
+    assert diverse(one, list(range(6)), 4) == one[::-1][:4]  # one micro-kernel only: the best four
 
 
 def test_space_and_neighbours_stay_within_the_caps():
