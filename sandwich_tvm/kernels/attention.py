@@ -18,7 +18,9 @@ The rows are the vector lanes:
 - tiles run in zigzag order (0, n-1, 1, n-2, ...) so both threads get short and long causal rows.
 
 Decode has one query token per sequence: a task is one (sequence, KV head), each key's K row
-is loaded once for the whole head group, and the exp of a page's scores is one vector op.
+is loaded once for the whole head group, a score's lanes are summed by halving the vector
+(log2 of the lanes vector adds, not a scalar add a lane), and the exp of a page's scores is
+one vector op.
 
 ``exp2`` is a polynomial (|error| < 2e-7 relative) rather than libm's scalar call. The
 buffers the FMA loops work on stay under 1 KB: TVM places those on the stack, where LLVM keeps
@@ -301,7 +303,14 @@ def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: in
     keys = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
     base = f"page_table_values[page_table_indptr[{b}] + p]"
     hq, i = f"kvh * {group} + h", f"dd * {LANES} + l"
-    dots = " + ".join(f"part[h, {lane}]" for lane in range(LANES))
+    halves, width = [], LANES  # the lanes summed by halving vectors (~2 ops a step), not one by one
+    while width > 2:
+        width //= 2
+        halves.append(f"""
+            for h in T.unroll({group}):
+                for l in T.vectorized({width}):
+                    part[h, l] = part[h, l] + part[h, l + {width}]""")
+    dots = " + ".join(f"part[h, {lane}]" for lane in range(min(width, LANES)))
     qi, ki = load_f32(f"Q[{b}, {hq}, {i}]", dtype), load_f32(f"pages[{base}, 0, kvh, j, {i}]", dtype)
     vi = load_f32(f"pages[{base}, 1, kvh, j, i]", dtype)
     scales, qscale, kscale, qk = "", "", "", f"sm_scale * T.float32({LOG2E!r})"
@@ -333,7 +342,7 @@ for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
             for dd in T.unroll({d // LANES}):
                 for h in T.unroll({group}):
                     for l in T.vectorized({LANES}):
-                        part[h, l] = part[h, l] + {qi} * {ki}
+                        part[h, l] = part[h, l] + {qi} * {ki}{"".join(halves)}
             for h in T.unroll({group}):
                 s[h, j] = ({dots}) * {qk}
         for h in range({group}):
