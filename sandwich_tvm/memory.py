@@ -60,30 +60,35 @@ def collapse_huge_pages(arrays: Iterable[np.ndarray]) -> int:
 
 
 def huge_page_share(arrays: Iterable[np.ndarray]) -> float | None:
-    """Fraction of the resident memory of the mappings holding ``arrays`` that is backed by
-    transparent huge pages (``AnonHugePages`` / ``Rss`` in ``/proc/self/smaps``; the untouched
-    alignment slack of a mapping does not count); None where unreadable.
+    """Fraction of the arrays' bytes backed by transparent huge pages: each array weighs its
+    bytes by the huge-page share (``AnonHugePages`` / ``Rss`` in ``/proc/self/smaps``) of the
+    mapping it lives in, so a few small arrays on the heap count their bytes, not the whole heap's
+    pages; None where unreadable.
 
     Decode streams every weight once per token, and 4 KiB pages make that ~1.4x slower, so a
     low share explains a slow run (THP ``madvise`` mode gives huge pages only where the kernel
     can find free 2 MiB blocks at fault time)."""
-    starts = sorted({a.ctypes.data for a in arrays if a.nbytes})
-    if not starts:
+    sized = [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes]
+    if not sized:
         return None
     try:
         with open("/proc/self/smaps") as fh:
             lines = fh.read().splitlines()
     except OSError:
         return None
-    size = huge = 0
-    inside = False
+    maps: list[list[int]] = []  # [lo, hi, rss KiB, huge KiB]
     for line in lines:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = any(lo <= s < hi for s in starts)
-        elif inside and head == "Rss:":
-            size += int(line.split()[1])
-        elif inside and head == "AnonHugePages:":
-            huge += int(line.split()[1])
-    return huge / size if size else None
+            maps.append([*(int(x, 16) for x in head.split("-")), 0, 0])
+        elif maps and head == "Rss:":
+            maps[-1][2] = int(line.split()[1])
+        elif maps and head == "AnonHugePages:":
+            maps[-1][3] = int(line.split()[1])
+    total = huge = 0.0
+    for start, nbytes in sized:
+        where = next((m for m in maps if m[0] <= start < m[1] and m[2]), None)
+        if where is not None:
+            total += nbytes
+            huge += nbytes * where[3] / where[2]
+    return huge / total if total else None
