@@ -8,7 +8,7 @@ partition: prefill on every core of each process, decode on the cores a `remove`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .tree import TopoTree, format_cpus
 
@@ -101,10 +101,19 @@ class SandwichPlan:
     def tp(self) -> int:
         return self.prefill.tp
 
+    def arranged(self, pp: int = 1, wa: bool = False) -> SandwichPlan:
+        """The same processes and cores as ``pp`` pipeline stages, or with the last process the
+        attention rank (``wa``), instead of one tensor-parallel group."""
+        how = f"pp{pp}" if pp > 1 else "wa" if wa else ""
+        return SandwichPlan(replace(self.prefill, pp=pp, wa=wa), replace(self.decode, pp=pp, wa=wa),
+                            self.transforms + ((how,) if how else ()))
+
     def to_dict(self) -> dict:
         return {
-            "processes": self.tp,
+            "processes": len(self.prefill.processes),
             "tp": self.tp,
+            "pp": self.prefill.pp,
+            "wa": self.prefill.wa,
             "prefill_threads": self.prefill.threads,
             "decode_threads": self.decode.threads,
             "prefill_cpus": [list(p) for p in self.prefill.processes],

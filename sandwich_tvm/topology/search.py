@@ -8,7 +8,10 @@
    already seen (same Merkle hash) are skipped.
 3. Decode configurations are grouped by (process count, NUMA nodes); a group stops being
    evaluated after `patience` consecutive configurations that do not beat its best.
-4. Pairs (prefill, decode) are ranked by predicted mean request latency over the trace.
+4. Every pair of two or more processes is also arranged as pipeline stages (``pp`` dividing
+   the processes, each stage's ranks a valid TP degree) and with weight-attention separation
+   (the last process attends, the others a valid TP degree), the paper's other plan dimensions.
+5. Pairs (prefill, decode) are ranked by predicted mean request latency over the trace.
 
 The exploration is bounded by `max_trees` TopoTrees generated (group() may spend half);
 once spent, every grouped tree's own cuts are still ranked and `stats.bounded` is set.
@@ -58,7 +61,7 @@ class RankedPlan:
         p = self.plan
         return ExecPlan.of_ranks(list(zip(p.prefill.processes, p.decode.processes, strict=True)), source,
                                  round(self.prediction.ttft_ms, 3), round(self.prediction.tpot_ms, 3),
-                                 list(p.prefill.domains))
+                                 list(p.prefill.domains), pp=p.prefill.pp, wa=p.prefill.wa)
 
 
 @dataclass
@@ -198,10 +201,26 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
         progress("trees", len(grouped), len(grouped))
     stats.groups_early_stopped = len(stop.stopped)
     stats.bounded = group_budget.exhausted or budget.exhausted
-    ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode)) for plan in pairs.values()),
+    plans = [arranged for plan in pairs.values() for arranged in arrangements(plan, model)]
+    ranked = sorted((RankedPlan(plan, sim.predict(plan.prefill, plan.decode)) for plan in plans),
                     key=lambda rp: (round(rp.prediction.latency_ms, 6), len(rp.plan.transforms)))
     stats.seconds = time.perf_counter() - start
     return SearchResult(tree=tree, plans=ranked[:top_k], stats=stats, simulator=sim)
+
+
+def arrangements(plan: SandwichPlan, model: LlamaConfig) -> list[SandwichPlan]:
+    """``plan`` (tensor parallel) and its processes as ``pp`` pipeline stages of ``tp`` ranks
+    each (every ``pp`` > 1 dividing them, no more stages than layers, ``tp`` a valid TP degree)
+    and as weight-attention separation (the last process the attention rank); the stages are
+    consecutive processes, neighbours in the tree."""
+    n = len(plan.prefill.processes)
+    out = [plan]
+    for pp in range(2, n + 1):
+        if n % pp == 0 and pp <= model.num_hidden_layers and model.tp_degrees_ok(n // pp):
+            out.append(plan.arranged(pp=pp))
+    if n >= 2 and model.tp_degrees_ok(n - 1):
+        out.append(plan.arranged(wa=True))
+    return out
 
 
 def parse_config(tree: TopoTree, spec: str) -> ServiceConfig:

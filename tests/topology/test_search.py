@@ -337,3 +337,37 @@ def test_the_simulator_reads_the_head_in_its_own_type(trace):
     extra = model.hidden_size * model.vocab_size * (DTYPE_BYTES["q8_0"] - DTYPE_BYTES["q4_0"])
     gap = mixed.tpot_ms(socket, ctx)[0] - q4.tpot_ms(socket, ctx)[0]
     assert gap == pytest.approx(extra / (q4.bandwidth_gbs(socket) * 1e6)) and gap > 0
+
+
+def test_the_search_ranks_pipeline_and_separated_arrangements_beside_tensor_parallel(trace):
+    """Every plan of several processes is also ranked as pipeline stages (each stage's ranks a
+    valid TP degree) and with weight-attention separation; the arrangement reaches the plan the
+    runtime follows and its plans.json entry."""
+    from sandwich_tvm.topology.configs import SandwichPlan
+    from sandwich_tvm.topology.search import arrangements
+
+    tree, _ = load_tree(xml=MILAN)
+    model = PRESETS["llama-3.2-1b"]  # 32 heads, 8 KV heads, 16 layers
+    four = parse_config(tree, "4x32")
+    kinds = {(p.prefill.pp, p.prefill.wa, p.tp) for p in arrangements(SandwichPlan(four, four), model)}
+    assert kinds == {(1, False, 4), (2, False, 2), (4, False, 1)}  # 3 ranks beside attention: no TP-3
+    two = parse_config(tree, "2x64")
+    kinds = {(p.prefill.pp, p.prefill.wa, p.tp) for p in arrangements(SandwichPlan(two, two), model)}
+    assert kinds == {(1, False, 2), (2, False, 1), (1, True, 1)}
+
+    result = search_plans(tree, model, load_profile("epyc-milan7763-2s"), trace, top_k=100_000)
+    found = {(r.plan.prefill.pp, r.plan.prefill.wa) for r in result.plans}
+    assert {(1, False), (2, False), (4, False), (1, True)} <= found
+    for ranked in result.plans:  # every arrangement keeps its own prediction, decode as prefill
+        plan = ranked.plan
+        assert (plan.decode.pp, plan.decode.wa) == (plan.prefill.pp, plan.prefill.wa)
+        assert ranked.prediction.tpot_ms > 0
+    staged = next(r for r in result.plans if r.plan.prefill.pp == 2 and r.plan.tp == 1)
+    sep = next(r for r in result.plans if r.plan.prefill.wa)
+    for ranked, pp, wa in ((staged, 2, False), (sep, 1, True)):
+        entry = ranked.to_dict()
+        assert (entry["processes"], entry["pp"], entry["wa"]) == (2, pp, wa)
+        runs = ranked.exec_plan()
+        assert (runs.processes, runs.pp, runs.wa) == (2, pp, wa)
+        written = runs.to_dict()  # the plans.json entry `generate --plan` reads (this host's CPUs aside)
+        assert (written["processes"], written["pp"], written.get("wa", False)) == (2, pp, wa)
