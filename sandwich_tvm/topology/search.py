@@ -1,9 +1,10 @@
 """The configuration search: fundamental tree -> groups -> removes -> ranked Sandwich plans.
 
 1. `explore_groups` enumerates latent structures (Merkle de-duplicated).
-2. For each grouped tree G, every cross-section whose TP degree the model allows is a
-   prefill partition. A transformation tree of `remove`s grows from G; each removed tree R
-   offers decode configurations at the cuts above its shallowest remove (same partition).
+2. For each grouped tree G, every cross-section the model can run (a valid TP degree, or no
+   more processes than layers: pipeline stages) is a prefill partition. A transformation
+   tree of `remove`s grows from G; each removed tree R offers decode configurations at the
+   cuts above its shallowest remove (same partition).
    A removed tree that improves no cut over its parent is not expanded further; trees
    already seen (same Merkle hash) are skipped.
 3. Decode configurations are grouped by (process count, NUMA nodes); a group stops being
@@ -158,7 +159,7 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
         cuts = {}
         for depth in range(g_tree.height + 1):
             config = cross_section(g_tree, depth)
-            if model.tp_degrees_ok(config.tp) and (max_tp is None or config.tp <= max_tp):
+            if runnable(model, len(config.processes)) and (max_tp is None or config.tp <= max_tp):
                 cuts[depth] = config
             else:
                 stats.cuts_rejected_tp += 1
@@ -208,13 +209,19 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
     return SearchResult(tree=tree, plans=ranked[:top_k], stats=stats, simulator=sim)
 
 
+def runnable(model: LlamaConfig, processes: int) -> bool:
+    """Whether some arrangement runs ``model`` on this many processes: tensor parallel (a valid
+    TP degree) or pipeline stages of one process each (no more stages than layers)."""
+    return model.tp_degrees_ok(processes) or processes <= model.num_hidden_layers
+
+
 def arrangements(plan: SandwichPlan, model: LlamaConfig) -> list[SandwichPlan]:
-    """``plan`` (tensor parallel) and its processes as ``pp`` pipeline stages of ``tp`` ranks
-    each (every ``pp`` > 1 dividing them, no more stages than layers, ``tp`` a valid TP degree)
-    and as weight-attention separation (the last process the attention rank); the stages are
-    consecutive processes, neighbours in the tree."""
+    """``plan`` as tensor parallel (where its process count is a valid TP degree), its processes
+    as ``pp`` pipeline stages of ``tp`` ranks each (every ``pp`` > 1 dividing them, no more stages
+    than layers, ``tp`` a valid TP degree) and as weight-attention separation (the last process
+    the attention rank); the stages are consecutive processes, neighbours in the tree."""
     n = len(plan.prefill.processes)
-    out = [plan]
+    out = [plan] if model.tp_degrees_ok(n) else []
     for pp in range(2, n + 1):
         if n % pp == 0 and pp <= model.num_hidden_layers and model.tp_degrees_ok(n // pp):
             out.append(plan.arranged(pp=pp))

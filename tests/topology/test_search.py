@@ -355,6 +355,14 @@ def test_the_search_ranks_pipeline_and_separated_arrangements_beside_tensor_para
     kinds = {(p.prefill.pp, p.prefill.wa, p.tp) for p in arrangements(SandwichPlan(two, two), model)}
     assert kinds == {(1, False, 2), (2, False, 1), (1, True, 1)}
 
+    small = PRESETS["llama-160m"]  # 12 heads and 12 layers: 8 processes only as stages
+    eight = parse_config(tree, "8x16")
+    kinds = {(p.prefill.pp, p.prefill.wa, p.tp) for p in arrangements(SandwichPlan(eight, eight), small)}
+    assert kinds == {(2, False, 4), (4, False, 2), (8, False, 1)}
+    staged = search_plans(tree, small, load_profile("epyc-milan7763-2s"), trace, top_k=100_000)
+    assert any(r.plan.prefill.pp == 8 for r in staged.plans)  # a cut no TP degree allows
+    assert all(small.tp_degrees_ok(r.plan.tp) and r.plan.prefill.pp <= 12 for r in staged.plans)
+
     result = search_plans(tree, model, load_profile("epyc-milan7763-2s"), trace, top_k=100_000)
     found = {(r.plan.prefill.pp, r.plan.prefill.wa) for r in result.plans}
     assert {(1, False), (2, False), (4, False), (1, True)} <= found
