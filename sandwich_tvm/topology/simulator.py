@@ -193,29 +193,32 @@ class LatencySimulator:
     def _pipeline_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool, batch: int = 1
                      ) -> np.ndarray:
         """A prefill (``tokens``: prompt lengths) or a decode step of ``batch`` sequences
-        (``tokens``: context lengths) through ``config``'s stages, as ``runtime.stage`` runs it."""
+        (``tokens``: context lengths) through ``config``'s stages, as ``runtime.stage`` runs it:
+        a prompt in up to ``pp`` pieces, a decode batch in up to ``pp`` micro-batches, in flight
+        one tick apart (each stage reads its weights once per micro-batch)."""
         m = self.model
         stages = split_layers(m.num_hidden_layers, config.pp)
         n = np.asarray(tokens, dtype=float)
-        pieces = np.ones_like(n) if decode else np.where(
+        pieces = np.full_like(n, float(min(config.pp, batch))) if decode else np.where(
             n >= 2 * MIN_PIECE, np.minimum(config.pp, np.floor(n / MIN_PIECE)), 1)
         per_piece = n / pieces
+        micro = -(-batch // min(config.pp, batch))  # the largest micro-batch sets a tick
         times = []
         for i, stage in enumerate(stages):
-            # batch-1 decode: one stage at a time, alone on the machine; prompt pieces overlap,
+            # decode: each stage alone on its cores, a micro-batch at a time; prompt pieces overlap,
             # every stage streaming at once (and a piece attends to the pieces before it)
             sub = config.stage(i) if decode else config
             # a stage reads (and may keep in its LLC) only its own layers' weights, the head too on the first
             resident = self.stage_bytes(stage, sub.tp) if decode else None
-            layer = (self._decode_layer_ms(sub, n, resident, batch, stage.layers) if decode
+            layer = (self._decode_layer_ms(sub, n, resident, micro, stage.layers) if decode
                      else self._prefill_layer_ms(sub, per_piece, (n + per_piece) / 2))
             t = stage.layers * layer
             if stage.first:  # the head is on the first stage, with the embedding
-                t = t + (self._decode_head_ms(sub, resident, batch) if decode else self._prefill_head_ms(sub))
+                t = t + (self._decode_head_ms(sub, resident, micro) if decode else self._prefill_head_ms(sub))
             times.append(t)
         stacked = np.stack(times)
         ticks = pieces + config.pp - 1
-        hidden = (batch if decode else per_piece) * m.hidden_size * ACT_BYTES
+        hidden = (micro if decode else per_piece) * m.hidden_size * ACT_BYTES
         compute = stacked.sum(axis=0) + (pieces - 1) * stacked.max(axis=0)
         if config.hosts:
             if self.hop is None:
@@ -227,10 +230,11 @@ class LatencySimulator:
             p = config.pp
             rows = m.hidden_size * ACT_BYTES
             wanted = pieces if decode else 1  # a prompt's pieces: only the last one's row comes back
-            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + wanted * rows * (batch if decode else 1)
+            moved = (ticks - 1) * hidden * (p - 2 + (p - 1) ** 2) + wanted * rows * (micro if decode else 1)
             return compute + self.hop.ms((ticks - 1 + wanted + 1) * (p - 1), moved)
-        last = (batch if decode else 1) * m.hidden_size * ACT_BYTES  # the last stage's rows to the head
-        return compute + (ticks - 1) * self._hop_ms(hidden) + self._hop_ms(last)
+        # the last stage's rows to the first stage's head: each micro-batch's, one row of a prompt
+        last = (micro if decode else 1) * m.hidden_size * ACT_BYTES
+        return compute + (ticks - 1) * self._hop_ms(hidden) + (pieces if decode else 1) * self._hop_ms(last)
 
     def _separated_ms(self, config: ServiceConfig, tokens: np.ndarray, decode: bool) -> np.ndarray:
         """A prefill (``tokens``: prompt lengths) or a batch-1 decode step (context lengths) of a

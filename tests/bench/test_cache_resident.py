@@ -1,7 +1,8 @@
 """`bench cache-resident` on the modelled cluster of the cache-resident paper (dual-socket EPYC
 9684X servers, 1,152 MB of L3 a socket; profile values modelled): the planner picks pipelines
 whose every stage keeps its weights in its socket's LLC, for Llama-3.2-3B and Llama-2-7B in
-int8, and their predicted TPOT speedup over one socket falls as the batch grows to 32."""
+int8, and their predicted TPOT speedup over one socket (micro-batches in flight through the
+pipeline) falls as the batch grows to 32."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def test_planner_picks_cache_resident_pipelines_whose_edge_falls_with_batch(caps
         assert not single["resident"] and single["tpot_ms"] > 5 * model["rows"][0]["tpot_ms"]
         speedup = [r["speedup"] for r in model["rows"]]
         assert [r["batch"] for r in model["rows"]] == [1, 2, 4, 8, 16, 32]
-        assert speedup[0] > 5 and speedup[-1] < speedup[0] / 3
-        assert all(b < a for a, b in zip(speedup[1:], speedup[2:], strict=False))  # falling from batch 2 on
+        assert speedup[0] > 5 and speedup[-1] < speedup[0] / 2
+        assert all(b < a for a, b in zip(speedup, speedup[1:], strict=False))  # falling as the batch grows
         assert all(s > 1 for s in speedup)
 
 

@@ -159,6 +159,11 @@ def test_simulator_pipeline_stages(trace):
     pp_tpot, socket_tpot = sim.tpot_ms(pp2, ctx)[0], sim.tpot_ms(socket, ctx)[0]
     assert socket_tpot < pp_tpot < 1.05 * socket_tpot  # the same bytes at one socket's speed, plus hops
     assert sim.tpot_ms(tp2, ctx)[0] < pp_tpot  # TP reads both halves at once
+    # two sequences go through as two micro-batches one tick apart: each stage reads its weights
+    # twice, but the stages overlap, so the step is 1.5 batch-1 steps, not 2 (nor 1)
+    two = sim.tpot_ms(pp2, ctx, batch=2)[0]
+    assert 1.4 * pp_tpot < two < 1.6 * pp_tpot
+    assert sim.tpot_ms(pp2, ctx, batch=3)[0] > two  # micro-batches of 2 and 1: the larger sets a tick
     prompt = np.array([1024.0])
     assert sim.ttft_ms(pp2, prompt)[0] < 0.75 * sim.ttft_ms(socket, prompt)[0]  # pieces overlap
     assert sim.ttft_ms(pp2, np.array([20.0]))[0] > sim.ttft_ms(socket, np.array([20.0]))[0]  # one piece
