@@ -39,9 +39,12 @@ class StageEngine:
     """The engine interface of one stage's rank; the forward operations return the logits on
     stage 0 and None on the others."""
 
-    def __init__(self, engine: Engine, stage: Stage, group: ShmGroup | None):
+    def __init__(self, engine: Engine, stage: Stage, group: ShmGroup | None, tp: int = 1, tp_rank: int = 0):
         self.engine, self.stage, self.group = engine, stage, group
         self.hidden = engine.cfg.hidden_size
+        # a stage of ``tp`` ranks: the group's ranks s * tp .. (s + 1) * tp - 1, whose outputs are
+        # equal (the model's last all-reduce); the next stage reads its first rank's
+        self.tp, self.tp_rank = tp, tp_rank
 
     # the cache and the cores: every stage's own
     def use(self, phase: str) -> float:
@@ -95,11 +98,12 @@ class StageEngine:
                     mine[:len(out)] = out
                 every = yield GATHER, mine
                 if not self.stage.first and 0 <= tick - (me - 1) < len(parts):
-                    received[tick - (me - 1)] = every[:, (me - 1) * self.hidden:me * self.hidden].copy()
+                    src = (me - 1) * self.tp  # the previous stage's first rank
+                    received[tick - (me - 1)] = every[:, src * self.hidden:(src + 1) * self.hidden].copy()
             last = tick - (count - 1)
             if 0 <= last < len(parts) and parts[last].wanted:  # the last stage's rows to stage 0's head
                 mine = np.zeros((rows, self.hidden), np.float32)
-                if self.stage.last:
+                if self.stage.last and self.tp_rank == 0:  # one rank of the last stage adds its rows
                     mine[:len(out)] = out
                 total = yield REDUCE, mine
                 if self.stage.first:

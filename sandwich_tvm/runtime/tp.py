@@ -44,9 +44,6 @@ class TPEngine(EngineBase):
             raise EngineError(f"the model was compiled for {compiled.tp} processes, the plan has {plan.tp}")
         if len(stages) != plan.parts:
             raise EngineError(f"the plan's ranks run {plan.parts} compiled parts, {len(stages)} given")
-        if plan.pp > 1 and plan.tp > 1:
-            raise EngineError(f"the plan has {plan.pp} pipeline stages of {plan.tp} tensor-parallel ranks; "
-                              "this version runs pipeline stages of one process each (tp 1)")
         super().__init__(compiled, plan, context=run.context, prefill_chunk=run.prefill_chunk,
                          page_size=page_size, max_batch=max_batch, kv_tokens=run.kv_tokens)
         self.huge_page_share: float | None = None
@@ -54,6 +51,7 @@ class TPEngine(EngineBase):
         self.disco: DiscoGroup | None = None
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
+        self.stage_groups: list[ShmGroup] = []  # stages of several ranks: each stage's TP collectives
         if not self.relayed:
             # the largest message: a prefill chunk's hidden states (a separated model's: its fused
             # QKV), or a TP decode batch's logits
@@ -61,6 +59,8 @@ class TPEngine(EngineBase):
             width = cfg.head_dim * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) if plan.wa else 0
             slot = 4 * max(self.prefill_chunk * max(cfg.hidden_size, width), max_batch * cfg.vocab_size)
             self.group = ShmGroup.create(plan.processes, slot, timeout_s)
+            if plan.pp > 1 and plan.tp > 1:
+                self.stage_groups = [ShmGroup.create(plan.tp, slot, timeout_s) for _ in range(plan.pp)]
         close_at_exit(self)
         try:
             t0 = time.perf_counter()
@@ -76,6 +76,8 @@ class TPEngine(EngineBase):
             for r, pid in enumerate(self.disco.pids[1:], start=1):
                 if self.group is not None:
                     self.group.set_pid(r, pid)  # a rank that dies while starting fails the others' waits
+                if self.stage_groups:
+                    self.stage_groups[plan.stage_of(r)].set_pid(r % plan.tp, pid)
             kind = ("ranks: weights and attention" if plan.wa else "tensor-parallel ranks" if plan.pp == 1
                     else f"ranks in {plan.pp} pipeline stages")
             where = f", ranks 1-{plan.processes - 1} on {', '.join(run.hosts)}" if self.relayed else ""
@@ -83,7 +85,8 @@ class TPEngine(EngineBase):
             spec = tp_worker.RankSpec(shm=self.group.name if self.group else "",
                                       slot=self.group.slot if self.group else 0, timeout_s=timeout_s,
                                       artifact=str(compiled.path), run=run.to_json(), page_size=page_size,
-                                      stages=[str(s.path) for s in stages])
+                                      stages=[str(s.path) for s in stages],
+                                      stage_shms=[g.name for g in self.stage_groups])
             with self._failing("loading the shards"):
                 self.disco.start(tp_worker.INIT, spec.to_json())
             if self.disco.remote is not None:
@@ -118,8 +121,9 @@ class TPEngine(EngineBase):
             if disco is not None:
                 disco.close()
         finally:
-            if self.group is not None:
-                self.group.close()
+            for group in [self.group, *self.stage_groups]:
+                if group is not None:
+                    group.close()
 
     shutdown = close
 

@@ -71,6 +71,8 @@ class RankSpec:
     run: str  # RunSpec.to_json()
     page_size: int = 16
     stages: list[str] = field(default_factory=list)  # a pipeline's compiled stages, in order
+    # stages of several ranks: each stage's own segment (its TP collectives; the slot is ``slot``)
+    stage_shms: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -86,6 +88,7 @@ class Rank(RankState):
     def __init__(self, rank: int) -> None:
         super().__init__(rank)
         self._group: ShmGroup | None = None
+        self._stage_group: ShmGroup | None = None  # a stage of several ranks: its TP collectives
         self._engine: Engine | StageEngine | None = None
         self.step: Exchanges | None = None  # a relayed pipeline step between its exchanges
         self.inbox: np.ndarray | None = None  # rank 0: an exchange's result the controller handed it
@@ -103,13 +106,19 @@ class Rank(RankState):
         return self._engine
 
     def abort(self) -> None:
-        if self._group is not None:
-            self._group.abort()
+        for group in (self._group, self._stage_group):
+            if group is not None:
+                group.abort()
 
-    def join(self, shm: str, world: int, slot: int, timeout_s: float) -> None:
-        """Attach the group's segment and bind the collectives to it."""
+    def join(self, shm: str, world: int, slot: int, timeout_s: float, stage_shm: str = "",
+             tp: int = 1) -> None:
+        """Attach the group's segment and bind the collectives to it; in a pipeline of stages of
+        ``tp`` ranks, the model's collectives to this rank's stage's segment ``stage_shm`` (the
+        stages hand their activations on through the whole group's)."""
         self._group = ShmGroup.attach(shm, self.rank, world, slot, timeout_s)
-        _register_collectives(self._group)
+        if stage_shm:
+            self._stage_group = ShmGroup.attach(stage_shm, self.rank % tp, tp, slot, timeout_s)
+        _register_collectives(self._stage_group or self._group)
 
     def load(self, spec: RankSpec) -> None:
         """Join the group, load this rank's shard (or stage) on its cores and open its engine;
@@ -126,7 +135,8 @@ class Rank(RankState):
         if mine.numa and numa_node_count() > 1:  # and its memory is on its own NUMA nodes
             bind_memory(list(mine.numa[0]))
         if spec.shm:
-            self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s)
+            stage_shm = spec.stage_shms[plan.stage_of(self.rank)] if spec.stage_shms else ""
+            self.join(spec.shm, plan.processes, spec.slot, spec.timeout_s, stage_shm, plan.tp)
         compiled = CompiledModel.load(spec.stages[plan.part_of(self.rank)] if spec.stages else spec.artifact)
         isa, dtype = compiled.weight_layout
         # a separated model's attention side has no weights: nothing to read
@@ -136,7 +146,8 @@ class Rank(RankState):
         engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
                         page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
         stage = compiled.stage
-        self._engine = engine if stage is None else StageEngine(engine, stage, self._group)
+        self._engine = engine if stage is None else StageEngine(engine, stage, self._group, plan.tp,
+                                                                self.rank % plan.tp)
         if self._group is None:  # the controller checks every rank's answer itself
             return
         ready = self.group.allreduce(np.ones(1, np.float32))  # every rank is up, or a peer's error raises

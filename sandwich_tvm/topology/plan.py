@@ -41,6 +41,7 @@ class ExecPlan:
     numa: tuple[tuple[int, ...], ...] = ()  # every process's NUMA nodes (its memory), when known
     pp: int = 1  # pipeline stages, each of ``tp`` ranks
     wa: bool = False  # weight-attention separation: the last rank holds the KV cache and attends
+    oversubscribe: bool = False  # ranks may share CPUs: a layout tried on a smaller machine (slow)
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -110,14 +111,14 @@ class ExecPlan:
     @classmethod
     def of_ranks(cls, ranks: list[tuple[Cpus, Cpus]], source: str, ttft: float | None = None,
                  tpot: float | None = None, numa: list[tuple[int, ...]] | None = None,
-                 pp: int = 1, wa: bool = False) -> ExecPlan:
+                 pp: int = 1, wa: bool = False, oversubscribe: bool = False) -> ExecPlan:
         """A plan of ``len(ranks)`` processes with these (prefill, decode) CPUs each, process i's
         memory on NUMA nodes ``numa[i]`` when given, in ``pp`` pipeline stages (``wa``: the last
         process is the attention rank)."""
         prefill, decode = ranks[0]
         return cls(tuple(prefill), tuple(decode), source, ttft, tpot,
                    tuple((tuple(p), tuple(d)) for p, d in ranks), tuple(tuple(n) for n in numa or ()), pp,
-                   wa)
+                   wa, oversubscribe)
 
     def describe(self) -> str:
         if self.processes == 1:
@@ -138,7 +139,9 @@ class ExecPlan:
     def to_dict(self) -> dict:
         """The plans.json entry ``from_dict`` reads back (predictions and NUMA nodes when known)."""
         d: dict = {"processes": self.processes, "tp": self.tp, "pp": self.pp,
-                   **({"wa": True} if self.wa else {}), "prefill_cpus": [list(p) for p, _ in self.ranks],
+                   **({"wa": True} if self.wa else {}),
+                   **({"oversubscribe": True} if self.oversubscribe else {}),
+                   "prefill_cpus": [list(p) for p, _ in self.ranks],
                    "decode_cpus": [list(dec) for _, dec in self.ranks], "source": self.source}
         if self.numa:
             d["numa"] = [list(n) for n in self.numa]
@@ -159,6 +162,10 @@ class ExecPlan:
                             f"{REPLAN}")
         if type(wa) is not bool:
             raise PlanError(f"{source}: wa (weight-attention separation) is {_clip(wa)}, not true or false")
+        shared = d.get("oversubscribe", False)
+        if type(shared) is not bool:
+            raise PlanError(f"{source}: oversubscribe (ranks sharing CPUs) is {_clip(shared)}, not true or "
+                            "false")
         tp = d.get("tp")
         if tp is None:  # written as processes (and pp)
             processes = d.get("processes", len(prefill))
@@ -180,7 +187,7 @@ class ExecPlan:
                             f"ids per process; {REPLAN}")
         try:
             plan = cls.of_ranks(list(zip(prefill, decode, strict=True)), source,
-                                d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp, wa)
+                                d.get("predicted_ttft_ms"), d.get("predicted_tpot_ms"), numa, pp, wa, shared)
         except PlanError as err:
             raise PlanError(f"{source}: {err}") from None
         every = [c for p, dec in plan.ranks for c in p + dec]
@@ -193,8 +200,9 @@ class ExecPlan:
                 raise PlanError(f"{source}: decode CPUs must be a subset of the prefill CPUs (process {i}); "
                                 f"{REPLAN}")
         claimed = [c for p, _ in plan.ranks for c in p]
-        if len(set(claimed)) != len(claimed):
-            raise PlanError(f"{source}: two processes share a CPU ({sorted(claimed)}); {REPLAN}")
+        if len(set(claimed)) != len(claimed) and not shared:
+            raise PlanError(f"{source}: two processes share a CPU ({sorted(claimed)}); {REPLAN} (or, to "
+                            "try the layout on fewer cores, slowly, set \"oversubscribe\": true)")
         if len({(len(p), len(dec)) for p, dec in plan.ranks}) > 1:
             raise PlanError(f"{source}: the processes have different thread counts; every rank's model is "
                             f"compiled for rank 0's, so they must match; {REPLAN}")

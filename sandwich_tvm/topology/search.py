@@ -10,8 +10,9 @@
 3. Decode configurations are grouped by (process count, NUMA nodes); a group stops being
    evaluated after `patience` consecutive configurations that do not beat its best.
 4. Every pair of two or more processes is also arranged as pipeline stages (``pp`` dividing
-   the processes, each stage's ranks a valid TP degree) and with weight-attention separation
-   (the last process attends, the others a valid TP degree), the paper's other plan dimensions.
+   the processes, each stage's ranks a valid TP degree) and, on two processes, with
+   weight-attention separation (one weight rank, one attention rank), the paper's other plan
+   dimensions.
 5. Pairs (prefill, decode) are ranked by predicted mean request latency over the trace.
 
 The exploration is bounded by `max_trees` TopoTrees generated (group() may spend half);
@@ -218,14 +219,14 @@ def runnable(model: LlamaConfig, processes: int) -> bool:
 def arrangements(plan: SandwichPlan, model: LlamaConfig) -> list[SandwichPlan]:
     """``plan`` as tensor parallel (where its process count is a valid TP degree), its processes
     as ``pp`` pipeline stages of ``tp`` ranks each (every ``pp`` > 1 dividing them, no more stages
-    than layers, ``tp`` a valid TP degree) and as weight-attention separation (the last process
-    the attention rank); the stages are consecutive processes, neighbours in the tree."""
+    than layers, ``tp`` a valid TP degree) and, on two processes, as weight-attention separation
+    (the second the attention rank); the stages are consecutive processes, neighbours in the tree."""
     n = len(plan.prefill.processes)
     out = [plan] if model.tp_degrees_ok(n) else []
     for pp in range(2, n + 1):
         if n % pp == 0 and pp <= model.num_hidden_layers and model.tp_degrees_ok(n // pp):
             out.append(plan.arranged(pp=pp))
-    if n >= 2 and model.tp_degrees_ok(n - 1):
+    if n == 2:  # the runtime separates one weight rank and one attention rank
         out.append(plan.arranged(wa=True))
     return out
 

@@ -68,6 +68,23 @@ def test_a_plan_file_names_processes_tp_and_pp(tmp_path):
     assert (tp2.processes, tp2.tp, tp2.pp) == (2, 2, 1)  # older files: every process a TP rank
 
 
+def test_ranks_share_cpus_only_when_the_plan_says_oversubscribe(tmp_path):
+    """Two stages of two tensor-parallel ranks on two cores: four processes, so two share each
+    core; refused unless the plan says so (a layout tried on a smaller machine)."""
+    cpus = [[CPUS[0]], [CPUS[-1]], [CPUS[0]], [CPUS[-1]]]
+    fields = {"processes": 4, "tp": 2, "pp": 2, "prefill_cpus": cpus, "decode_cpus": cpus}
+    with pytest.raises(PlanError, match="two processes share a CPU.*oversubscribe"):
+        ExecPlan.from_file(_plan(tmp_path, **fields))
+    plan = ExecPlan.from_file(_plan(tmp_path, **fields, oversubscribe=True))
+    assert (plan.processes, plan.tp, plan.pp, plan.oversubscribe) == (4, 2, 2, True)
+    assert [plan.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert "2 pipeline stages of 2 tensor-parallel ranks" in plan.describe()
+    back = ExecPlan.from_dict(plan.to_dict(), "round trip")
+    assert (back.ranks, back.pp, back.oversubscribe) == (plan.ranks, 2, True)
+    with pytest.raises(PlanError, match="oversubscribe .* is 'yes', not true or false"):
+        ExecPlan.from_file(_plan(tmp_path, **fields, oversubscribe="yes"))
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"processes": 2, "tp": 2, "pp": 2}, "processes must be tp x pp"),
     ({"processes": 2, "pp": 0}, "pp \\(pipeline stages\\) is 0"),
@@ -94,8 +111,18 @@ def pp2_specs(base: Path, case: str = "gqa-tied-llama3") -> list:
     return [_pp2_spec(hf_checkpoint(base, case))] if len(CPUS) >= 2 else []
 
 
+def _pp2_tp2_spec(model_dir: Path):
+    """Two stages of two tensor-parallel ranks, one core each: four processes on two cores."""
+    ranks = [((c,), (c,)) for c in (CPUS[0], CPUS[1], CPUS[0], CPUS[1])]
+    plan = ExecPlan.of_ranks(ranks, "test: PP-2 x TP-2", pp=2, oversubscribe=True)
+    return resolve_run_spec(model_dir, plan=plan, context=256, max_batch=8, kv_dtype="float32",
+                            dtype="float32")
+
+
 warm_up(__name__, "test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly", pp2_specs)
 warm_up(__name__, "test_an_untied_head_on_the_first_stage_matches_hf", lambda b: pp2_specs(b, "mha-untied"))
+warm_up(__name__, "test_stages_of_two_tensor_parallel_ranks_match_hf",
+        lambda b: [_pp2_tp2_spec(hf_checkpoint(b, "gqa-tied-llama3"))] if len(CPUS) >= 2 else [])
 
 
 class KillAfter:
@@ -182,6 +209,34 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
         assert engine.phase == "decode" and len(engine.switches) == 2
 
         assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt)  # the last stage
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, set(CPUS))
+
+
+@pytest.mark.compile
+@two_cpus
+@pytest.mark.parametrize("hf_case", ["gqa-tied-llama3"], indirect=True)
+def test_stages_of_two_tensor_parallel_ranks_match_hf(hf_case, precompiler):
+    """PP-2 x TP-2: each stage's ranks hold half its heads and FFN and all-reduce over the
+    stage's own segment, the stages hand their activations on over the group's; HF's logits and
+    tokens, requests batched as alone, and a tensor-parallel rank of the first stage killed
+    mid-request ends the group with every segment and process gone."""
+    model_dir, hf = hf_case
+    cfg = load_config(model_dir)
+    spec = _pp2_tp2_spec(model_dir)
+    precompiler.ready(spec)
+    engine, compiled = open_engine(spec)
+    try:
+        assert compiled.stage == Stage(0, 2, 0, 1) and compiled.tp == 2
+        assert engine.disco is not None and len(engine.disco.pids) == 4
+        segments = [Path("/dev/shm", g.name) for g in engine.stage_groups]
+        assert len(segments) == 2 and all(s.exists() for s in segments)
+        prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 45)]
+        assert_hf_greedy(engine, hf, prompt)
+
+        assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt)  # stage 0's second rank
+        assert not any(s.exists() for s in segments)
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))
