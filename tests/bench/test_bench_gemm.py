@@ -74,7 +74,7 @@ def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
     """Sandwich's fused kernel (its record tuned with the epilogue) against numpy and torch
     running the product and then the epilogue; every library's result is checked."""
     assert bench.main(["gemm", "--n", "64", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
-                       "--epilogue", epilogue, "--rounds", "1", "--json",
+                       "--epilogue", epilogue, "--rounds", "1", "--hot-weights", "--json",
                        "--plot", str(tmp_path / "gemm.png")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["epilogue"] == epilogue and all(r["max_rel_err"] < 1e-5 for r in out["rows"])
@@ -90,7 +90,7 @@ def test_bench_gemm_against_another_tuning_takes_turns_and_pairs_the_ratio(tmp_p
     import shutil
 
     mine, theirs = tmp_path / "mine", tmp_path / "theirs"
-    args = ["gemm", "--n", "40", "--k", "72", "--m", "1,2", "--rounds", "2", "--json",
+    args = ["gemm", "--n", "40", "--k", "72", "--m", "1,2", "--rounds", "2", "--hot-weights", "--json",
             "--plot", str(tmp_path / "gemm.png")]
     assert bench.main([*args, "--schedules", str(mine), "--against", str(theirs)]) == 2
     said = capsys.readouterr()
