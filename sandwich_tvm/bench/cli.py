@@ -1,5 +1,5 @@
 """`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
-speculative|structured|costmodel|tuning-curve|crosscheck|hop|cache-resident`: Sandwich's dynamic-shape
+speculative|structured|costmodel|tuning-curve|crosscheck|hop|cache-resident|pool`: Sandwich's dynamic-shape
 GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
@@ -13,7 +13,8 @@ model's ranking on held-out shapes, ``bench/costmodel.py``; ``tuning-curve``: a 
 tokens/s as background tuning lands records, ``bench/tuning_curve.py``; ``crosscheck``: kernels
 built here, checked against numpy and timed on a CPU with TVM's runtime only,
 ``bench/crosscheck.py``; ``hop``: per-hop latency and bandwidth to a worker host, ``bench/hop.py``;
-``cache-resident``: modelled pipelines of cache-resident sockets per batch, ``bench/cache_resident.py``).
+``cache-resident``: modelled pipelines of cache-resident sockets per batch, ``bench/cache_resident.py``;
+``pool``: the thread pool's cost per tiny decode operator, ``bench/pool.py``).
 
 Everything runs in one process on the same thread count; each number is the median of
 timed repeats after a warm-up. The Sandwich kernel comes from the tuning database under
@@ -48,6 +49,7 @@ from .crosscheck import add_crosscheck_parser, main_crosscheck
 from .e2e import add_e2e_parser, main_e2e
 from .hop import add_hop_parser, main_hop
 from .perplexity import add_perplexity_parser, main_perplexity
+from .pool import add_pool_parser, main_pool
 from .prefix import add_prefix_parser, main_prefix
 from .serve_cmd import add_serve_parser, main_serve
 from .speculative import add_speculative_parser, main_speculative
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_crosscheck_parser(sub)
     add_hop_parser(sub)
     add_cache_resident_parser(sub)
+    add_pool_parser(sub)
     return parser
 
 
@@ -381,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.what == "crosscheck":
         return main_crosscheck(args)
+    if args.what == "pool":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_pool(args, console)
     if args.what == "cache-resident":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_cache_resident(args, console)
