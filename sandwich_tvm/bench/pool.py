@@ -106,7 +106,10 @@ def time_model(model: str, dtype: str, steps: int, log) -> dict:
     spec = resolve_run_spec(model, dtype=dtype, needed_tokens=prompt + steps, max_batch=1, log=log)
     steps = min(steps, spec.context - prompt)
     engine, compiled = open_engine(spec, log=log)
-    gen = engine.generate(list(range(1, prompt + 1)), steps)
+    try:
+        gen = engine.generate(list(range(1, prompt + 1)), steps)
+    finally:
+        engine.close()
     calls = decode_calls(compiled.path / "model.so")
     return {"model": spec.config.name, "dtype": spec.weight_dtype, "tpot_ms": gen.to_json()["tpot_ms"],
             **calls, "launches": calls["kernel_calls"] + CACHE_LAUNCHES * calls["cache_attention_calls"]}
@@ -130,7 +133,7 @@ def main_pool(args: argparse.Namespace, console: Console) -> int:
 
         try:
             m = out["model"] = time_model(args.model, args.dtype, args.steps, log=console.print)
-        except LOAD_ERRORS as exc:
+        except (*LOAD_ERRORS, ValueError) as exc:
             print_error(console, exc)
             return 2
         m["barrier_ms_per_step"] = m["launches"] * out["barrier_us"] / 1e3

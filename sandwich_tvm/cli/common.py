@@ -67,8 +67,8 @@ def add_machine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-group-levels", type=non_negative_int, default=2,
                         help="latent levels group() may insert (default 2)")
     parser.add_argument("--max-tp", type=positive_int, default=None, metavar="N",
-                        help="plans of at most N processes (tensor-parallel ranks); default: any the "
-                             "model's heads divide")
+                        help="plans of at most N processes (tensor-parallel ranks or pipeline stages); "
+                             "default: any the model's heads divide or its layers split into")
     parser.add_argument("--max-trees", type=positive_int, default=MAX_TREES,
                         help=f"bound on the TopoTrees the search generates (default {MAX_TREES}); "
                              "a bounded search says so and ranks the plans it found")

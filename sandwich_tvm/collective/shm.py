@@ -25,6 +25,7 @@ from ..host import cache_dir, file_lock, host_signature
 
 SHM_DIR = Path("/dev/shm")  # POSIX shared memory on Linux
 LINE = 128  # bytes per rank's arrival counter
+MAX_RANKS = 64  # ranks of one process group
 ONE_SHOT_BYTES = 64 << 10  # up to this, every rank reduces the whole message itself
 BLOCK_BYTES = 256 << 10  # larger messages go in blocks of this (their working set stays in cache)
 DEFAULT_TIMEOUT_S = 60.0
@@ -91,8 +92,8 @@ class ShmGroup:
         """The controller's segment (rank 0's view); pass ``name`` and ``slot`` to the workers.
         The segment is a file in /dev/shm that only the owner removes (``close``): Python's
         ``SharedMemory`` would let a worker's resource tracker remove it when that worker exits."""
-        if world < 1 or world > 64:
-            raise CollectiveError(f"a group has 1..64 ranks, not {world}")
+        if world < 1 or world > MAX_RANKS:
+            raise CollectiveError(f"a group has 1..{MAX_RANKS} ranks, not {world}")
         if not SHM_DIR.is_dir():
             raise CollectiveError(f"{SHM_DIR} does not exist: this system has no POSIX shared memory")
         slot = slot_bytes(max_bytes)

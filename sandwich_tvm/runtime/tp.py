@@ -52,17 +52,21 @@ class TPEngine(EngineBase):
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
         self.stage_groups: list[ShmGroup] = []  # stages of several ranks: each stage's TP collectives
-        if not self.relayed:
-            # the largest message: a prefill chunk's hidden states (a separated model's: its fused
-            # QKV), or a TP decode batch's logits
-            cfg = self.cfg
-            width = cfg.head_dim * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) if plan.wa else 0
-            slot = 4 * max(self.prefill_chunk * max(cfg.hidden_size, width), max_batch * cfg.vocab_size)
-            self.group = ShmGroup.create(plan.processes, slot, timeout_s)
-            if plan.pp > 1 and plan.tp > 1:
-                self.stage_groups = [ShmGroup.create(plan.tp, slot, timeout_s) for _ in range(plan.pp)]
+        if self.relayed and plan.tp > 1:
+            raise EngineError(f"stages on other hosts run one process each; the plan has stages of {plan.tp} "
+                              "tensor-parallel ranks")
         close_at_exit(self)
         try:
+            if not self.relayed:
+                # the largest message: a prefill chunk's hidden states (a separated model's: its fused
+                # QKV), or a TP decode batch's logits
+                cfg = self.cfg
+                heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+                width = cfg.head_dim * heads if plan.wa else 0
+                slot = 4 * max(self.prefill_chunk * max(cfg.hidden_size, width), max_batch * cfg.vocab_size)
+                self.group = ShmGroup.create(plan.processes, slot, timeout_s)
+                for _ in range(plan.pp if plan.pp > 1 and plan.tp > 1 else 0):  # each kept as made: closed
+                    self.stage_groups.append(ShmGroup.create(plan.tp, slot, timeout_s))  # on a failure
             t0 = time.perf_counter()
             with self._failing("start"):
                 if self.relayed:

@@ -1,8 +1,9 @@
 """Interpretation: horizontal cross-sections of a TopoTree become service configurations.
 
 Cutting a tree at depth c makes every node at that depth one process; its leaves are the
-process's cores and the NUMA nodes they sit in are its memory domains. The number of
-processes is the tensor-parallel degree. A Sandwich plan pairs two configurations over one
+process's cores and the NUMA nodes they sit in are its memory domains. The processes are one
+tensor-parallel group, or pipeline stages of ``tp`` each (``pp``), or weight ranks beside an
+attention rank (``wa``). A Sandwich plan pairs two configurations over one
 partition: prefill on every core of each process, decode on the cores a `remove` kept.
 """
 
@@ -63,13 +64,14 @@ class ServiceConfig:
                 + (" + attention rank" if self.wa else ""))
 
     def to_dict(self) -> dict:
-        return {"processes": self.tp, "threads": self.threads,
+        return {"processes": len(self.processes), "tp": self.tp, "pp": self.pp, "wa": self.wa,
+                "threads": self.threads,
                 "cpus": [list(p) for p in self.processes],
                 "numa": [list(d) for d in self.domains]}
 
     def __str__(self) -> str:
         shown = "; ".join(format_cpus(p) for p in self.processes[:4])
-        more = " ..." if self.tp > 4 else ""
+        more = " ..." if len(self.processes) > 4 else ""
         return f"{self.describe()} [{shown}{more}]"
 
 

@@ -77,13 +77,13 @@ class ExecPlan:
 
     @property
     def all_prefill_cpus(self) -> Cpus:
-        """Every process's prefill CPUs."""
-        return tuple(c for p, _ in self.ranks for c in p)
+        """Every process's prefill CPUs, each once (ranks of an ``oversubscribe`` plan share some)."""
+        return tuple(dict.fromkeys(c for p, _ in self.ranks for c in p))
 
     @property
     def all_decode_cpus(self) -> Cpus:
-        """Every process's decode CPUs."""
-        return tuple(c for _, d in self.ranks for c in d)
+        """Every process's decode CPUs, each once."""
+        return tuple(dict.fromkeys(c for _, d in self.ranks for c in d))
 
     def one_process(self) -> ExecPlan:
         """The same CPUs as one process (for a build that runs one: TVM's stock baseline)."""

@@ -24,9 +24,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from ..collective.shm import MAX_RANKS
 from ..model.config import LlamaConfig
 from .configs import SandwichPlan, ServiceConfig, cross_section, cross_sections
 from .hwobj import TopologyError
@@ -149,7 +150,10 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
         if not stop.allows(decode.group_key):
             stats.configs_skipped_early_stop += 1
             return None
-        cost = decode_cost[decode.key] = sim.decode_cost(decode)
+        # a cut no TP degree allows runs as stages: score it as the runtime would run it
+        n = len(decode.processes)
+        runs = decode if model.tp_degrees_ok(n) else replace(decode, pp=n)
+        cost = decode_cost[decode.key] = sim.decode_cost(runs)
         stats.configs_evaluated += 1
         stop.report(decode.group_key, cost)
         return cost
@@ -211,9 +215,10 @@ def search_plans(tree: TopoTree, model: LlamaConfig, profile: MachineProfile, tr
 
 
 def runnable(model: LlamaConfig, processes: int) -> bool:
-    """Whether some arrangement runs ``model`` on this many processes: tensor parallel (a valid
-    TP degree) or pipeline stages of one process each (no more stages than layers)."""
-    return model.tp_degrees_ok(processes) or processes <= model.num_hidden_layers
+    """Whether some arrangement runs ``model`` on this many processes (at most a process group's
+    ``MAX_RANKS``): tensor parallel (a valid TP degree) or pipeline stages of one process each (no
+    more stages than layers)."""
+    return processes <= MAX_RANKS and (model.tp_degrees_ok(processes) or processes <= model.num_hidden_layers)
 
 
 def arrangements(plan: SandwichPlan, model: LlamaConfig) -> list[SandwichPlan]:

@@ -195,7 +195,9 @@ class LatencySimulator:
         """A prefill (``tokens``: prompt lengths) or a decode step of ``batch`` sequences
         (``tokens``: context lengths) through ``config``'s stages, as ``runtime.stage`` runs it:
         a prompt in up to ``pp`` pieces, a decode batch in up to ``pp`` micro-batches, in flight
-        one tick apart (each stage reads its weights once per micro-batch)."""
+        one tick apart (each stage reads its weights once per micro-batch). A decode stage's
+        bandwidth is its own: right for a socket a stage, optimistic for stages that share a
+        memory domain while several micro-batches stream at once."""
         m = self.model
         stages = split_layers(m.num_hidden_layers, config.pp)
         n = np.asarray(tokens, dtype=float)

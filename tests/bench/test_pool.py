@@ -35,4 +35,4 @@ def test_pool_counts_a_models_decode_launches_and_its_share(tmp_path):
     # per layer: two norms, the QKV, O, gate_up and down GEMMs, and one cache attention call
     assert m["cache_attention_calls"] == 2 and m["kernel_calls"] >= 2 * 6
     assert m["launches"] == m["kernel_calls"] + 4 * m["cache_attention_calls"]
-    assert m["tpot_ms"] > 0 and 0 < m["barrier_share"] < 1 or m["barrier_ms_per_step"] <= 0
+    assert m["tpot_ms"] > 0 and (0 < m["barrier_share"] < 1 or m["barrier_ms_per_step"] <= 0)

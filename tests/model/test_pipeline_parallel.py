@@ -220,8 +220,9 @@ def test_two_stages_match_hf_batch_and_a_killed_stage_ends_cleanly(hf_case, prec
 def test_stages_of_two_tensor_parallel_ranks_match_hf(hf_case, precompiler):
     """PP-2 x TP-2: each stage's ranks hold half its heads and FFN and all-reduce over the
     stage's own segment, the stages hand their activations on over the group's; HF's logits and
-    tokens, requests batched as alone, and a tensor-parallel rank of the first stage killed
-    mid-request ends the group with every segment and process gone."""
+    tokens, requests batched as alone, and the last stage's second rank killed mid-request (its
+    stage peer, rank 2, waits on it in the stage's segment) ends the group with every segment and
+    worker gone."""
     model_dir, hf = hf_case
     cfg = load_config(model_dir)
     spec = _pp2_tp2_spec(model_dir)
@@ -230,13 +231,23 @@ def test_stages_of_two_tensor_parallel_ranks_match_hf(hf_case, precompiler):
     try:
         assert compiled.stage == Stage(0, 2, 0, 1) and compiled.tp == 2
         assert engine.disco is not None and len(engine.disco.pids) == 4
-        segments = [Path("/dev/shm", g.name) for g in engine.stage_groups]
-        assert len(segments) == 2 and all(s.exists() for s in segments)
+        segments = [Path("/dev/shm", g.name) for g in [engine.group, *engine.stage_groups]]
+        assert len(segments) == 3 and all(s.exists() for s in segments)
         prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 45)]
         assert_hf_greedy(engine, hf, prompt)
+        rng = np.random.default_rng(2)
+        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
+                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
+        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
+        assert batched == alone
 
-        assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt)  # stage 0's second rank
-        assert not any(s.exists() for s in segments)
+        workers = engine.group.pids[1:]
+        killer = KillAfter(workers[2], 3)  # rank 3
+        with pytest.raises(EngineError, match=f"rank 3 \\(pid {workers[2]}\\) exited"):
+            engine.generate(prompt, 100, on_token=killer)
+        assert killer.seconds_since() < 20
+        assert engine.disco is None and not any(s.exists() for s in segments)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, set(CPUS))

@@ -371,10 +371,15 @@ def test_the_search_ranks_pipeline_and_separated_arrangements_beside_tensor_para
     result = search_plans(tree, model, load_profile("epyc-milan7763-2s"), trace, top_k=100_000)
     found = {(r.plan.prefill.pp, r.plan.prefill.wa) for r in result.plans}
     assert {(1, False), (2, False), (4, False), (1, True)} <= found
-    for ranked in result.plans:  # every arrangement keeps its own prediction, decode as prefill
+    tp2 = next(r for r in result.plans if r.plan.prefill.pp == 1 and not r.plan.prefill.wa
+               and r.plan.tp == 2)
+    for ranked in result.plans:  # each arrangement is predicted as itself
         plan = ranked.plan
-        assert (plan.decode.pp, plan.decode.wa) == (plan.prefill.pp, plan.prefill.wa)
-        assert ranked.prediction.tpot_ms > 0
+        assert ranked.prediction == result.simulator.predict(plan.prefill, plan.decode)
+    same = [r for r in result.plans if r.plan.prefill.key == tp2.plan.prefill.key
+            and r.plan.decode.key == tp2.plan.decode.key]
+    assert len({(r.plan.prefill.pp, r.plan.prefill.wa) for r in same}) == 3  # TP-2, PP-2, WA
+    assert len({round(r.prediction.tpot_ms, 6) for r in same}) == 3
     staged = next(r for r in result.plans if r.plan.prefill.pp == 2 and r.plan.tp == 1)
     sep = next(r for r in result.plans if r.plan.prefill.wa)
     for ranked, pp, wa in ((staged, 2, False), (sep, 1, True)):
