@@ -64,17 +64,16 @@ def selected(request, test: str) -> list[dict]:
 
 
 # What later tests build, for ``Precompiler.warm_up``: (module, test or fixture) -> specs(the
-# session's base directory), in the order their modules were collected (``last`` ones after)
-_WARM_UP: list[tuple[str, str, Callable[[Path], list[RunSpec]], bool]] = []
+# session's base directory), in the order their modules were collected
+_WARM_UP: list[tuple[str, str, Callable[[Path], list[RunSpec]]]] = []
 
 
-def warm_up(module: str, test: str, specs: Callable[[Path], list[RunSpec]], last: bool = False) -> None:
+def warm_up(module: str, test: str, specs: Callable[[Path], list[RunSpec]]) -> None:
     """Register ``specs(base)`` as the artifacts that ``test`` of ``module`` (a test function or
     a fixture its tests use; ``module`` may be a package) builds from inputs at fixed places
     under the session's base directory (``specs`` writes them if missing): the session starts
-    them early, in the second process, when such a test is selected. ``last``: after every
-    other one (a long build the shorter ones should not wait behind)."""
-    _WARM_UP.append((module, test, specs, last))
+    them early, in the second process, when such a test is selected."""
+    _WARM_UP.append((module, test, specs))
 
 
 def _wanted(item, module: str, test: str) -> bool:
@@ -111,8 +110,7 @@ class Precompiler:
         if self._warmed:
             return
         self._warmed = True
-        ordered = sorted(_WARM_UP, key=lambda entry: entry[3])  # stable: collection order, then the last
-        self.submit(*[spec for module, test, specs, _ in ordered
+        self.submit(*[spec for module, test, specs in _WARM_UP
                       if any(_wanted(i, module, test) for i in session.items) for spec in specs(base)])
 
     def build(self, spec: RunSpec):

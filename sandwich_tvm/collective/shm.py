@@ -102,6 +102,9 @@ class ShmGroup:
         try:
             os.ftruncate(fd, segment_bytes(world, slot))  # zero-filled: every counter starts at 0
             return cls._open(name, fd, 0, world, slot, timeout_s, owner=True)
+        except BaseException:  # no group to close it: the file goes now
+            (SHM_DIR / name).unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
 

@@ -52,9 +52,10 @@ class TPEngine(EngineBase):
         self.relayed = bool(run.hosts)  # stages on other hosts: the controller relays their exchanges
         self.group: ShmGroup | None = None
         self.stage_groups: list[ShmGroup] = []  # stages of several ranks: each stage's TP collectives
-        if self.relayed and plan.tp > 1:
-            raise EngineError(f"stages on other hosts run one process each; the plan has stages of {plan.tp} "
-                              "tensor-parallel ranks")
+        if self.relayed and (plan.wa or plan.tp != 1 or plan.pp != plan.processes):
+            raise EngineError(f"ranks on other hosts run pipeline stages of one process each; the plan has "
+                              f"{plan.processes} processes in {plan.pp} stages of {plan.tp}"
+                              + (" with an attention rank" if plan.wa else ""))
         close_at_exit(self)
         try:
             if not self.relayed:

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..collective.shm import MAX_RANKS
 from ..host import PROCESS_CPUS, save_atomic
 
 REPLAN = "re-run `python -m sandwich_tvm.tune plan`"
@@ -46,6 +47,9 @@ class ExecPlan:
     def __post_init__(self) -> None:
         if not self.ranks:
             object.__setattr__(self, "ranks", ((tuple(self.prefill_cpus), tuple(self.decode_cpus)),))
+        if len(self.ranks) > MAX_RANKS:
+            raise PlanError(f"a plan runs at most {MAX_RANKS} processes (one shared-memory group), not "
+                            f"{len(self.ranks)}")
         if self.wa and (self.pp, len(self.ranks)) != (1, 2):
             raise PlanError(f"weight-attention separation runs one weight rank and one attention rank in "
                             f"this version (tp 1, pp 1, processes 2), not {len(self.ranks)} processes in "

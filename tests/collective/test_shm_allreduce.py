@@ -239,3 +239,18 @@ def test_disco_sessions_reduce_through_the_shared_memory():
                     np.testing.assert_allclose(dst.debug_get_from_remote(r).numpy(), want, rtol=1e-6)
         finally:
             disco.close()
+
+
+def test_a_segment_that_fails_to_open_is_removed(monkeypatch):
+    """``create`` made the file but could not map it: nothing holds the group to close it, so
+    the file goes at once."""
+    from sandwich_tvm.collective import shm
+
+    def fail(*_args, **_kwargs):
+        raise OSError("no memory to map the segment")
+
+    before = set(shm.SHM_DIR.glob(f"sandwich-{os.getpid()}-*"))
+    monkeypatch.setattr(ShmGroup, "_open", classmethod(fail))
+    with pytest.raises(OSError, match="no memory"):
+        ShmGroup.create(2, 1024)
+    assert set(shm.SHM_DIR.glob(f"sandwich-{os.getpid()}-*")) == before

@@ -78,11 +78,18 @@ def test_ranks_share_cpus_only_when_the_plan_says_oversubscribe(tmp_path):
     plan = ExecPlan.from_file(_plan(tmp_path, **fields, oversubscribe=True))
     assert (plan.processes, plan.tp, plan.pp, plan.oversubscribe) == (4, 2, 2, True)
     assert [plan.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert plan.all_prefill_cpus == tuple(dict.fromkeys([CPUS[0], CPUS[-1]]))  # each core once
     assert "2 pipeline stages of 2 tensor-parallel ranks" in plan.describe()
     back = ExecPlan.from_dict(plan.to_dict(), "round trip")
     assert (back.ranks, back.pp, back.oversubscribe) == (plan.ranks, 2, True)
     with pytest.raises(PlanError, match="oversubscribe .* is 'yes', not true or false"):
         ExecPlan.from_file(_plan(tmp_path, **fields, oversubscribe="yes"))
+
+
+def test_a_plan_of_more_processes_than_one_group_holds_is_refused():
+    ranks = [((CPUS[0],), (CPUS[0],))] * 65
+    with pytest.raises(PlanError, match="at most 64 processes"):
+        ExecPlan.of_ranks(ranks, "test", pp=65, oversubscribe=True)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -348,8 +348,10 @@ def test_the_search_ranks_pipeline_and_separated_arrangements_beside_tensor_para
     """Every plan of several processes is also ranked as pipeline stages (each stage's ranks a
     valid TP degree) and with weight-attention separation; the arrangement reaches the plan the
     runtime follows and its plans.json entry."""
+    import dataclasses
+
     from sandwich_tvm.topology.configs import SandwichPlan
-    from sandwich_tvm.topology.search import arrangements
+    from sandwich_tvm.topology.search import arrangements, runnable
 
     tree, _ = load_tree(xml=MILAN)
     model = PRESETS["llama-3.2-1b"]  # 32 heads, 8 KV heads, 16 layers
@@ -361,6 +363,9 @@ def test_the_search_ranks_pipeline_and_separated_arrangements_beside_tensor_para
     assert kinds == {(1, False, 2), (2, False, 1), (1, True, 1)}
 
     small = PRESETS["llama-160m"]  # 12 heads and 12 layers: 8 processes only as stages
+    assert runnable(small, 8) and runnable(small, 12) and not runnable(small, 13)
+    deep = dataclasses.replace(PRESETS["llama-3-8b"], num_hidden_layers=80)  # stages up to one group's 64
+    assert runnable(deep, 64) and not runnable(deep, 65)
     eight = parse_config(tree, "8x16")
     kinds = {(p.prefill.pp, p.prefill.wa, p.tp) for p in arrangements(SandwichPlan(eight, eight), small)}
     assert kinds == {(2, False, 4), (4, False, 2), (8, False, 1)}
