@@ -66,8 +66,9 @@ class TPEngine(EngineBase):
                 width = cfg.head_dim * heads if plan.wa else 0
                 slot = 4 * max(self.prefill_chunk * max(cfg.hidden_size, width), max_batch * cfg.vocab_size)
                 self.group = ShmGroup.create(plan.processes, slot, timeout_s)
-                for _ in range(plan.pp if plan.pp > 1 and plan.tp > 1 else 0):  # each kept as made: closed
-                    self.stage_groups.append(ShmGroup.create(plan.tp, slot, timeout_s))  # on a failure
+                if plan.pp > 1 and plan.tp > 1:  # each kept as it is made, so a failure closes it
+                    for _ in range(plan.pp):
+                        self.stage_groups.append(ShmGroup.create(plan.tp, slot, timeout_s))
             t0 = time.perf_counter()
             with self._failing("start"):
                 if self.relayed:

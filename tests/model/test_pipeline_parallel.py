@@ -169,11 +169,7 @@ def assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt: list[int]) ->
     """Three requests at once (chunked prompts, two sharing a cached prefix) give each one's
     tokens alone; then rank 1 killed mid-request fails it naming the rank within seconds of
     the kill, and the group is shut down with its segment and process gone."""
-    rng = np.random.default_rng(2)
-    prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
-               "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
-    alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
-    assert batched == alone
+    assert_batched_as_alone(engine, cfg, prompt)
     segment = Path("/dev/shm", engine.group.name)
     worker = engine.group.pids[1]
     killer = KillAfter(worker, 3)
@@ -181,6 +177,16 @@ def assert_batched_as_alone_then_rank1_killed(engine, cfg, prompt: list[int]) ->
         engine.generate(prompt, 100, on_token=killer)
     assert killer.seconds_since() < 20
     assert engine.disco is None and not segment.exists() and not Path(f"/proc/{worker}").exists()
+
+
+def assert_batched_as_alone(engine, cfg, prompt: list[int]) -> None:
+    """Three requests at once (chunked prompts, two sharing a cached prefix) give each one's
+    tokens alone."""
+    rng = np.random.default_rng(2)
+    prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
+               "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
+    alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
+    assert batched == alone
 
 
 def _tokens_alone_and_batched(engine, prompts: dict[str, list[int]], new: int) -> tuple[dict, dict]:
@@ -242,11 +248,7 @@ def test_stages_of_two_tensor_parallel_ranks_match_hf(hf_case, precompiler):
         assert len(segments) == 3 and all(s.exists() for s in segments)
         prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 45)]
         assert_hf_greedy(engine, hf, prompt)
-        rng = np.random.default_rng(2)
-        prompts = {"a": prompt, "b": prompt[:32] + [int(t) for t in rng.integers(0, cfg.vocab_size, 9)],
-                   "c": [int(t) for t in rng.integers(0, cfg.vocab_size, 70)]}
-        alone, batched = _tokens_alone_and_batched(engine, prompts, 8)
-        assert batched == alone
+        assert_batched_as_alone(engine, cfg, prompt)
 
         workers = engine.group.pids[1:]
         killer = KillAfter(workers[2], 3)  # rank 3
