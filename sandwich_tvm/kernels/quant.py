@@ -12,7 +12,9 @@ low nibble and element j + 16 in its high one). The kernels read them regrouped 
 the lanes' d values, then their m values (q4_1), then the values as ``[byte][lane]``, so that
 one vector load holds the same k of ``lanes`` columns. The bytes are the GGUF ones, moved:
 a GGUF file loads without re-quantizing, and an HF checkpoint is quantized with ``gguf``'s
-own reference code (``gguf.quants``), so both give llama.cpp's values.
+own reference code (``gguf.quants``), so both give llama.cpp's values; given an importance
+matrix, 4-bit blocks are rounded by ``weighted_blocks`` instead, as ``llama-quantize --imatrix``
+rounds them.
 
 The int8 dot-product layout (``quads``, for ``vpdpbusd``) keeps 4 consecutive k of a column in
 one 32-bit word, ``[quad][lane][4]``, and stores q8_0's values offset to unsigned (q + 128, a
@@ -64,13 +66,17 @@ class QType:
             raise KernelError(f"{self.name} weights come in blocks of {BLOCK} along k, and k = {k} is "
                               f"not a multiple of {BLOCK}; use --dtype bfloat16 for this model")
 
-    def quantize(self, w: np.ndarray) -> np.ndarray:
+    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         """``W[n, k]`` (float) -> GGUF blocks ``[n, k / 32 * block_bytes]`` (uint8), by gguf's
-        reference quantizer (llama.cpp's rounding)."""
+        reference quantizer (llama.cpp's rounding); a 4-bit type given ``importance`` (an
+        importance matrix's mean squared activation per k) by ``weighted_blocks``."""
         import gguf
 
         self.check_k(w.shape[1])
-        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), self._gguf_type)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if importance is not None and self.bits == 4:
+            return weighted_blocks(w, importance, self)
+        return gguf.quants.quantize(w, self._gguf_type)
 
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
         """GGUF blocks ``[n, bytes]`` -> float32 ``W[n, k]``."""
@@ -126,6 +132,70 @@ class QType:
         grid = np.concatenate([halves.reshape(panels, kb, head, lanes), values], axis=2)
         rows = grid.transpose(0, 3, 1, 2).reshape(panels * lanes, kb * self.block_bytes)
         return np.ascontiguousarray(rows[:n])
+
+
+SCALE_STEPS = np.arange(-10, 11) * 0.1  # the inverse scales tried: the range mapped to 16 + step levels
+
+
+def weighted_blocks(w: np.ndarray, importance: np.ndarray, qtype: QType) -> np.ndarray:
+    """4-bit GGUF blocks of ``W[n, k]`` that minimize the error weighted by ``importance[k]``.
+
+    What an importance matrix (llama.cpp's ``llama-imatrix``) is for: a column of W that
+    meets large activations costs more when rounded. Each block's weight of element j is
+    ``importance[j] * sqrt(sigma2 + w[j]^2)`` (sigma2: the row's mean square, llama.cpp's
+    choice). For each of ``SCALE_STEPS`` the block is rounded onto a grid spanning its range
+    (q4_0: the largest magnitude onto -8; q4_1: min..max onto 0..15 + step), the scale (and
+    minimum) refitted by weighted least squares to those levels, and the candidate with the
+    smallest weighted squared error kept. The blocks decode with the unchanged formats.
+    """
+    n, k = w.shape
+    imp = np.asarray(importance, np.float32).reshape(-1)
+    if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+        raise ValueError(f"an importance vector must hold {k} finite values >= 0, not {imp.shape[0]}")
+    x = w.reshape(n, k // BLOCK, BLOCK).astype(np.float64)
+    sigma2 = np.mean(w.astype(np.float64) ** 2, axis=1)[:, None, None]
+    wt = imp.reshape(1, k // BLOCK, BLOCK) * np.sqrt(sigma2 + x * x)
+    wt = np.where(wt.sum(axis=2, keepdims=True) > 0, wt, 1.0)  # a block nobody weighs: plain error
+    best_err = np.full(x.shape[:2], np.inf)
+    best_q = np.zeros(x.shape, np.uint8)
+    best_d = np.zeros(x.shape[:2])
+    best_m = np.zeros(x.shape[:2])
+    lo, hi = x.min(axis=2), x.max(axis=2)
+    peak = np.where(-lo > hi, lo, hi)  # the signed value of largest magnitude (q4_0)
+    for step in SCALE_STEPS:
+        if qtype.has_min:  # q = round((x - lo) / d) in 0..15, then (d, m) refitted
+            inv = np.divide(15 + step, hi - lo, out=np.zeros_like(hi), where=hi > lo)
+            q = np.clip(np.rint((x - lo[..., None]) * inv[..., None]), 0, 15)
+            d, m = _fit_scale_min(x, q, wt)
+            err = np.sum(wt * (x - d[..., None] * q - m[..., None]) ** 2, axis=2)
+        else:  # w = (q - 8) d: the peak maps onto -8 (the level with no positive twin)
+            inv = np.divide(-(8 + step), peak, out=np.zeros_like(peak), where=peak != 0)
+            c = np.clip(np.rint(x * inv[..., None]), -8, 7)
+            den = np.sum(wt * c * c, axis=2)
+            d = np.divide(np.sum(wt * c * x, axis=2), den, out=np.zeros_like(den), where=den > 0)
+            m = np.zeros_like(d)
+            q = c + 8
+            err = np.sum(wt * (x - d[..., None] * c) ** 2, axis=2)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_q = np.where(better[..., None], q, best_q).astype(np.uint8)
+        best_d, best_m = np.where(better, d, best_d), np.where(better, m, best_m)
+    head = [best_d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)]
+    if qtype.has_min:
+        head.append(best_m.astype(np.float16).view(np.uint8).reshape(n, -1, 2))
+    nibbles = best_q[..., :16] | (best_q[..., 16:] << 4)  # element j low, j + 16 high (GGUF's order)
+    return np.concatenate([*head, nibbles], axis=2).reshape(n, -1)
+
+
+def _fit_scale_min(x: np.ndarray, q: np.ndarray, wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the (d, m) that minimize sum(wt (x - d q - m)^2) for fixed levels q."""
+    sw, sq, sx = wt.sum(axis=2), np.sum(wt * q, axis=2), np.sum(wt * x, axis=2)
+    sqq, sqx = np.sum(wt * q * q, axis=2), np.sum(wt * q * x, axis=2)
+    det = sw * sqq - sq * sq
+    ok = det > 1e-12 * np.maximum(sw * sqq, 1e-30)
+    d = np.divide(sw * sqx - sq * sx, det, out=np.zeros_like(det), where=ok)
+    m = np.where(ok, (sx - d * sq) / sw, sx / sw)  # one level used: the weighted mean
+    return d, m
 
 
 QTYPES: dict[str, QType] = {

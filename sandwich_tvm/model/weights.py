@@ -23,6 +23,7 @@ from ..kernels.quant import QuantBlocks, head_dtype
 from ..memory import aligned_empty, collapse_huge_pages
 from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, random_checkpoint, read_checkpoint
 from .config import LlamaConfig, model_path
+from .imatrix import imatrix_digest, importance_of, read_imatrix
 from .parallel import Shard
 
 FORMAT = 2  # 2: gate_up interleaved for the silu_mul epilogue
@@ -61,18 +62,23 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
             isa: str, where: str = "checkpoint",
             progress: Callable[[int, int], None] | None = None, dtype: str = "float32",
             layouts: dict[str, WeightLayout] | None = None, shards: dict[str, Shard] | None = None,
-            rank: int = 0, tp: int = 1) -> list[np.ndarray]:
+            rank: int = 0, tp: int = 1, importance: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
     """Arrays in ``params`` order (name, expected shape), packed where the shape is 3-D: as
     ``layouts[name]`` (the model's own, from its parameters) when given, else for the
     ``dtype`` kernels of ``isa`` (a micro-kernel ISA). In a model split over ``tp`` processes
-    each parameter with a hint in ``shards`` is rank ``rank``'s part. The checkpoint must
-    match ``cfg`` exactly (``check_checkpoint``); tensors are read one at a time."""
+    each parameter with a hint in ``shards`` is rank ``rank``'s part. ``importance``: an
+    importance matrix (``imatrix.read_imatrix``) that 4-bit weights quantized here are
+    weighted by. The checkpoint must match ``cfg`` exactly (``check_checkpoint``); tensors are
+    read one at a time."""
     check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
+        imp = importance_of(importance, name)
         if tp > 1 and name in (shards or {}):
             hf = shards[name].take(np.asarray(hf), rank, tp)  # quantized blocks: dequantized first
+            if imp is not None and shards[name].dim == 1:  # this rank's columns of k
+                imp = shards[name].take(imp[None, :], rank, tp)[0]
         if len(shape) == 3:  # packed panels of W[n, k]
             layout = (layouts or {}).get(name)
             if layout is None:  # gate_up is interleaved for the silu_mul epilogue
@@ -84,7 +90,7 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
                                      f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
                                      f"{isa} {dtype}; build and load the model for the same ISA, dtype "
                                      "and config")
-            arr = layout.pack(hf, out=aligned_empty(shape, numpy_dtype(layout.storage)))
+            arr = layout.pack(hf, out=aligned_empty(shape, numpy_dtype(layout.storage)), importance=imp)
         else:
             if tuple(hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
@@ -208,13 +214,15 @@ def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]],
 def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
                 *, seed: int = 0, log: Callable[[str], None] = lambda _m: None,
                 dtype: str = "float32", layouts: dict[str, WeightLayout] | None = None,
-                shards: dict[str, Shard] | None = None, rank: int = 0, tp: int = 1) -> list[np.ndarray]:
+                shards: dict[str, Shard] | None = None, rank: int = 0, tp: int = 1,
+                imatrix: Path | str | None = None) -> list[np.ndarray]:
     """Weights for ``params``: a preset's seeded random weights, or the checkpoint in ``spec``
     (converted once, then read from the conversion cache); Linear weights in ``dtype``, packed
     as ``layouts`` says (the compiled model's, ``CompiledModel.layouts``) where given; rank
-    ``rank``'s shard of a model split over ``tp`` processes (``CompiledModel.shards``)."""
+    ``rank``'s shard of a model split over ``tp`` processes (``CompiledModel.shards``); 4-bit
+    weights quantized here weighted by the importance matrix file ``imatrix``."""
     arrays = _load_params(spec, cfg, params, isa, seed=seed, log=log, dtype=dtype, layouts=layouts,
-                          shards=shards, rank=rank, tp=tp)
+                          shards=shards, rank=rank, tp=tp, imatrix=imatrix)
     collapse_huge_pages(arrays)  # decode streams them every token: all in 2 MiB pages, now
     return arrays
 
@@ -222,10 +230,11 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
 def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
                  *, seed: int, log: Callable[[str], None], dtype: str,
                  layouts: dict[str, WeightLayout] | None, shards: dict[str, Shard] | None, rank: int,
-                 tp: int) -> list[np.ndarray]:
+                 tp: int, imatrix: Path | str | None) -> list[np.ndarray]:
     from .config import PRESETS
 
-    split = {"shards": shards, "rank": rank, "tp": tp}
+    split = {"shards": shards, "rank": rank, "tp": tp,
+             "importance": read_imatrix(imatrix, cfg) if imatrix else None}
     if str(spec) in PRESETS:
         log(f"random weights for preset {spec} (seed {seed})" + (f", rank {rank}'s shard" if tp > 1 else ""))
         return convert(cfg, random_checkpoint(cfg, seed), params, isa, where=f"preset {spec}", dtype=dtype,
@@ -234,7 +243,8 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
     layout = json.dumps([params, isa] + ([dtype] if dtype != "float32" else [])
                         + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else [])
                         + ([rank, tp, sorted((n, x.to_json()) for n, x in (shards or {}).items())]
-                           if tp > 1 else []))
+                           if tp > 1 else [])
+                        + ([f"imatrix {imatrix_digest(imatrix)}"] if imatrix else []))
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:

@@ -30,7 +30,7 @@ def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None
         return engine, compiled
     isa, weight_dtype = compiled.weight_layout
     params = load_params(spec.model, spec.config, compiled.params, isa, seed=spec.seed, log=log,
-                         dtype=weight_dtype, layouts=compiled.layouts)
+                         dtype=weight_dtype, layouts=compiled.layouts, imatrix=spec.imatrix)
     engine = Engine(compiled, params, spec.plan, context=spec.context, max_batch=spec.max_batch,
                     prefill_chunk=spec.prefill_chunk, kv_tokens=spec.kv_tokens)
     log(f"KV cache: {engine.kv_tokens} tokens ({engine.total_pages} pages), at most {engine.context} "

@@ -142,7 +142,8 @@ class Rank(RankState):
         # a separated model's attention side has no weights: nothing to read
         params = [] if not compiled.params else load_params(
             run.model, compiled.config, compiled.params, isa, seed=run.seed, dtype=dtype,
-            layouts=compiled.layouts, shards=compiled.shards, rank=self.rank % plan.tp, tp=plan.tp)
+            layouts=compiled.layouts, shards=compiled.shards, rank=self.rank % plan.tp, tp=plan.tp,
+            imatrix=run.imatrix)
         engine = Engine(compiled, params, mine, context=run.context, prefill_chunk=run.prefill_chunk,
                         page_size=spec.page_size, max_batch=run.max_batch, kv_tokens=run.kv_tokens)
         stage = compiled.stage

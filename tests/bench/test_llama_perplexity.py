@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from sandwich_tvm.bench.baselines import llama_perplexity as lp
+from sandwich_tvm.bench.baselines.llama_quantize import LlamaToolError, make_imatrix, requantize
 from sandwich_tvm.bench.perplexity import llamacpp_reference
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
@@ -162,3 +163,69 @@ def test_q4_1_model_against_llama_perplexity(capsys):
     llama, ours = out["rows"]["llama.cpp llama-perplexity"], out["rows"]["q4_1, int8 activations, float16 KV"]
     assert llama["same_token_ids"] and out["second_half_tokens"] == 4 * 63 == llama["tokens"]
     assert math.isfinite(ours["ppl_second_half"]) and abs(ours["vs_llamacpp"] - 1) < 0.03
+
+
+QUANTIZE = """#!/bin/sh
+# A stand-in llama-quantize: records its arguments; copies SRC to DST (the two paths before TYPE)
+echo "$@" >> {log}
+[ {fail} = 1 ] && {{ echo "llama_model_quantize: failed to quantize: bad type" >&2; exit 1; }}
+while [ $# -gt 4 ]; do shift; done
+cp "$1" "$2"
+"""
+IMATRIX = """#!/bin/sh
+# A stand-in llama-imatrix: writes its -o file unless told to write nothing
+echo "$@" >> {log}
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+[ {write} = 1 ] && echo imatrix > "$out"
+exit 0
+"""
+
+
+def _script(tmp_path: Path, monkeypatch, name: str, env: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv(env, str(path))
+    return path
+
+
+def test_requantized_rows_name_llama_quantize_and_its_imatrix(tmp_path, monkeypatch):
+    """Each 4-bit type is made by llama-quantize from the model's GGUF (once more with the
+    importance matrix) and scored by llama-perplexity on the same text and chunks."""
+    from sandwich_tvm.bench.perplexity import llamacpp_requantized
+
+    smollm2_path()
+    _fake(tmp_path, monkeypatch)
+    log = tmp_path / "quantize.log"
+    _script(tmp_path, monkeypatch, "llama-quantize", "LLAMA_QUANTIZE", QUANTIZE.format(log=log, fail=0))
+    imat = tmp_path / "imatrix.gguf"
+    rows = llamacpp_requantized("smollm2-135m", TEXT, ["q4_0"], imatrix=imat, window=32, chunks=2, threads=2,
+                                log=lambda _m: None)
+    assert list(rows) == ["llama.cpp q4_0 (llama-quantize)", "llama.cpp q4_0 (llama-quantize --imatrix)"]
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("--allow-requantize ") and calls[0].endswith("q4_0.gguf Q4_0 2")
+    assert f"--imatrix {imat} " in calls[1]
+    run, command = rows["llama.cpp q4_0 (llama-quantize --imatrix)"]
+    assert run.ppl == 6.4563 and len(run.tokens) == 2 * 32
+    assert command[-3:] == ["q4_0.gguf", "Q4_0", "2"] and "q4_0.gguf" in run.command  # no temporary paths
+    _script(tmp_path, monkeypatch, "llama-quantize", "LLAMA_QUANTIZE", QUANTIZE.format(log=log, fail=1))
+    with pytest.raises(LlamaToolError, match=r"llama-quantize failed \(exit 1\)(.|\n)*bad type"):
+        llamacpp_requantized("smollm2-135m", TEXT, ["q4_0"], imatrix=None, window=32, chunks=2, threads=2,
+                             log=lambda _m: None)
+    monkeypatch.setenv("LLAMA_QUANTIZE", str(tmp_path / "missing"))
+    with pytest.raises(LlamaToolError, match="LLAMA_QUANTIZE=.*build_llama_server.sh"):
+        requantize(tmp_path / "a.gguf", tmp_path / "b.gguf", "q4_0", threads=2)
+
+
+def test_make_imatrix_writes_its_file_or_nothing(tmp_path, monkeypatch):
+    log, out = tmp_path / "imatrix.log", tmp_path / "out" / "m.gguf"
+    _script(tmp_path, monkeypatch, "llama-imatrix", "LLAMA_IMATRIX", IMATRIX.format(log=log, write=0))
+    with pytest.raises(LlamaToolError, match="wrote no imatrix.gguf"):
+        make_imatrix(tmp_path / "model.gguf", "some text", out, n_ctx=32, chunks=4, threads=2)
+    assert not out.exists()
+    _script(tmp_path, monkeypatch, "llama-imatrix", "LLAMA_IMATRIX", IMATRIX.format(log=log, write=1))
+    command, _ = make_imatrix(tmp_path / "model.gguf", "some text", out, n_ctx=32, chunks=4, threads=2)
+    assert out.read_text() == "imatrix\n" and not list(out.parent.glob("*.tmp"))
+    assert command[0] == "llama-imatrix" and command[3:5] == ["-f", "TEXT"]
+    assert command[-2:] == ["-o", str(out)]
+    assert "-c 32 --chunks 4 -t 2" in log.read_text().splitlines()[-1]

@@ -1,0 +1,128 @@
+"""Importance matrices (llama.cpp's imatrix GGUF files): read for a model's Linears, refused with
+one line when they do not fit, and followed when 4-bit weights are quantized at load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import export_module
+from sandwich_tvm.kernels.packing import WeightLayout
+from sandwich_tvm.model.checkpoint import random_checkpoint
+from sandwich_tvm.model.imatrix import ImatrixError, importance_of, read_imatrix
+from sandwich_tvm.model.linear import KernelSet
+from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.spec import RunSpec, SpecError, resolve_run_spec
+
+from .gguf_models import gguf_name, tiny_config, tiny_tokenizer, write_gguf
+
+ISA = "avx2"  # packing runs in numpy: any ISA on any host
+
+
+def write_imatrix(path: Path, cfg, *, counts: float = 64.0, k_of=None, skip: tuple[str, ...] = (),
+                  seed: int = 0) -> Path:
+    """An importance matrix as llama-imatrix writes it: per weight ``NAME.in_sum2`` and ``NAME.counts``."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.type", "imatrix")
+    for hf, arr in random_checkpoint(cfg, 0).items():
+        name = gguf_name(hf)
+        if arr.ndim != 2 or name in skip:
+            continue
+        k = (k_of or (lambda _n, k: k))(name, arr.shape[1])
+        w.add_tensor(f"{name}.in_sum2", (rng.gamma(0.5, 2.0, k) * counts).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.array([counts], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("imatrix")
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    path = write_gguf(out / "tiny.gguf", cfg, random_checkpoint(cfg, 1), tokenizer=tok)
+    return path, cfg, write_imatrix(out / "imatrix.gguf", cfg)
+
+
+def test_reads_the_mean_square_per_input(model):
+    path, cfg, imat = model
+    import gguf
+
+    raw = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(imat)).tensors}
+    table = read_imatrix(imat, cfg)
+    assert len(table) == 7 * cfg.num_hidden_layers and "lm_head.weight" not in table
+    q = table["model.layers.1.self_attn.q_proj.weight"]
+    np.testing.assert_allclose(q, raw["blk.1.attn_q.weight.in_sum2"] / 64.0, rtol=1e-6)
+    assert table["model.layers.0.mlp.down_proj.weight"].shape == (cfg.intermediate_size,)
+    # our fused Linears read their first part's vector (the same input)
+    assert importance_of(table, "model.layers.1.self_attn.qkv_proj.weight") is q
+    gate = importance_of(table, "model.layers.0.mlp.gate_up_proj.weight")
+    assert gate is table["model.layers.0.mlp.gate_proj.weight"]
+    assert importance_of(None, "model.layers.0.mlp.gate_up_proj.weight") is None
+
+
+@pytest.mark.parametrize(("case", "match"), [
+    ("missing", "no such file"),
+    ("garbage", "not a GGUF importance matrix"),
+    ("other-model", "made for another model"),
+    ("no-layers", "no importance of a layer"),
+    ("zero-counts", "no positive .counts"),
+])
+def test_bad_files_are_one_line_errors(model, tmp_path, case, match):
+    _, cfg, _ = model
+    path = tmp_path / "imatrix.gguf"
+    if case == "garbage":
+        path.write_bytes(b"GGUF" + bytes(range(200)))
+    elif case == "other-model":
+        write_imatrix(path, cfg, k_of=lambda name, k: k * 2 if "ffn_down" in name else k)
+    elif case == "no-layers":
+        path = write_imatrix(path, cfg, skip=tuple(gguf_name(n) for n in random_checkpoint(cfg, 0)))
+    elif case == "zero-counts":
+        write_imatrix(path, cfg, counts=0.0)
+    with pytest.raises(ImatrixError, match=match) as err:
+        read_imatrix(path, cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_spec_takes_an_imatrix_for_4_bit_weights_only(model):
+    path, cfg, imat = model
+    spec = resolve_run_spec(path, dtype="q4_0", imatrix=imat)
+    assert spec.imatrix == imat.resolve() and "imatrix imatrix.gguf" in spec.describe()
+    again = RunSpec.from_json(spec.to_json())
+    assert again.imatrix == spec.imatrix and json.loads(spec.to_json())["imatrix"] == str(imat.resolve())
+    for dtype in ("float32", "q8_0"):
+        with pytest.raises(SpecError, match="4-bit weights"):
+            resolve_run_spec(path, dtype=dtype, imatrix=imat)
+    with pytest.raises(ImatrixError, match="no such file"):
+        resolve_run_spec(path, dtype="q4_0", imatrix=imat.with_name("absent.gguf"))
+
+
+def test_load_quantizes_4_bit_weights_by_the_imatrix(model, tmp_path, monkeypatch):
+    """Layer Linears quantized at load follow the importance matrix (packed exactly as the
+    layout packs them given it); the head (q8_0), norms and the embedding do not change; the
+    conversion cache keeps the two apart."""
+    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path))
+    path, cfg, imat = model
+    params = export_module(cfg, KernelSet(2, 1, isa=ISA, dtype="q4_0"))[1]
+    plain = load_params(path, cfg, params, ISA, dtype="q4_0")
+    weighted = load_params(path, cfg, params, ISA, dtype="q4_0", imatrix=imat)
+    assert len(list((tmp_path / "weights").glob("tiny*.safetensors"))) == 2
+    table, state = read_imatrix(imat, cfg), random_checkpoint(cfg, 1)
+    changed = {name for (name, _), a, b in zip(params, plain, weighted, strict=True)
+               if not np.array_equal(a, b)}
+    assert changed == {n for n, s in params if len(s) == 3 and n.startswith("model.layers.")}
+    name = "model.layers.1.self_attn.o_proj.weight"
+    i = next(j for j, (n, _) in enumerate(params) if n == name)
+    expected = WeightLayout(ISA, "q4_0").pack(state[name], importance=table[name])
+    np.testing.assert_array_equal(weighted[i], expected)
+    cached = load_params(path, cfg, params, ISA, dtype="q4_0", imatrix=imat)
+    assert all(np.array_equal(a, b) for a, b in zip(cached, weighted, strict=True))
