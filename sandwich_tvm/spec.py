@@ -226,7 +226,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
             weight_dtype, note = own, f"the GGUF's own {own} blocks, loaded as they are"
         _check_blocks(cfg, weight_dtype)
     int8_acts = False if stock else resolve_activations(activations, weight_dtype)
-    imatrix = _check_imatrix(imatrix, cfg, weight_dtype, stock)
+    imatrix = _check_imatrix(imatrix, model, cfg, weight_dtype, stock)
     if plan is None:
         plan = ExecPlan.all_cpus()
     elif not isinstance(plan, ExecPlan):
@@ -251,14 +251,19 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
                    imatrix=imatrix)
 
 
-def _check_imatrix(imatrix: Path | str | None, cfg: LlamaConfig, weight_dtype: str,
+def _check_imatrix(imatrix: Path | str | None, model: str | Path, cfg: LlamaConfig, weight_dtype: str,
                    stock: bool) -> Path | None:
-    """The importance matrix file, read once here so that a bad one is an error before compiling."""
+    """The importance matrix file, read once here so that a bad one is an error before compiling;
+    refused where no weight is rounded at load (it would change nothing)."""
     if not imatrix:
         return None
     if stock or weight_dtype not in ("q4_0", "q4_1"):
         raise SpecError(f"--imatrix weighs the rounding of 4-bit weights; these are {weight_dtype}: use "
                         "--dtype q4_0 or q4_1, or drop --imatrix")
+    if gguf_quant_type(model) == weight_dtype:
+        raise SpecError(f"--imatrix: the GGUF's own {weight_dtype} blocks load as they are, rounded already; "
+                        f"drop --imatrix, or ask for the other 4-bit type (--dtype "
+                        f"{'q4_1' if weight_dtype == 'q4_0' else 'q4_0'})")
     from .model.imatrix import read_imatrix
 
     read_imatrix(imatrix, cfg)

@@ -88,6 +88,9 @@ for tool in "${MISSING[@]}"; do
   BIN=$ROOT/.venv/bin/$tool
   install -m 755 "$BUILT" "$BIN"
   # llama-quantize has no --version: its usage text (exit 1) shows that it runs
-  "$BIN" --version >/dev/null 2>&1 || "$BIN" 2>&1 | grep -q "^usage:" || die "$BIN does not run"
+  if ! "$BIN" --version >/dev/null 2>&1; then
+    USAGE=$("$BIN" 2>&1 || true)
+    grep -q "^usage:" <<<"$USAGE" || die "$BIN does not run"
+  fi
   log "installed $BIN ($(( $(date +%s) - START )) s): $("$BIN" --version 2>&1 | grep -m1 version || true)"
 done

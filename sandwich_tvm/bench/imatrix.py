@@ -47,10 +47,10 @@ def main_imatrix(args: argparse.Namespace, console: Console) -> int:
             raise ValueError(f"llama-imatrix reads a GGUF file; {args.model!r} is {path}, not a .gguf")
         if args.out.suffix != ".gguf":
             raise ValueError(f"--out {args.out}: name it .gguf (llama-imatrix writes its GGUF form then)")
+        text = sharegpt_text(args.chunks * args.window * 8, skip=args.skip_chars)
     except (ValueError, ModelConfigError) as exc:
         print_error(console, exc)
         return 2
-    text = sharegpt_text(args.chunks * args.window * 8, skip=args.skip_chars)
     threads = ExecPlan.all_cpus().prefill_threads
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     log(f"llama-imatrix on {path.name}: {args.chunks} chunks of {args.window} tokens of "

@@ -120,8 +120,8 @@ def sharegpt_text(chars: int, skip: int = 0) -> str:
                 total += len(value) + 2
         if total >= chars:
             break
-    if len(parts) == 0:
-        raise ValueError(f"ShareGPT has fewer than {skip} characters to skip")
+    if not parts:
+        raise ValueError(f"ShareGPT holds no text after its first {skip} characters; use a smaller skip")
     return "\n\n".join(parts)[:chars]
 
 

@@ -109,11 +109,12 @@ class WeightLayout:
             return self.panels(n), k // BLOCK, q.panel_block_bytes(self.lanes)
         return self.panels(n), self.reduction(k), self.lanes
 
-    def pack(self, w: np.ndarray, out: np.ndarray | None = None,
-             importance: np.ndarray | None = None) -> np.ndarray:
+    def pack(self, w: np.ndarray, out: np.ndarray | None = None, importance: np.ndarray | None = None,
+             row_sigma2: np.ndarray | None = None) -> np.ndarray:
         """``W[n, k]`` (any float dtype, or ``QuantBlocks`` of this layout's type) -> the packed
         array; written into ``out`` (e.g. a huge-page buffer) when given, saving a copy of the
-        whole weight. ``importance[k]``: quantize a 4-bit type weighted by it (``QType.quantize``)."""
+        whole weight. ``importance[k]``: quantize a 4-bit type weighted by it (``QType.quantize``;
+        ``row_sigma2``: each whole row's mean square, where ``w`` is a shard of its columns)."""
         if w.ndim != 2:
             raise KernelError(f"a Linear weight is 2-D, not {list(w.shape)}")
         n, k = w.shape
@@ -121,7 +122,7 @@ class WeightLayout:
         q = self.quant
         if q is not None:  # GGUF blocks as they are, or quantized by gguf's reference code
             raw = (w.raw if isinstance(w, QuantBlocks) and w.qtype == q
-                   else q.quantize(np.asarray(w), importance))
+                   else q.quantize(np.asarray(w), importance, row_sigma2))
             if self.interleave:
                 raw = interleave_gate_up(raw, self.lanes)
             return q.to_panels(raw, panels, self.lanes, out, quads=self.quads, signed=self.signed)

@@ -66,7 +66,8 @@ class QType:
             raise KernelError(f"{self.name} weights come in blocks of {BLOCK} along k, and k = {k} is "
                               f"not a multiple of {BLOCK}; use --dtype bfloat16 for this model")
 
-    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def quantize(self, w: np.ndarray, importance: np.ndarray | None = None,
+                 row_sigma2: np.ndarray | None = None) -> np.ndarray:
         """``W[n, k]`` (float) -> GGUF blocks ``[n, k / 32 * block_bytes]`` (uint8), by gguf's
         reference quantizer (llama.cpp's rounding); a 4-bit type given ``importance`` (an
         importance matrix's mean squared activation per k) by ``weighted_blocks``."""
@@ -75,7 +76,7 @@ class QType:
         self.check_k(w.shape[1])
         w = np.ascontiguousarray(w, dtype=np.float32)
         if importance is not None and self.bits == 4:
-            return weighted_blocks(w, importance, self)
+            return weighted_blocks(w, importance, self, row_sigma2)
         return gguf.quants.quantize(w, self._gguf_type)
 
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
@@ -134,48 +135,70 @@ class QType:
         return np.ascontiguousarray(rows[:n])
 
 
+WEIGHTED_FORMAT = 2  # keys converted weights: bump it when weighted_blocks rounds differently
 SCALE_STEPS = np.arange(-10, 11) * 0.1  # the inverse scales tried: the range mapped to 16 + step levels
 
 
-def weighted_blocks(w: np.ndarray, importance: np.ndarray, qtype: QType) -> np.ndarray:
+def weighted_blocks(w: np.ndarray, importance: np.ndarray, qtype: QType,
+                    row_sigma2: np.ndarray | None = None) -> np.ndarray:
     """4-bit GGUF blocks of ``W[n, k]`` that minimize the error weighted by ``importance[k]``.
 
     What an importance matrix (llama.cpp's ``llama-imatrix``) is for: a column of W that
     meets large activations costs more when rounded. Each block's weight of element j is
     ``importance[j] * sqrt(sigma2 + w[j]^2)`` (sigma2: the row's mean square, llama.cpp's
-    choice). For each of ``SCALE_STEPS`` the block is rounded onto a grid spanning its range
-    (q4_0: the largest magnitude onto -8; q4_1: min..max onto 0..15 + step), the scale (and
-    minimum) refitted by weighted least squares to those levels, and the candidate with the
-    smallest weighted squared error kept. The blocks decode with the unchanged formats.
+    choice; ``row_sigma2`` gives it for a row of which ``w`` holds only some columns, a
+    tensor-parallel shard). For each of ``SCALE_STEPS`` the block is rounded onto a grid
+    spanning its range (q4_0: the largest magnitude onto -8; q4_1: min..max onto 0..15 +
+    step), the scale (and minimum) refitted by weighted least squares to those levels, and the
+    candidate with the smallest weighted squared error kept. The blocks decode with the
+    unchanged formats.
     """
     n, k = w.shape
     imp = np.asarray(importance, np.float32).reshape(-1)
-    if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
-        raise ValueError(f"an importance vector must hold {k} finite values >= 0, not {imp.shape[0]}")
-    x = w.reshape(n, k // BLOCK, BLOCK).astype(np.float64)
-    sigma2 = np.mean(w.astype(np.float64) ** 2, axis=1)[:, None, None]
-    wt = imp.reshape(1, k // BLOCK, BLOCK) * np.sqrt(sigma2 + x * x)
-    wt = np.where(wt.sum(axis=2, keepdims=True) > 0, wt, 1.0)  # a block nobody weighs: plain error
-    best_err = np.full(x.shape[:2], np.inf)
+    if imp.shape != (k,):
+        raise ValueError(f"an importance vector must hold {k} values (one per input column), not {imp.size}")
+    if not np.all(np.isfinite(imp)) or np.any(imp < 0):
+        raise ValueError("an importance vector must hold finite values >= 0")
+    if row_sigma2 is None:
+        row_sigma2 = row_mean_square(w)
+    out = np.empty((n, k // BLOCK * qtype.block_bytes), np.uint8)
+    step = max(1, (1 << 20) // k)  # rows at a time: the candidates' temporaries stay a few MB
+    for r in range(0, n, step):
+        out[r:r + step] = _weighted_rows(w[r:r + step], imp, qtype, np.asarray(row_sigma2)[r:r + step])
+    return out
+
+
+def row_mean_square(w: np.ndarray) -> np.ndarray:
+    """Each row's mean square: ``weighted_blocks``' sigma2, from a whole row (pass it for shards)."""
+    return np.mean(np.square(np.asarray(w), dtype=np.float64), axis=1)
+
+
+def _weighted_rows(w: np.ndarray, imp: np.ndarray, qtype: QType, sigma2: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    x = w.reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+    wt = imp.reshape(1, k // BLOCK, BLOCK) * np.sqrt(sigma2.astype(np.float32)[:, None, None] + x * x)
+    wt = np.where(wt.sum(axis=2, keepdims=True) > 0, wt, np.float32(1))  # a block nobody weighs: plain error
+    best_err = np.full(x.shape[:2], np.inf, np.float32)
     best_q = np.zeros(x.shape, np.uint8)
-    best_d = np.zeros(x.shape[:2])
-    best_m = np.zeros(x.shape[:2])
+    best_d = np.zeros(x.shape[:2], np.float32)
+    best_m = np.zeros(x.shape[:2], np.float32)
     lo, hi = x.min(axis=2), x.max(axis=2)
     peak = np.where(-lo > hi, lo, hi)  # the signed value of largest magnitude (q4_0)
-    for step in SCALE_STEPS:
+    for step in SCALE_STEPS.astype(np.float32):
         if qtype.has_min:  # q = round((x - lo) / d) in 0..15, then (d, m) refitted
             inv = np.divide(15 + step, hi - lo, out=np.zeros_like(hi), where=hi > lo)
             q = np.clip(np.rint((x - lo[..., None]) * inv[..., None]), 0, 15)
             d, m = _fit_scale_min(x, q, wt)
-            err = np.sum(wt * (x - d[..., None] * q - m[..., None]) ** 2, axis=2)
+            err = np.sum(wt * np.square(x - d[..., None] * q - m[..., None]), axis=2)
         else:  # w = (q - 8) d: the peak maps onto -8 (the level with no positive twin)
             inv = np.divide(-(8 + step), peak, out=np.zeros_like(peak), where=peak != 0)
             c = np.clip(np.rint(x * inv[..., None]), -8, 7)
-            den = np.sum(wt * c * c, axis=2)
-            d = np.divide(np.sum(wt * c * x, axis=2), den, out=np.zeros_like(den), where=den > 0)
+            wc = wt * c
+            den = np.sum(wc * c, axis=2)
+            d = np.divide(np.sum(wc * x, axis=2), den, out=np.zeros_like(den), where=den > 0)
             m = np.zeros_like(d)
             q = c + 8
-            err = np.sum(wt * (x - d[..., None] * c) ** 2, axis=2)
+            err = np.sum(wt * np.square(x - d[..., None] * c), axis=2)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best_q = np.where(better[..., None], q, best_q).astype(np.uint8)
@@ -188,14 +211,14 @@ def weighted_blocks(w: np.ndarray, importance: np.ndarray, qtype: QType) -> np.n
 
 
 def _fit_scale_min(x: np.ndarray, q: np.ndarray, wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per block, the (d, m) that minimize sum(wt (x - d q - m)^2) for fixed levels q."""
-    sw, sq, sx = wt.sum(axis=2), np.sum(wt * q, axis=2), np.sum(wt * x, axis=2)
-    sqq, sqx = np.sum(wt * q * q, axis=2), np.sum(wt * q * x, axis=2)
-    det = sw * sqq - sq * sq
-    ok = det > 1e-12 * np.maximum(sw * sqq, 1e-30)
-    d = np.divide(sw * sqx - sq * sx, det, out=np.zeros_like(det), where=ok)
-    m = np.where(ok, (sx - d * sq) / sw, sx / sw)  # one level used: the weighted mean
-    return d, m
+    """Per block, the (d, m) that minimize sum(wt (x - d q - m)^2) for fixed levels q: the
+    weighted regression of x on q, with q centered (no cancellation in fp32)."""
+    sw = wt.sum(axis=2)
+    qbar, xbar = np.sum(wt * q, axis=2) / sw, np.sum(wt * x, axis=2) / sw
+    qc = q - qbar[..., None]
+    den = np.sum(wt * qc * qc, axis=2)
+    d = np.divide(np.sum(wt * qc * x, axis=2), den, out=np.zeros_like(den), where=den > 1e-6 * sw)
+    return d, xbar - d * qbar  # one level used (den 0): d = 0, m the weighted mean
 
 
 QTYPES: dict[str, QType] = {

@@ -58,6 +58,10 @@ def read_imatrix(path: Path | str, cfg: LlamaConfig) -> dict[str, np.ndarray]:
                                "write it again with llama-imatrix")
         if hf is None or not hf.startswith("model.layers."):
             continue  # the output layer's: ours is q8_0, quantized without one
+        layer = int(hf.split(".")[2])
+        if layer >= cfg.num_hidden_layers:
+            raise ImatrixError(f"--imatrix {path}: {weight} is past {cfg.name}'s {cfg.num_hidden_layers} "
+                               "layers; the file was made for another model")
         k = _input_size(cfg, hf)
         if sums.size != k or not np.all(np.isfinite(sums)):
             raise ImatrixError(f"--imatrix {path}: {weight} holds {sums.size} values, but {cfg.name}'s takes "

@@ -19,7 +19,7 @@ import numpy as np
 from ..host import cache_dir
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout, numpy_dtype
-from ..kernels.quant import QuantBlocks, head_dtype
+from ..kernels.quant import QTYPES, WEIGHTED_FORMAT, QuantBlocks, head_dtype, row_mean_square
 from ..memory import aligned_empty, collapse_huge_pages
 from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, random_checkpoint, read_checkpoint
 from .config import LlamaConfig, model_path
@@ -74,11 +74,13 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
     out = []
     for i, (name, shape) in enumerate(params):
         hf = _hf_tensor(state, name, cfg, where)
-        imp = importance_of(importance, name)
+        imp, sigma2 = importance_of(importance, name), None
         if tp > 1 and name in (shards or {}):
-            hf = shards[name].take(np.asarray(hf), rank, tp)  # quantized blocks: dequantized first
-            if imp is not None and shards[name].dim == 1:  # this rank's columns of k
+            full = np.asarray(hf)  # quantized blocks: dequantized first
+            hf = shards[name].take(full, rank, tp)
+            if imp is not None and shards[name].dim == 1:  # this rank's columns of whole rows
                 imp = shards[name].take(imp[None, :], rank, tp)[0]
+                sigma2 = row_mean_square(full)  # rounded as one process rounds
         if len(shape) == 3:  # packed panels of W[n, k]
             layout = (layouts or {}).get(name)
             if layout is None:  # gate_up is interleaved for the silu_mul epilogue
@@ -90,7 +92,8 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
                                      f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
                                      f"{isa} {dtype}; build and load the model for the same ISA, dtype "
                                      "and config")
-            arr = layout.pack(hf, out=aligned_empty(shape, numpy_dtype(layout.storage)), importance=imp)
+            arr = layout.pack(hf, out=aligned_empty(shape, numpy_dtype(layout.storage)), importance=imp,
+                              row_sigma2=sigma2)
         else:
             if tuple(hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{where}: {name} has shape {list(hf.shape)}, but config.json "
@@ -233,6 +236,8 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
                  tp: int, imatrix: Path | str | None) -> list[np.ndarray]:
     from .config import PRESETS
 
+    if QTYPES.get(dtype) is None or QTYPES[dtype].bits != 4:
+        imatrix = None  # nothing it rounds (a stock fp32 build of a q4 spec): the same conversion
     split = {"shards": shards, "rank": rank, "tp": tp,
              "importance": read_imatrix(imatrix, cfg) if imatrix else None}
     if str(spec) in PRESETS:
@@ -244,7 +249,7 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
                         + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else [])
                         + ([rank, tp, sorted((n, x.to_json()) for n, x in (shards or {}).items())]
                            if tp > 1 else [])
-                        + ([f"imatrix {imatrix_digest(imatrix)}"] if imatrix else []))
+                        + ([f"imatrix {imatrix_digest(imatrix)} {WEIGHTED_FORMAT}"] if imatrix else []))
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:

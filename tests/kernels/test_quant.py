@@ -171,7 +171,7 @@ def test_importance_weighted_blocks_cut_the_weighted_error(dtype):
     """An importance vector moves the rounding error onto the columns it weighs least: the
     importance-weighted squared error falls below the reference quantizer's, and the blocks
     still decode as GGUF's (gguf's own dequantizer reads them)."""
-    from sandwich_tvm.kernels.quant import weighted_blocks
+    from sandwich_tvm.kernels.quant import row_mean_square, weighted_blocks
 
     q = QTYPES[dtype]
     w = _weight(48, 7 * 32, seed=3)
@@ -181,9 +181,15 @@ def test_importance_weighted_blocks_cut_the_weighted_error(dtype):
     assert ours.shape == w.shape and np.all(np.isfinite(ours))
     err = lambda r: float(np.sum(imp * (w - r) ** 2))  # noqa: E731
     assert err(ours) < 0.9 * err(ref)
-    assert np.array_equal(q.quantize(w, imp), weighted_blocks(w, imp, q))
+    # a shard of whole rows' columns, given those rows' mean squares, rounds as the whole does
+    half = w.shape[1] // 2 // 32 * 32
+    sigma2 = row_mean_square(w)
+    whole = q.quantize(w, imp)
+    first = whole[:, :half // 32 * q.block_bytes]
+    assert np.array_equal(weighted_blocks(w[:, :half], imp[:half], q, sigma2), first)
+    assert not np.array_equal(weighted_blocks(w[:, :half], imp[:half], q), first)
     q8 = QTYPES["q8_0"]
     assert np.array_equal(q8.quantize(w, imp), q8.quantize(w))  # 8 bits: the reference quantizer
     for bad in (imp[:-1], -imp, np.full_like(imp, np.nan)):
-        with pytest.raises(ValueError, match=f"{w.shape[1]} finite values"):
+        with pytest.raises(ValueError, match="importance vector must hold"):
             weighted_blocks(w, bad, q)

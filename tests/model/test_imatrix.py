@@ -4,6 +4,7 @@ one line when they do not fit, and followed when 4-bit weights are quantized at 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,7 @@ def test_reads_the_mean_square_per_input(model):
     ("other-model", "made for another model"),
     ("no-layers", "no importance of a layer"),
     ("zero-counts", "no positive .counts"),
+    ("more-layers", "past tiny's 2 layers"),
 ])
 def test_bad_files_are_one_line_errors(model, tmp_path, case, match):
     _, cfg, _ = model
@@ -88,6 +90,8 @@ def test_bad_files_are_one_line_errors(model, tmp_path, case, match):
         path = write_imatrix(path, cfg, skip=tuple(gguf_name(n) for n in random_checkpoint(cfg, 0)))
     elif case == "zero-counts":
         write_imatrix(path, cfg, counts=0.0)
+    elif case == "more-layers":  # a deeper model of the same widths
+        write_imatrix(path, replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1))
     with pytest.raises(ImatrixError, match=match) as err:
         read_imatrix(path, cfg)
     assert "\n" not in str(err.value)
@@ -106,6 +110,18 @@ def test_spec_takes_an_imatrix_for_4_bit_weights_only(model):
         resolve_run_spec(path, dtype="q4_0", imatrix=imat.with_name("absent.gguf"))
 
 
+def test_a_gguf_s_own_4_bit_blocks_refuse_an_imatrix(model, tmp_path):
+    """Blocks that load as they are would ignore it: refused, naming the type that would not."""
+    _, cfg, imat = model
+    q4 = write_gguf(tmp_path / "q4.gguf", cfg, random_checkpoint(cfg, 1), qtype="Q4_0",
+                    tokenizer=tiny_tokenizer())
+    for dtype in ("auto", "q4_0"):
+        with pytest.raises(SpecError, match=r"own q4_0 blocks load as they are.*--dtype q4_1") as err:
+            resolve_run_spec(q4, dtype=dtype, imatrix=imat)
+        assert "\n" not in str(err.value)
+    assert resolve_run_spec(q4, dtype="q4_1", imatrix=imat).imatrix == imat.resolve()
+
+
 def test_load_quantizes_4_bit_weights_by_the_imatrix(model, tmp_path, monkeypatch):
     """Layer Linears quantized at load follow the importance matrix (packed exactly as the
     layout packs them given it); the head (q8_0), norms and the embedding do not change; the
@@ -120,9 +136,47 @@ def test_load_quantizes_4_bit_weights_by_the_imatrix(model, tmp_path, monkeypatc
     changed = {name for (name, _), a, b in zip(params, plain, weighted, strict=True)
                if not np.array_equal(a, b)}
     assert changed == {n for n, s in params if len(s) == 3 and n.startswith("model.layers.")}
+    at = {n: j for j, (n, _) in enumerate(params)}
     name = "model.layers.1.self_attn.o_proj.weight"
-    i = next(j for j, (n, _) in enumerate(params) if n == name)
     expected = WeightLayout(ISA, "q4_0").pack(state[name], importance=table[name])
-    np.testing.assert_array_equal(weighted[i], expected)
+    np.testing.assert_array_equal(weighted[at[name]], expected)
+    # q|k|v read q's vector (their shared input), not k's
+    attn = "model.layers.1.self_attn."
+    qkv = np.concatenate([state[attn + p] for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+    expected = WeightLayout(ISA, "q4_0").pack(qkv, importance=table[attn + "q_proj.weight"])
+    np.testing.assert_array_equal(weighted[at[attn + "qkv_proj.weight"]], expected)
+    assert not np.array_equal(table[attn + "q_proj.weight"], table[attn + "k_proj.weight"])
     cached = load_params(path, cfg, params, ISA, dtype="q4_0", imatrix=imat)
     assert all(np.array_equal(a, b) for a, b in zip(cached, weighted, strict=True))
+    other = write_imatrix(tmp_path / "other.gguf", cfg, seed=5)  # another file: converted anew
+    again = load_params(path, cfg, params, ISA, dtype="q4_0", imatrix=other)
+    assert len(list((tmp_path / "weights").glob("tiny*.safetensors"))) == 3
+    assert not np.array_equal(again[at[name]], weighted[at[name]])
+    from sandwich_tvm.model import weights  # a changed rounding is never read from an older cache
+
+    monkeypatch.setattr(weights, "WEIGHTED_FORMAT", weights.WEIGHTED_FORMAT + 1)
+    load_params(path, cfg, params, ISA, dtype="q4_0", imatrix=other)
+    assert len(list((tmp_path / "weights").glob("tiny*.safetensors"))) == 4
+
+
+def test_row_parallel_shards_round_as_one_process(model):
+    """A rank's columns of a row-parallel weight (k split) round with the whole rows' statistics:
+    its blocks are exactly the single process's blocks of those columns."""
+    from sandwich_tvm.kernels.quant import QTYPES
+    from sandwich_tvm.model.parallel import Shard
+    from sandwich_tvm.model.weights import convert
+
+    path, cfg, imat = model
+    table, state = read_imatrix(imat, cfg), random_checkpoint(cfg, 1)
+    name = "model.layers.0.self_attn.o_proj.weight"  # k = 64: a block of 32 on each rank
+    n, k = state[name].shape
+    layout = WeightLayout(ISA, "q4_0")
+    params = [(name, layout.shape(n, k // 2))]
+    q = QTYPES["q4_0"]
+    whole = q.quantize(state[name], table[name])
+    for rank in range(2):
+        packed = convert(cfg, state, params, ISA, dtype="q4_0", shards={name: Shard(1, (k,))}, rank=rank,
+                         tp=2, importance=table)[0]
+        got = q.from_panels(packed, n, quads=layout.quads, signed=layout.signed)
+        half = k // 2 // 32 * q.block_bytes
+        np.testing.assert_array_equal(got, whole[:, rank * half:(rank + 1) * half])
