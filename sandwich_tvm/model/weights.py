@@ -230,6 +230,23 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
     return arrays
 
 
+def conversion_progress(log: Callable[[str], None], every_s: float = 5.0) -> Callable[[int, int], None]:
+    """A ``convert`` progress callback that logs ``done/total`` at most every ``every_s`` seconds
+    (and at the end, when it took that long): a large or weighted conversion takes minutes."""
+    import time
+
+    start = last = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s or (done == total and now - start >= every_s):
+            last = now
+            log(f"converting: {done}/{total} tensors, {now - start:.0f} s")
+
+    return report
+
+
 def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tuple[int, ...]]], isa: str,
                  *, seed: int, log: Callable[[str], None], dtype: str,
                  layouts: dict[str, WeightLayout] | None, shards: dict[str, Shard] | None, rank: int,
@@ -238,7 +255,7 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
 
     if QTYPES.get(dtype) is None or QTYPES[dtype].bits != 4:
         imatrix = None  # nothing it rounds (a stock fp32 build of a q4 spec): the same conversion
-    split = {"shards": shards, "rank": rank, "tp": tp,
+    split = {"shards": shards, "rank": rank, "tp": tp, "progress": conversion_progress(log),
              "importance": read_imatrix(imatrix, cfg) if imatrix else None}
     if str(spec) in PRESETS:
         log(f"random weights for preset {spec} (seed {seed})" + (f", rank {rank}'s shard" if tp > 1 else ""))

@@ -180,3 +180,4 @@ def test_row_parallel_shards_round_as_one_process(model):
         got = q.from_panels(packed, n, quads=layout.quads, signed=layout.signed)
         half = k // 2 // 32 * q.block_bytes
         np.testing.assert_array_equal(got, whole[:, rank * half:(rank + 1) * half])
+

@@ -199,3 +199,16 @@ def test_bf16_checkpoint_reaches_bf16_panels_bit_exact(tmp_path, isa):
     np.testing.assert_array_equal(got, w.astype(np.float32))
     norm = next(j for j, (n, _) in enumerate(params) if n.endswith("norm.weight"))
     assert arrays[norm].dtype == np.float32  # 1-D weights stay fp32
+
+
+def test_long_conversions_log_their_progress(monkeypatch):
+    from sandwich_tvm.model import weights
+
+    clock = iter([0.0, 1.0, 6.0, 7.0, 13.0, 14.0])
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    said: list[str] = []
+    report = weights.conversion_progress(said.append)
+    for done in range(1, 6):
+        report(done, 5)
+    assert said == ["converting: 2/5 tensors, 6 s", "converting: 4/5 tensors, 13 s",
+                    "converting: 5/5 tensors, 14 s"]
