@@ -80,6 +80,28 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
     return unit and choice != "float32"
 
 
+def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
+    """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
+    default: its own q8_0/q4_0/q4_1 blocks as they are; a type without kernels (Q5, the
+    K-quants) dequantized and re-rounded to q8_0, which keeps their values to within q8_0's
+    rounding at about half the bytes of bf16."""
+    from .model.config import model_path
+    from .model.gguf import NOTED_TYPES, layer_kind
+
+    path = model_path(model)
+    if path.suffix != ".gguf":
+        return None
+    own = gguf_quant_type(path)
+    if own is not None:
+        return own, f"the GGUF's own {own} blocks, loaded as they are"
+    kind = layer_kind(path)
+    if kind in NOTED_TYPES:
+        return "q8_0", (f"the GGUF's {kind} blocks have no kernels here: dequantized and re-rounded to "
+                        "q8_0 (8.5 bits a weight) rather than widened to 16 bits; --dtype bfloat16 keeps "
+                        "their values exactly")
+    return None
+
+
 def gguf_quant_type(model: str | Path) -> str | None:
     """A GGUF's quantized weight type where the kernels read it natively (``--dtype auto`` keeps it)."""
     from .model.config import model_path
@@ -221,9 +243,9 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
     else:
         weight_dtype, note = resolve_weight_dtype(dtype)
-        own = gguf_quant_type(model) if dtype == "auto" else None
+        own = gguf_auto_dtype(model) if dtype == "auto" else None
         if own is not None:
-            weight_dtype, note = own, f"the GGUF's own {own} blocks, loaded as they are"
+            weight_dtype, note = own
         _check_blocks(cfg, weight_dtype)
     int8_acts = False if stock else resolve_activations(activations, weight_dtype)
     imatrix = _check_imatrix(imatrix, model, cfg, weight_dtype, stock)

@@ -54,8 +54,8 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
                         help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
                              "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
-                             "loaded; a GGUF: its own q8_0/q4_0/q4_1 blocks). Activations, norms, RoPE, "
-                             "softmax and accumulation stay fp32")
+                             "loaded; a GGUF: its own q8_0/q4_0/q4_1 blocks, other quantized types as "
+                             "q8_0). Activations, norms, RoPE, softmax and accumulation stay fp32")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="auto",
                         help="what quantized weights multiply (default auto: int8, quantized per row and "
                              "block of 32, on VNNI, Arm dotprod or AMX where the CPU has them, as "

@@ -279,16 +279,21 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
                              "layers the metadata describes; the file is incomplete: re-convert it")
 
 
-def linear_type(path: Path) -> str | None:
-    """The weight type a GGUF's layers hold in most of their matrices, as ``--dtype`` names it
-    (``q4_1``, ``bfloat16``, ...), or None for a type the kernels do not read natively."""
+def layer_kind(path: Path) -> str | None:
+    """The GGML type a GGUF's layers hold in most of their matrices (``Q4_K``, ``F16``, ...)."""
     from collections import Counter
 
     kinds = Counter(t.tensor_type.name for t in open_gguf(path).tensors
                     if t.name.startswith("blk.") and len(t.shape) == 2)
-    if not kinds:
+    return kinds.most_common(1)[0][0] if kinds else None
+
+
+def linear_type(path: Path) -> str | None:
+    """The weight type a GGUF's layers hold in most of their matrices, as ``--dtype`` names it
+    (``q4_1``, ``bfloat16``, ...), or None for a type the kernels do not read natively."""
+    kind = layer_kind(path)
+    if kind is None:
         return None
-    kind = kinds.most_common(1)[0][0]
     floats = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
     return floats.get(kind, kind.lower() if kind.lower() in QTYPES else None)
 

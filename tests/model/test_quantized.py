@@ -119,3 +119,28 @@ def test_auto_keeps_a_gguf_s_own_blocks():
     assert spec.int8_activations == ISAS[kernel_isa(host_isa(), "q4_1", cpu_flags())].quantized_unit
     assert resolve_run_spec("smollm2-135m", dtype="q8_0").weight_dtype == "q8_0"
     assert resolve_run_spec("llama-160m").weight_dtype == "bfloat16"
+
+
+def test_auto_rounds_a_gguf_without_kernels_to_q8_0(tmp_path):
+    """A GGUF whose layers hold a type without kernels (Q5_0, like the K-quants) runs as q8_0 under
+    --dtype auto, not widened to 16 bits: its weights load as q8_0 blocks of the dequantized values."""
+    from sandwich_tvm.compiler.artifact import export_module
+    from sandwich_tvm.kernels.packing import WeightLayout
+    from sandwich_tvm.model.checkpoint import random_checkpoint, read_checkpoint
+    from sandwich_tvm.model.linear import KernelSet
+
+    from .gguf_models import tiny_config, tiny_tokenizer, write_gguf
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    path = write_gguf(tmp_path / "q5.gguf", cfg, random_checkpoint(cfg, 2), qtype="Q5_0", tokenizer=tok)
+    spec = resolve_run_spec(path)
+    assert spec.weight_dtype == "q8_0" and "Q5_0 blocks have no kernels" in spec.dtype_note
+    assert resolve_run_spec(path, dtype="bfloat16").weight_dtype == "bfloat16"  # asked: as asked
+    params = export_module(cfg, KernelSet(2, 1, isa="avx2", dtype="q8_0"))[1]
+    arrays = load_params(path, cfg, params, "avx2", dtype="q8_0")
+    name = "model.layers.1.mlp.down_proj.weight"
+    values = np.asarray(read_checkpoint(path)[name])  # the Q5_0 blocks dequantized
+    got = WeightLayout("avx2", "q8_0").unpack(arrays[[n for n, _ in params].index(name)], *values.shape)
+    q8 = QTYPES["q8_0"]
+    np.testing.assert_array_equal(got, q8.dequantize(q8.quantize(values)))
