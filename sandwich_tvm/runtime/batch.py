@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import EngineError, check_token_ids
-from .grammar import Constraint
+from .grammar import Constraint, grammar_ending
 from .interface import ServingEngine
 from .metrics import ServingMetrics
 from .sampling import Sample, Sampler, SamplingParams
@@ -207,7 +207,7 @@ class BatchEngine:
     def _emit(self, seq: Sequence, samples: list[Sample], now: float) -> list[TokenEvent]:
         """Append ``samples``' tokens to ``seq`` up to the first that ends it; the cache keeps the
         keys and values of every token but the last (a rejected draft's are popped)."""
-        ending, kept = None, []
+        ending, kept, error = None, [], None
         for sample in samples:
             token = sample.token
             kept.append(sample)
@@ -220,8 +220,8 @@ class BatchEngine:
                 self._step_grammar_s += time.perf_counter() - t0
             if token in seq.stop_ids:
                 ending = ("stop", True)
-            elif seq.constraint is not None and seq.constraint.done:  # the grammar is complete
-                ending = ("stop", False)
+            elif seq.constraint is not None and (ended := grammar_ending(seq.constraint)):
+                ending, error = (ended[0], False), ended[1]
             elif seq.num_output >= seq.max_tokens:  # check() keeps max_tokens inside the context
                 ending = ("length", False)
             if ending:
@@ -235,7 +235,8 @@ class BatchEngine:
                              cached_tokens=seq.cached_tokens, output_tokens=first + j + 1)
                   for j, s in enumerate(kept[:-1] if ending else kept)]
         if ending:
-            events.append(self._finish(seq, ending[0], kept[-1].token, kept[-1], stop_token=ending[1]))
+            events.append(self._finish(seq, ending[0], kept[-1].token, kept[-1], stop_token=ending[1],
+                                       error=error))
         return events
 
     def _finish(self, seq: Sequence, reason: str, token: int | None, sample: Sample | None = None, *,

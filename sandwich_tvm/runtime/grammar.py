@@ -88,6 +88,15 @@ class Constraint:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+def grammar_ending(constraint: Constraint) -> tuple[str, str | None] | None:
+    """How a constrained sequence ends after its last token: ``("error", why)`` when the matcher
+    failed (a parser limit; it then reports stopped too), ``("stop", None)`` when the grammar is
+    complete, None while it goes on."""
+    if constraint.error:
+        return "error", f"the output grammar failed: {constraint.error}"
+    return ("stop", None) if constraint.done else None
+
+
 class Grammars:
     """Compiles and checks constraints for one tokenizer (``tokenizers.Tokenizer``)."""
 

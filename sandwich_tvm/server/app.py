@@ -91,11 +91,13 @@ class Server:
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: this server returns one choice per request", "n")
 
-    async def _encode(self, text: str, where: str = "prompt") -> list[int]:
+    async def _encode(self, text: str, where: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; a raw completion prompt gets the tokenizer's BOS (as vLLM and
+        llama-server give it), a rendered chat template has its own."""
         if self.tok is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids")
         _check_unicode(text, where)
-        return await asyncio.to_thread(self.tok.encode, text)
+        return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
         self._check_common(req)
@@ -107,10 +109,15 @@ class Server:
                 raise ApiError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
                                "prompt")
             prompt = prompt[0]
-        return await self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            return await self._encode(prompt, add_special_tokens=True)
+        return list(prompt)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         self._check_common(req)
+        if req.tool_choice not in (None, "none", "auto") and not req.tools:
+            raise ApiError(400, "tool_choice asks for a tool call, but the request has no tools",
+                           "tool_choice")
         if self.tok is None:
             raise ApiError(400, "this model has no tokenizer, so it has no chat template; use "
                                 "/v1/completions with token ids")

@@ -3,42 +3,52 @@
 Fields follow OpenAI's API with vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) and llama-server's ``cache_prompt``
 (false: no prefix caching for this request); unknown fields are ignored, as
-vLLM and llama-server do, but a known field of the wrong type is a 400.
+vLLM and llama-server do, but a known field of the wrong type is a 400. A field sent as
+``null`` takes its default, as OpenAI's API reads it.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..runtime.sampling import SamplingParams
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """Strict types, unknown fields ignored, ``null`` as absent."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        # max_tokens: null means up to the context, as vLLM reads it (absent, a completion's is 16)
+        return {k: v for k, v in data.items() if v is not None or k == "max_tokens"}
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON that follows a schema."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class _Sampling(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -86,52 +96,44 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCall(_Body):
     name: str
     arguments: str  # JSON, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolCall(_Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionDef(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Tool(_Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class ToolName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolName(_Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(_Body):
     type: Literal["function"]
     function: ToolName
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None

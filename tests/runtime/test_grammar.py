@@ -117,3 +117,16 @@ def test_parse_tool_output():
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     assert parse_tool_output('{"response": "hi"}') == ("hi", [])
     assert parse_tool_output('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', [])  # cut short
+
+
+def test_a_failed_matcher_ends_the_sequence_as_an_error():
+    """llguidance reports stopped in its error state too: a parser failure is an error, not a
+    complete output."""
+    from types import SimpleNamespace
+
+    from sandwich_tvm.runtime.grammar import grammar_ending
+
+    assert grammar_ending(SimpleNamespace(error=None, done=False)) is None
+    assert grammar_ending(SimpleNamespace(error=None, done=True)) == ("stop", None)
+    reason, why = grammar_ending(SimpleNamespace(error="max_items exceeded", done=True))
+    assert reason == "error" and "max_items exceeded" in why

@@ -1,0 +1,53 @@
+"""Request bodies as OpenAI clients send them: ``null`` for a default, a raw completion prompt
+tokenized with its BOS (a chat template writes its own), tool_choice without tools refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sandwich_tvm.model.tokenizer import ModelTokenizer, placeholder_tokenizer
+from sandwich_tvm.server.app import ApiError, Server
+from sandwich_tvm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_null_fields_take_their_defaults():
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None, "tool_calls": None}],
+        "n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None, "temperature": None,
+        "stream_options": {"include_usage": None}, "tools": None, "tool_choice": None})
+    assert (chat.n, chat.stream, chat.logprobs, chat.parallel_tool_calls) == (1, False, False, True)
+    assert not chat.include_usage and chat.temperature is None and chat.messages[1].content is None
+    # a completion's max_tokens: absent is 16 (OpenAI's default), null is up to the context (vLLM)
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+    with pytest.raises(ValueError, match="n"):  # a wrong type stays a 400
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": "2"})
+
+
+def _server() -> Server:
+    from tokenizers.processors import TemplateProcessing
+
+    raw = placeholder_tokenizer(400)
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    server = Server.__new__(Server)  # the request -> tokens half, without an engine
+    server.tok, server.model_name, server.tool_format = ModelTokenizer(raw, frozenset({2})), "tiny", "generic"
+    return server
+
+
+def test_a_raw_completion_prompt_gets_its_bos():
+    server, text = _server(), "Once upon a time"
+    ids = asyncio.run(server.completion_prompt(CompletionRequest(prompt=text)))
+    assert ids == [1, *server.tok.encode(text)] and ids[1:] != []
+    assert asyncio.run(server.completion_prompt(CompletionRequest(prompt=[5, 6]))) == [5, 6]  # ids as sent
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_choice_without_tools_is_a_400(choice):
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                "tool_choice": choice})
+    with pytest.raises(ApiError, match="no tools") as err:
+        asyncio.run(_server().chat_prompt(req))
+    assert err.value.status == 400 and err.value.param == "tool_choice"
