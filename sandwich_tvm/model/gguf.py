@@ -27,7 +27,10 @@ from .config import LlamaConfig, ModelConfigError, shape_problems
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # loaded as the weight types
-NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # dequantized, with a note
+# dequantized (by gguf.quants), with a note: Q5, the K-quants, and the i-quants llama.cpp also
+# falls back to for rows K-quants cannot hold (IQ4_NL under Q2_K/Q3_K for widths not of 256)
+NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+               "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 
 # GGUF tensor names (after ``blk.N.``) -> HF's (after ``model.layers.N.``)
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
@@ -244,7 +247,11 @@ def _tensor(t) -> np.ndarray | LazyTensor:
         return QuantBlocks(t.data.reshape(shape[0], -1), QTYPES[kind.lower()], shape[1])
 
     def load() -> np.ndarray:
-        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        try:
+            return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        except NotImplementedError:  # an older gguf package
+            raise ModelLoadError(f"tensor {t.name} is {kind}, which the installed gguf package cannot "
+                                 "dequantize; upgrade it (pip install -U gguf)") from None
 
     return LazyTensor(shape, np.float32, load)
 

@@ -174,16 +174,30 @@ def converted_cache_path(model_dir: Path, layout: str, cfg: LlamaConfig | None =
     return cache_dir() / "weights" / f"{model_path(model_dir).name}-{key}.safetensors"
 
 
-def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays: list[np.ndarray]) -> None:
-    """Written to a temporary name, then renamed: an interrupted save leaves no corrupt cache."""
+def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays: list[np.ndarray],
+                   log: Callable[[str], None] = lambda _m: None) -> None:
+    """Written to a temporary name of its own, then renamed: an interrupted save, or two processes
+    converting the same model at once, leave no corrupt cache. A save that fails (a full disk)
+    is logged and skipped: the arrays in hand are good, only the next start converts again."""
+    import os
+    import tempfile
+
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    # safetensors' numpy API has no bfloat16: such arrays are stored as their 16-bit words
-    save_file({name: np.ascontiguousarray(a.view(np.uint16) if a.dtype == numpy_dtype("bfloat16") else a)
-               for (name, _), a in zip(params, arrays, strict=True)}, str(tmp))
-    tmp.replace(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        # safetensors' numpy API has no bfloat16: such arrays are stored as their 16-bit words
+        save_file({name: np.ascontiguousarray(a.view(np.uint16) if a.dtype == numpy_dtype("bfloat16") else a)
+                   for (name, _), a in zip(params, arrays, strict=True)}, tmp)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        log(f"the converted weights were not cached ({err}); the next start converts them again")
 
 
 def load_converted(path: Path, params: list[tuple[str, tuple[int, ...]]],
@@ -275,5 +289,5 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
     log(f"converting {model_dir} (once; cached in {cached})")
     arrays = convert(cfg, read_checkpoint(model_dir), params, isa, where=str(model_dir), dtype=dtype,
                      layouts=layouts, **split)
-    save_converted(cached, params, arrays)
+    save_converted(cached, params, arrays, log)
     return arrays

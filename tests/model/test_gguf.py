@@ -292,10 +292,10 @@ def test_gguf_without_tokenizer(tmp_path, source):
 def test_unsupported_and_noted_quant_types(tmp_path, source, capsys):
     cfg, state = source
     base = write_gguf(tmp_path / "base.gguf", cfg, state, drop=("blk.0.ffn_up.weight",))
-    iq4 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "IQ4_NL", tmp_path / "iq4.gguf")
-    with pytest.raises(ModelLoadError, match="stored as IQ4_NL; sandwich-tvm loads F32, F16, BF16, Q8_0, "
+    q81 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q8_1", tmp_path / "q81.gguf")
+    with pytest.raises(ModelLoadError, match="stored as Q8_1; sandwich-tvm loads F32, F16, BF16, Q8_0, "
                        "Q4_0, Q4_1") as err:
-        load_config(iq4)
+        load_config(q81)
     _one_line(err)
     # a type id no GGUF reader knows: patched into the tensor table entry of output_norm (F32, 1-D)
     raw = bytearray(base.read_bytes())
@@ -315,6 +315,11 @@ def test_unsupported_and_noted_quant_types(tmp_path, source, capsys):
         up = np.asarray(got["model.layers.0.mlp.up_proj.weight"])
     assert up.shape == (cfg.intermediate_size, cfg.hidden_size)
     assert "q5.gguf holds Q5_0 tensors; they are dequantized at load" in capsys.readouterr().err
+    iq4 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "IQ4_NL", tmp_path / "iq4.gguf")  # an i-quant too
+    with np.errstate(invalid="ignore", over="ignore"):
+        up = np.asarray(read_checkpoint(iq4)["model.layers.0.mlp.up_proj.weight"])
+    assert up.shape == (cfg.intermediate_size, cfg.hidden_size)
+    assert "IQ4_NL tensors; they are dequantized" in capsys.readouterr().err
 
 
 def _with_tensor(src: Path, cfg: LlamaConfig, name: str, kind: str, out: Path) -> Path:

@@ -212,3 +212,22 @@ def test_long_conversions_log_their_progress(monkeypatch):
         report(done, 5)
     assert said == ["converting: 2/5 tensors, 6 s", "converting: 4/5 tensors, 13 s",
                     "converting: 5/5 tensors, 14 s"]
+
+
+def test_a_failed_cache_save_is_logged_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk while caching converted weights: the load goes on with the arrays in hand,
+    says so, and leaves neither a cache file nor a temporary one."""
+    import safetensors.numpy
+
+    from sandwich_tvm.model.weights import save_converted
+
+    def full(tensors, filename):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    said: list[str] = []
+    target = tmp_path / "weights" / "model-abc.safetensors"
+    save_converted(target, [("w", (2,))], [np.zeros(2, np.float32)], said.append)
+    assert said and "not cached" in said[0] and "No space left" in said[0]
+    assert list(target.parent.iterdir()) == []
