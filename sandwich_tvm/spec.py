@@ -114,8 +114,9 @@ def gguf_quant_type(model: str | Path) -> str | None:
     return kind if kind in QTYPES else None
 
 
-def _check_blocks(cfg: LlamaConfig, dtype: str) -> None:
-    """Quantized weights need every Linear's k (hidden, attention and MLP widths) in blocks of 32."""
+def _check_blocks(cfg: LlamaConfig, dtype: str, tp: int = 1) -> None:
+    """Quantized weights need every Linear's k (hidden, attention and MLP widths) in blocks of 32,
+    and so does each of ``tp`` tensor-parallel processes' share of the row-parallel ones."""
     if dtype not in QTYPES:
         return
     widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -124,6 +125,10 @@ def _check_blocks(cfg: LlamaConfig, dtype: str) -> None:
         if k % BLOCK:
             raise SpecError(f"--dtype {dtype} stores weights in blocks of {BLOCK} along k, but this model's "
                             f"{field} is {k}; use --dtype bfloat16")
+        if tp > 1 and field != "hidden_size" and k % tp == 0 and (k // tp) % BLOCK:
+            raise SpecError(f"--dtype {dtype} stores weights in blocks of {BLOCK} along k, but each of the "
+                            f"plan's {tp} tensor-parallel processes would hold {k // tp} of {field} ({k}); "
+                            "use a plan with fewer processes, or --dtype bfloat16")
 
 
 def kv_value_bytes(kv_dtype: str, head_dim: int) -> float:
@@ -246,7 +251,6 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         own = gguf_auto_dtype(model) if dtype == "auto" else None
         if own is not None:
             weight_dtype, note = own
-        _check_blocks(cfg, weight_dtype)
     int8_acts = False if stock else resolve_activations(activations, weight_dtype)
     imatrix = _check_imatrix(imatrix, model, cfg, weight_dtype, stock)
     if plan is None:
@@ -254,6 +258,8 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     elif not isinstance(plan, ExecPlan):
         plan = ExecPlan.from_file(Path(plan))
     hosts = _check_hosts(hosts, plan)
+    if not stock:
+        _check_blocks(cfg, weight_dtype, plan.tp)
     if context is not None:
         check_context(cfg, context, kv_dtype=kv_dtype)
     elif needed_tokens is not None:

@@ -144,3 +144,23 @@ def test_auto_rounds_a_gguf_without_kernels_to_q8_0(tmp_path):
     got = WeightLayout("avx2", "q8_0").unpack(arrays[[n for n, _ in params].index(name)], *values.shape)
     q8 = QTYPES["q8_0"]
     np.testing.assert_array_equal(got, q8.dequantize(q8.quantize(values)))
+
+
+def test_a_tensor_parallel_share_not_in_blocks_is_refused(tmp_path):
+    """The FFN width 96 is 3 blocks, but two processes would hold 48 of it each: refused before
+    compiling, naming the plan; one process, or bf16, is fine."""
+    from pathlib import Path
+
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+
+    from .gguf_models import tiny_config, tiny_tokenizer, write_gguf
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    path = write_gguf(tmp_path / "f32.gguf", cfg, random_checkpoint(cfg, 2), tokenizer=tok)
+    tp2 = Path(__file__).parents[2] / "examples" / "plans" / "two-cpus-tp2.json"
+    with pytest.raises(SpecError, match="2 tensor-parallel processes would hold 48 of intermediate") as err:
+        resolve_run_spec(path, dtype="q4_0", plan=tp2)
+    assert "\n" not in str(err.value)
+    assert resolve_run_spec(path, dtype="q4_0").weight_dtype == "q4_0"
+    assert resolve_run_spec(path, dtype="bfloat16", plan=tp2).plan.tp == 2
