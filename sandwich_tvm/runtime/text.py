@@ -17,14 +17,20 @@ class Detokenizer:
 
     Each step decodes the tokens since the last emitted boundary with the previous window as
     context (so SentencePiece's leading spaces come out right), and holds back text ending in
-    U+FFFD: a multi-byte character whose remaining bytes a later token brings. The deltas
-    concatenate to the decode of all the ids.
+    U+FFFD: a multi-byte character whose remaining bytes a later token brings. A byte-level BPE
+    decodes such a tail to one U+FFFD, so two in a row are an invalid byte no token completes,
+    and go out. SentencePiece's byte fallback (one token a byte) turns every byte of a run it
+    cannot decode into U+FFFD, so there the hold ends after ``MAX_PENDING`` byte tokens (a
+    character has at most four bytes). The deltas concatenate to the decode of all the ids.
     """
+
+    MAX_PENDING = 3
 
     def __init__(self, tok: Decoder):
         self.tok = tok
         self.ids: list[int] = []  # only the window still needed: ids[prefix:read] is context
         self.prefix = self.read = 0
+        self.byte_fallback = byte_fallback(tok)
 
     def push(self, token: int) -> str:
         """The text ``token`` completes (often "", e.g. inside a multi-byte character)."""
@@ -38,15 +44,27 @@ class Detokenizer:
     def _advance(self, final: bool) -> str:
         before = self.tok.decode(self.ids[self.prefix:self.read])
         text = self.tok.decode(self.ids[self.prefix:])
-        # One trailing U+FFFD may be a character whose last bytes come later; two in a row mean
-        # an invalid byte that no later token completes, so the text goes out as it is.
-        incomplete = text.endswith("\ufffd") and not text.endswith("\ufffd\ufffd")
+        # A trailing U+FFFD may be a character whose last bytes come later (see the class notes).
+        if self.byte_fallback:
+            incomplete = text.endswith("\ufffd") and len(self.ids) - self.read <= self.MAX_PENDING
+        else:
+            incomplete = text.endswith("\ufffd") and not text.endswith("\ufffd\ufffd")
         if not final and (len(text) <= len(before) or incomplete):
             return ""
         # Keep only the new context window: older ids never take part in a decode again.
         self.ids = self.ids[self.read:]
         self.prefix, self.read = 0, len(self.ids)
         return text[len(before):]
+
+
+def byte_fallback(tok: Decoder) -> bool:
+    """Whether ``tok`` (a ``tokenizers.Tokenizer`` or a wrapper of one in ``.tok``) decodes byte
+    pieces with SentencePiece's byte fallback."""
+    decoder = getattr(getattr(tok, "tok", tok), "decoder", None)
+    try:
+        return decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
+    except (AttributeError, TypeError):
+        return False
 
 
 class StopMatcher:

@@ -134,3 +134,42 @@ def test_invalid_bytes_are_not_held_to_the_end():
     deltas = [detok.push(t) for t in stray]
     assert any(deltas[:2]), deltas  # released as soon as a second one shows they are invalid
     assert "".join(deltas) + detok.finish() == tok.decode(stray)
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style vocabulary (▁ for spaces, <0xNN> byte pieces, a ByteFallback
+    decoder: one U+FFFD per byte of an incomplete character), as HF's Llama-2 and our GGUF
+    llama vocabularies have."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "▁hi": 1, "▁there": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def test_byte_fallback_characters_come_out_whole():
+    tok = _byte_fallback_tokenizer()
+    ids = [1, *[3 + b for b in "😀中".encode()], 2]  # ▁hi, 7 byte pieces, ▁there
+    assert tok.decode(ids) == "hi😀中 there"
+    assert tok.decode(ids[:3]).endswith("\ufffd\ufffd")  # two bytes of 😀: two U+FFFD
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == "hi😀中 there" and not any("\ufffd" in d for d in deltas)
+    assert "😀" in deltas  # whole, the moment its fourth byte arrives
+
+
+def test_an_invalid_byte_goes_out_with_the_next_word():
+    tok = _byte_fallback_tokenizer()
+    ids = [1, 3 + 0xFF, 2, 2, 2, 2]  # 0xFF starts no UTF-8 character
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) and "\ufffd" in deltas[2]  # out with the next word
+
+
+def test_byte_fallback_invalid_bytes_are_not_held_to_the_end():
+    tok = _byte_fallback_tokenizer()
+    stray = [3 + 0x80] * 6
+    detok = Detokenizer(tok)
+    deltas = [detok.push(t) for t in stray]
+    assert any(deltas[:4]), deltas  # past a character's worth of byte pieces
+    assert "".join(deltas) + detok.finish() == tok.decode(stray)
