@@ -88,15 +88,17 @@ class AsyncEngine:
             raise EngineDead(self.dead or "the engine is shut down")
         self.batch.check(prompt, params.max_tokens)  # pure: reads the config only
         policy = self.batch.policy
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:  # every KV slot busy and max_queue more waiting: refuse
+            if self.dead is not None:  # checked under the lock the dying thread drains under
+                raise EngineDead(self.dead)
             if self._outstanding >= policy.max_batch + policy.max_queue:
                 raise QueueFull(f"{self._outstanding - policy.max_batch} requests are waiting for one of "
                                 f"{policy.max_batch} batch slots (the queue holds {policy.max_queue}); "
                                 "retry later")
             self._outstanding += 1
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        self._inbox.put(_Add(request_id, list(prompt), params, arrival or time.perf_counter(), loop, out,
-                             constraint))
+            self._inbox.put(_Add(request_id, list(prompt), params, arrival or time.perf_counter(), loop, out,
+                                 constraint))
         finished = False
         try:
             while True:
@@ -136,10 +138,26 @@ class AsyncEngine:
                     for event in self.batch.step():
                         self._send(event)
         except BaseException as err:  # noqa: BLE001 -- report to every waiting client, then stop
-            self.dead = f"the engine thread stopped: {type(err).__name__}: {err}"
+            with self._lock:  # no request gets into the inbox after this
+                self.dead = f"the engine thread stopped: {type(err).__name__}: {err}"
             for rid in list(self._outs):
                 self._send(TokenEvent(rid, None, finish_reason="error", error=self.dead))
+            self._refuse_queued(self.dead)
             raise
+
+    def _refuse_queued(self, why: str) -> None:
+        """Requests and swaps still in the inbox of a dead engine: each told why, none left waiting."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Add):
+                self._outs[item.request_id] = (item.loop, item.out)
+                self._send(TokenEvent(item.request_id, None, finish_reason="error", error=why))
+            elif isinstance(item, _Swap):
+                item.error = why
+                item.done.set()
 
     def _drain(self, block: bool) -> None:
         try:

@@ -141,7 +141,10 @@ class BatchEngine:
             return self._fail_all(f"{type(err).__name__}: {err}")
         if self.policy.num_speculative_tokens and not step.drafts:
             self._draft_prefill(step)
-        events = self._sample(step, logits)
+        try:
+            events = self._sample(step, logits)
+        except Exception as err:  # e.g. NaN logits: end the requests of the cache, keep serving
+            return self._fail_all(f"sampling failed: {type(err).__name__}: {err}")
         self.scheduler.index(step)
         if self.metrics is not None:
             self.metrics.spec_draft_seconds.inc(self.scheduler.drafter.seconds - drafting_s)

@@ -115,3 +115,25 @@ def test_a_request_can_opt_out(tiny_model):
         on.step()
     assert seq.cached_tokens == 0 and on.scheduler.pages_cached() == cached  # b neither took nor left
     _settled(on)
+
+
+def test_a_failed_sampling_step_ends_its_requests_and_the_engine_serves_on(tiny_model, monkeypatch):
+    """NaN logits (or any error while sampling) end the requests of that step with an error;
+    the cache is emptied and the next request gets the tokens it gets alone."""
+    batch = _batch(tiny_model, True)
+    vocab = batch.engine.cfg.vocab_size
+    prompt = _tokens(np.random.default_rng(3), 12, vocab)
+    want = _serve(_batch(tiny_model, False), {"x": prompt})["x"]
+    batch.add("a", prompt, GREEDY)
+    batch.add("b", prompt[:5], GREEDY)
+
+    def fail(step, logits):
+        raise ValueError("no finite maximum")
+
+    monkeypatch.setattr(batch, "_sample", fail)
+    events = batch.step()
+    assert {e.request_id for e in events} == {"a", "b"}
+    assert all(e.finish_reason == "error" and "no finite maximum" in e.error for e in events)
+    assert not batch.has_work()
+    monkeypatch.undo()
+    assert _serve(batch, {"c": prompt})["c"] == want
