@@ -17,6 +17,7 @@ import numpy as np
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from ..kernels.quant import BLOCK, QuantBlocks
 from .config import LlamaConfig
 
 ALLREDUCE = "sandwich.tp_allreduce"  # (x, out): out = sum of x over the ranks
@@ -76,6 +77,19 @@ class Shard:
             parts.append(part)
             start += size
         return np.concatenate(parts, axis=self.dim) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+
+    def take_blocks(self, w: QuantBlocks, rank: int, tp: int) -> QuantBlocks | None:
+        """Rank ``rank``'s part of GGUF blocks, still blocks (their values as the file holds
+        them, never re-rounded): rows whole, or k where every rank's cut falls between blocks;
+        None where a cut would split a block (the caller then dequantizes)."""
+        if self.dim == 0:
+            return QuantBlocks(self.take(w.raw, rank, tp), w.qtype, w.k)  # short shares: zero blocks
+        if any(size % BLOCK or -(-size // tp) % BLOCK for size in self.segments):
+            return None
+        n = w.raw.shape[0]
+        blocks = Shard(1, tuple(size // BLOCK for size in self.segments))
+        part = blocks.take(w.raw.reshape(n, w.k // BLOCK, w.qtype.block_bytes), rank, tp)
+        return QuantBlocks(part.reshape(n, -1), w.qtype, part.shape[1] * BLOCK)
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "segments": list(self.segments)}

@@ -76,11 +76,13 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
         hf = _hf_tensor(state, name, cfg, where)
         imp, sigma2 = importance_of(importance, name), None
         if tp > 1 and name in (shards or {}):
-            full = np.asarray(hf)  # quantized blocks: dequantized first
-            hf = shards[name].take(full, rank, tp)
-            if imp is not None and shards[name].dim == 1:  # this rank's columns of whole rows
-                imp = shards[name].take(imp[None, :], rank, tp)[0]
-                sigma2 = row_mean_square(full)  # rounded as one process rounds
+            shard = shards[name]
+            # a GGUF's blocks stay blocks (a re-rounding would move values); else dequantized
+            part = shard.take_blocks(hf, rank, tp) if isinstance(hf, QuantBlocks) else None
+            if imp is not None and shard.dim == 1:  # this rank's columns of whole rows
+                imp = shard.take(imp[None, :], rank, tp)[0]
+                sigma2 = row_mean_square(hf)  # rounded as one process rounds
+            hf = part if part is not None else shard.take(np.asarray(hf), rank, tp)
         if len(shape) == 3:  # packed panels of W[n, k]
             layout = (layouts or {}).get(name)
             if layout is None:  # gate_up is interleaved for the silu_mul epilogue

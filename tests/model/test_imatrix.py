@@ -181,3 +181,38 @@ def test_row_parallel_shards_round_as_one_process(model):
         half = k // 2 // 32 * q.block_bytes
         np.testing.assert_array_equal(got, whole[:, rank * half:(rank + 1) * half])
 
+
+
+def test_tensor_parallel_shards_keep_a_gguf_s_blocks(model):
+    """A GGUF's 4-bit blocks rounded by an importance matrix are not what the reference rounding
+    of their values gives; a rank's share keeps them bit for bit, split by rows or (between
+    blocks) by k, never dequantized and rounded again."""
+    from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks, weighted_blocks
+    from sandwich_tvm.model.parallel import Shard
+    from sandwich_tvm.model.weights import convert
+
+    _, cfg, imat = model
+    q, table, state = QTYPES["q4_0"], read_imatrix(imat, cfg), random_checkpoint(cfg, 1)
+    cases = {"model.layers.0.self_attn.o_proj.weight": Shard(1, (cfg.hidden_size,)),  # k: 32 a rank
+             "model.layers.0.mlp.up_proj.weight": Shard(0, (cfg.intermediate_size,))}  # rows
+    layout = WeightLayout(ISA, "q4_0")
+    for name, shard in cases.items():
+        w = state[name]
+        raw = weighted_blocks(w, table.get(name, np.ones(w.shape[1], np.float32)), q)
+        assert not np.array_equal(q.quantize(q.dequantize(raw)), raw)  # re-rounding would move values
+        blocks = QuantBlocks(raw, q, w.shape[1])
+        for rank in range(2):
+            want = shard.take_blocks(blocks, rank, 2)
+            n, k = shard.take(w, rank, 2).shape
+            packed = convert(cfg, state | {name: blocks}, [(name, layout.shape(n, k))], ISA, dtype="q4_0",
+                             shards={name: shard}, rank=rank, tp=2)[0]
+            got = q.from_panels(packed, n, quads=layout.quads, signed=layout.signed)
+            np.testing.assert_array_equal(got, want.raw)
+            if shard.dim == 0:
+                np.testing.assert_array_equal(want.raw, raw[rank * n:(rank + 1) * n])
+            else:
+                cut = k // 32 * q.block_bytes
+                np.testing.assert_array_equal(want.raw, raw[:, rank * cut:(rank + 1) * cut])
+    # a cut inside a block (96 = 3 blocks over 2 ranks): no blocks, the caller dequantizes
+    down = QuantBlocks(q.quantize(state["model.layers.0.mlp.down_proj.weight"]), q, cfg.intermediate_size)
+    assert Shard(1, (cfg.intermediate_size,)).take_blocks(down, 0, 2) is None
