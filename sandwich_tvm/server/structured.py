@@ -20,7 +20,6 @@ object: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, or, when ``tool
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from ..runtime.grammar import (
@@ -183,19 +182,68 @@ def _arguments(text: str) -> object:
         raise GrammarError(f"a tool call's arguments are not JSON: {err}") from err
 
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def json_value_end(text: str, i: int) -> int | None:
+    """Where the JSON object or array starting at ``text[i]`` ends (the index after its closing
+    bracket), brackets and quotes inside its strings ignored; None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def hermes_blocks(text: str) -> tuple[list[str], bool]:
+    """The JSON texts of a Hermes answer's ``<tool_call>`` blocks, each cut where its value ends
+    (a ``</tool_call>`` inside an argument string is text, not the end), and whether every
+    block is closed. The last block may be a value still open (a stream's text so far)."""
+    s, blocks, pos = text.strip(), [], 0
+    while s.startswith(OPEN, pos):
+        i = _skip_ws(s, pos + len(OPEN))
+        end = json_value_end(s, i)
+        if end is None:
+            blocks.append(s[i:].rstrip())
+            return blocks, False
+        blocks.append(s[i:end])
+        k = _skip_ws(s, end)
+        if not s.startswith(CLOSE, k):
+            return blocks, False
+        pos = _skip_ws(s, k + len(CLOSE))
+    return blocks, bool(blocks)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
 
 
 def parse_tool_output(text: str, fmt: str = GENERIC) -> tuple[str | None, list[dict]]:
     """(content, tool_calls in OpenAI's shape) of a constrained answer. Cut short by max_tokens:
     a direct answer's text so far (what a stream sent), or other text as it is."""
     if fmt == HERMES:
-        blocks = _HERMES_CALL.findall(text)
+        blocks, whole = hermes_blocks(text)
         try:
-            calls = [json.loads(b) for b in blocks]
+            calls = [json.loads(b) for b in blocks] if whole else []
         except json.JSONDecodeError:
             return text, []
-        if not calls or not text.lstrip().startswith("<tool_call>"):
+        if not calls:
             return text, []
         text = json.dumps({"tool_calls": calls})
     try:

@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from .structured import GENERIC, HERMES
+from .structured import GENERIC, HERMES, OPEN, hermes_blocks
 
 _WS = " \t\r\n"
 
@@ -165,10 +165,9 @@ def hermes_as_generic(text: str) -> str | None:
     """The generic-format prefix a Hermes answer so far amounts to (``""`` while its opening
     cannot tell), or None for free text."""
     s = text.lstrip()
-    if not s.startswith("<tool_call>"):
-        return "" if "<tool_call>".startswith(s) else None
-    parts = [block.split("</tool_call>")[0].strip() for block in s.split("<tool_call>")[1:]]
-    return '{"tool_calls": [' + ", ".join(parts)
+    if not s.startswith(OPEN):
+        return "" if OPEN.startswith(s) else None
+    return '{"tool_calls": [' + ", ".join(hermes_blocks(s)[0])
 
 
 class _StringReader:

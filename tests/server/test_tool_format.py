@@ -100,3 +100,23 @@ def test_a_direct_answer_cut_short_is_the_text_a_stream_sent(cut):
     content, calls = parse_tool_output(cut, GENERIC)
     assert calls == [] and content == (sent if cut.startswith('{"response": ') else cut)
     assert content != cut or cut == '{"resp'
+
+
+
+def test_a_closing_tag_inside_an_argument_is_text():
+    """``</tool_call>`` (or ``<tool_call>``) inside an argument string does not end the call,
+    whole or streamed."""
+    args = {"note": 'a</tool_call>b <tool_call> c "q" {'}
+    rome = {"city": "Rome"}
+    text = "\n".join(f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': a})}\n</tool_call>"
+                     for a in (args, rome))
+    content, calls = parse_tool_output(text, HERMES)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [args, rome]
+    st, deltas = ToolCallStream(HERMES), []
+    for i in range(len(text) + 1):
+        deltas += st.feed(text[:i])
+    by_index: dict[int, str] = {}
+    for d in deltas:
+        call = d["tool_calls"][0]
+        by_index[call["index"]] = by_index.get(call["index"], "") + call["function"]["arguments"]
+    assert [json.loads(v) for _, v in sorted(by_index.items())] == [args, rome]
