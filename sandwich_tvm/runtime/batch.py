@@ -100,6 +100,9 @@ class BatchEngine:
         if request_id in self.seqs:
             raise EngineError(f"request id {request_id!r} is already running")
         max_tokens = self.check(prompt, params.max_tokens)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.engine.cfg.vocab_size:
+            raise EngineError(f"logit_bias names token id {params.logit_bias[-1][0]}, outside the vocabulary "
+                              f"(size {self.engine.cfg.vocab_size})")
         seq = Sequence(request_id, list(prompt), params, Sampler(params, prompt), max_tokens,
                        stop_ids=params.stop_ids(self.eos_ids))
         seq.constraint = constraint

@@ -56,7 +56,9 @@ class SamplingParams:
     single string or a list (stored as a tuple). ``max_tokens=None`` is the rest of the
     context (OpenAI's chat default). ``logprobs=n`` returns the chosen token's
     logprob and the ``n`` most likely alternatives. ``cache_prompt=False`` opts the request out of
-    prefix caching. Bad values raise :class:`SamplingError`.
+    prefix caching. ``logit_bias`` (OpenAI's) adds a bias in [-100, 100] to a token's logit
+    (-100 bans it, 100 all but forces it); a mapping of token id to bias, kept as sorted pairs.
+    Bad values raise :class:`SamplingError`.
     """
 
     max_tokens: int | None = 16
@@ -73,6 +75,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_prompt: bool = True  # llama-server's name; False: reuse no cached prefix, leave none
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         fix = {
@@ -102,6 +105,7 @@ class SamplingParams:
         if not isinstance(self.cache_prompt, (bool, np.bool_)):
             raise SamplingError(f"cache_prompt must be true or false, got {self.cache_prompt!r}")
         fix["cache_prompt"] = bool(self.cache_prompt)
+        fix["logit_bias"] = self._bias()
         for name, value in fix.items():  # canonical types: hashable, JSON-ready
             object.__setattr__(self, name, value)
 
@@ -121,6 +125,18 @@ class SamplingParams:
             raise SamplingError(f"stop_token_ids must be a list of integers >= 0, got "
                                 f"{self.stop_token_ids!r}")
         return tuple(int(t) for t in ids)
+
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            pairs = [(int(str(t)), float(b)) for t, b in items]
+        except (TypeError, ValueError):
+            raise SamplingError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+        bad = [(t, b) for t, b in pairs if t < 0 or not -100 <= b <= 100]
+        if bad:
+            raise SamplingError(f"logit_bias takes token ids >= 0 and biases in [-100, 100], got {bad[0]}")
+        return tuple(sorted(dict(pairs).items()))
 
     @property
     def greedy(self) -> bool:
@@ -267,7 +283,7 @@ class Sampler:
 
     Keeps the random generator (seeded from ``params.seed`` when given), the prompt's tokens
     and the output's token counts for the penalties. Logprobs are the log-softmax of the logits
-    after the penalties and before temperature, top-k, top-p and min-p: the model's own
+    after the penalties and ``logit_bias`` and before temperature, top-k, top-p and min-p: the model's own
     distribution (vLLM's raw logprobs when no penalty is set), not the one sampled from.
     """
 
@@ -294,6 +310,10 @@ class Sampler:
             out_counts = np.fromiter(self.counts.values(), np.float64, len(self.counts))
             rep_ids = np.concatenate([self._prompt_ids, np.asarray(self._new_ids, np.int64)])
             _penalize(x, p, rep_ids, out_ids, out_counts)
+        if p.logit_bias:
+            x = x.copy() if x is logits else x
+            ids, bias = zip(*p.logit_bias, strict=True)
+            x[list(ids)] += np.asarray(bias, x.dtype)
         if p.greedy:
             token = int(np.argmax(x))
         else:

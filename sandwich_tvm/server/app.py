@@ -309,9 +309,15 @@ def create_app(server: Server) -> FastAPI:
 
     def params_of(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
-            return req.sampling(max_tokens, logprobs)
+            params = req.sampling(max_tokens, logprobs)
         except SamplingError as err:
             raise ApiError(400, str(err)) from err
+        vocab = server.engine.batch.engine.cfg.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ApiError(400, f"logit_bias names token ids {outside[:5]} outside the vocabulary "
+                                f"(size {vocab})", "logit_bias")
+        return params
 
     async def respond(request: Request, req, prompt: list[int], params: SamplingParams, chat: bool):
         want_lp = params.logprobs is not None

@@ -60,6 +60,7 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False
     cache_prompt: bool = True
     response_format: ResponseFormat | None = None
@@ -81,7 +82,8 @@ class _Sampling(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, stop=tuple(s for s in stop if s),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, cache_prompt=self.cache_prompt, **given)
+                              logprobs=logprobs, cache_prompt=self.cache_prompt,
+                              logit_bias=self.logit_bias or (), **given)
 
     @property
     def include_usage(self) -> bool:

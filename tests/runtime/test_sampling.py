@@ -284,3 +284,17 @@ def test_params_are_canonical_values():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     assert p.stop_ids({2}) == {2, 5, 6}
     assert SamplingParams(stop_token_ids=[5], ignore_eos=True).stop_ids({2}) == {5}
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = np.array([0.0, 5.0, 1.0, 4.0], np.float32)
+    ban = Sampler(SamplingParams(temperature=0.0, logit_bias={"1": -100}), [])
+    assert ban(logits).token == 3 and logits[1] == 5.0  # the best is banned; the input untouched
+    force = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={2: 100.0}), [])
+    assert {force(logits).token for _ in range(20)} == {2}
+    lp = Sampler(SamplingParams(temperature=0.0, logprobs=1, logit_bias={"0": 10}), [])(logits)
+    assert lp.token == 0 and lp.logprob > -0.01  # logprobs see the biased logits
+    assert SamplingParams(logit_bias={"7": 1, 3: -2.5}).logit_bias == ((3, -2.5), (7, 1.0))
+    for bad in ({"a": 1}, {"-1": 1}, {"1": 101}, {"1": float("nan")}, [1, 2]):
+        with pytest.raises(SamplingError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -143,6 +143,16 @@ def test_sampling_through_the_api(served):
     ended = _complete(served, prompt, stop_token_ids=[first])
     assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 1
     assert ended["choices"][0]["text"] == ""
+    # logit_bias: +100 forces a token at every step, even greedy; -100 bans one; ids outside the
+    # vocabulary are a 400
+    assert _complete(served, prompt, logit_bias={"300": 100})["choices"][0]["text"] == "t300" * NEW
+    one = {"max_tokens": 1, "logprobs": 0}
+    plain = _complete(served, prompt, **one)["choices"][0]["logprobs"]["tokens"][0]
+    banned = _complete(served, prompt, logit_bias={str(first): -100}, **one)["choices"][0]["logprobs"]
+    assert banned["tokens"][0] != plain
+    r = httpx.post(f"{served.url}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": prompt, "logit_bias": {"99999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
 @pytest.mark.parametrize("body, status, needle", [
