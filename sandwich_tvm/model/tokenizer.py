@@ -51,6 +51,30 @@ class ModelTokenizer:
     def token_to_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's logprobs report them, out of context: a
+        byte piece (``<0xE4>``) its byte, a byte-level BPE piece through GPT-2's byte map,
+        SentencePiece's ``▁`` a space; a special token its text."""
+        piece = self.tok.id_to_token(int(token))
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = getattr(self.tok, "decoder", None)
+        try:
+            return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+        except (AttributeError, TypeError):
+            return False
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
@@ -97,6 +121,9 @@ def byte_chars() -> dict[int, str]:
     for b in range(256):
         chars[b] = chr(b) if b in keep else chr(256 + (extra := extra + 1) - 1)
     return chars
+
+
+_BYTE_OF = {c: b for b, c in byte_chars().items()}
 
 
 def placeholder_tokenizer(vocab_size: int):

@@ -208,8 +208,13 @@ class Server:
                             "top": [(self._piece(t), t, lp) for t, lp in event.sample.top_logprobs or []]})
         return delta, entries
 
-    def _piece(self, token: int) -> str:
-        return self.tok.decode([token]) if self.tok is not None else str(token)
+    def _piece(self, token: int) -> tuple[str, bytes]:
+        """A token's text out of context and its bytes (a lone byte of a character: U+FFFD as
+        text, the byte itself in ``bytes``)."""
+        if self.tok is None:
+            return str(token), str(token).encode()
+        raw = self.tok.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), raw
 
 
 async def _first_checked(events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
@@ -257,14 +262,19 @@ def _finish(reason: str | None) -> str | None:
 
 
 def _completion_logprobs(entries: list[dict], offset: int) -> dict:
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, _, lp in e["top"]} for e in entries],
-            "text_offset": [offset] * len(entries)}
+    """OpenAI's completion logprobs; ``text_offset``: each token's position in the text, from
+    ``offset`` (where these entries' text starts)."""
+    starts = []
+    for e in entries:
+        starts.append(offset)
+        offset += len(e["token"][0])
+    return {"tokens": [e["token"][0] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t[0]: lp for t, _, lp in e["top"]} for e in entries], "text_offset": starts}
 
 
 def _chat_logprobs(entries: list[dict]) -> dict:
-    def item(token: str, lp: float) -> dict:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+    def item(token: tuple[str, bytes], lp: float) -> dict:
+        return {"token": token[0], "logprob": lp, "bytes": list(token[1])}
 
     return {"content": [item(e["token"], e["logprob"])
                         | {"top_logprobs": [item(t, lp) for t, _, lp in e["top"]]} for e in entries]}

@@ -51,3 +51,23 @@ def test_tool_choice_without_tools_is_a_400(choice):
     with pytest.raises(ApiError, match="no tools") as err:
         asyncio.run(_server().chat_prompt(req))
     assert err.value.status == 400 and err.value.param == "tool_choice"
+
+
+def test_logprob_tokens_are_their_own_bytes():
+    """A token's logprob entry: its text with SentencePiece's leading space, a lone byte of a
+    character as U+FFFD text but its real byte in ``bytes``; completion offsets advance by it."""
+    from sandwich_tvm.model.tokenizer import BYTE_OFFSET
+    from sandwich_tvm.server.app import _chat_logprobs, _completion_logprobs
+
+    from ..runtime.test_text import _byte_fallback_tokenizer
+
+    spm = ModelTokenizer(_byte_fallback_tokenizer(), frozenset())
+    assert [spm.token_bytes(t) for t in (1, 3 + 0xE4, 0)] == [b" hi", b"\xe4", b"<unk>"]
+    byte_level = _server().tok  # GPT-2's byte map: the placeholder's byte tokens
+    assert byte_level.token_bytes(BYTE_OFFSET + 0xE4) == b"\xe4" and byte_level.token_bytes(300) == b"t300"
+    server = _server()
+    pieces = [server._piece(t) for t in (300, BYTE_OFFSET + 0xE4, BYTE_OFFSET + ord(" "))]
+    assert pieces == [("t300", b"t300"), ("\ufffd", b"\xe4"), (" ", b" ")]
+    entries = [{"token": p, "logprob": -1.0, "top": [(p, 0, -1.0)]} for p in pieces]
+    assert _completion_logprobs(entries, 10)["text_offset"] == [10, 14, 15]
+    assert _chat_logprobs(entries)["content"][1]["bytes"] == [0xE4]
