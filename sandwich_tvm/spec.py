@@ -169,6 +169,38 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
                         f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
 
 
+def weights_bytes(cfg: LlamaConfig, weight_dtype: str) -> int:
+    """What a model's weights take once loaded: the layers' and the head's Linears in their
+    types (the head q8_0 under 4-bit weights), an untied embedding table in fp32."""
+    from .kernels.costmodel import weight_bytes
+    from .kernels.quant import head_dtype
+
+    embed = cfg.vocab_size * cfg.hidden_size
+    layers = cfg.num_hidden_layers * cfg.layer_params()
+    untied = 0 if cfg.tie_word_embeddings else 4 * embed
+    return int(layers * weight_bytes(weight_dtype) + embed * weight_bytes(head_dtype(weight_dtype)) + untied)
+
+
+def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:
+    """Raise ``SpecError`` when the weights and the KV cache would not fit in the memory
+    available now (psutil's), before anything is compiled or converted; stages on other hosts
+    hold their own share there."""
+    if spec.hosts:
+        return
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    weights = weights_bytes(spec.config, "float32" if spec.stock else spec.weight_dtype)
+    kv = kv_cache_bytes(spec.config, spec.kv_tokens, spec.kv_dtype)
+    if weights + kv > available:
+        smaller = "" if spec.weight_dtype in ("q4_0", "q4_1") else ", a smaller --dtype (q8_0, q4_0)"
+        raise SpecError(f"{spec.config.name}'s {spec.weight_dtype} weights take {weights / 2**30:.1f} GiB "
+                        f"and its KV cache {kv / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB of "
+                        f"memory is available; use a machine with more memory{smaller} or a smaller "
+                        "--context")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a run is compiled and served for. ``model`` is what weights load from (a preset

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from ..compiler.artifact import CompiledModel, compile_model
 from ..model.weights import load_params
-from ..spec import RunSpec, resolve_run_spec
+from ..spec import RunSpec, check_weights_fit, resolve_run_spec
 from .draft_model import DraftModel, check_draft_model
 from .engine import Engine, EngineError
 
@@ -18,7 +18,9 @@ def open_engine(spec: RunSpec, *, force: bool = False, log: Callable[[str], None
     pipeline stages, or the two sides of weight-attention separation) and the compiled model it
     runs (a pipeline's first stage, a separated model's weight side). ``spec`` was
     checked against the model and the memory when it was resolved (``spec.resolve_run_spec``);
-    nothing here re-resolves it."""
+    nothing here re-resolves it. The weights (with the KV cache) must fit in the memory available
+    now, checked before compiling (``spec.check_weights_fit``)."""
+    check_weights_fit(spec)
     stages = [compile_model(spec, force=force, log=log, stage=i) for i in range(spec.plan.parts)]
     compiled = stages[0] if stages else compile_model(spec, force=force, log=log)
     if spec.plan.processes > 1:  # every rank loads its own shard, stage or side

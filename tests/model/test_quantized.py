@@ -164,3 +164,18 @@ def test_a_tensor_parallel_share_not_in_blocks_is_refused(tmp_path):
     assert "\n" not in str(err.value)
     assert resolve_run_spec(path, dtype="q4_0").weight_dtype == "q4_0"
     assert resolve_run_spec(path, dtype="bfloat16", plan=tp2).plan.tp == 2
+
+
+def test_weights_that_do_not_fit_are_refused_before_compiling():
+    """Llama-3-8B's shapes (untied: a 2 GiB fp32 embedding table besides the head): fp32 weights
+    ~30 GiB, q8_0 ~9.4, q4_0 ~6.1; refused against 8 GiB of memory with a one-line error that
+    names a smaller type, accepted against enough."""
+    from sandwich_tvm.spec import check_weights_fit, weights_bytes
+
+    cfg = load_config("llama-3-8b")
+    assert 29 < weights_bytes(cfg, "float32") / 2**30 < 31 and 5.5 < weights_bytes(cfg, "q4_0") / 2**30 < 6.5
+    spec = resolve_run_spec("llama-3-8b", dtype="q8_0", context=512)
+    with pytest.raises(SpecError, match=r"q8_0 weights take 9\.\d GiB .* --dtype \(q8_0, q4_0\)") as err:
+        check_weights_fit(spec, available=8 << 30)
+    assert "\n" not in str(err.value)
+    check_weights_fit(spec, available=16 << 30)
