@@ -86,15 +86,19 @@ def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     K-quants) dequantized and re-rounded to q8_0, which keeps their values to within q8_0's
     rounding at about half the bytes of bf16."""
     from .model.config import model_path
-    from .model.gguf import NOTED_TYPES, layer_kind
+    from .model.gguf import NOTED_TYPES, layer_kinds
 
     path = model_path(model)
     if path.suffix != ".gguf":
         return None
+    kinds = layer_kinds(path)
     own = gguf_quant_type(path)
     if own is not None:
-        return own, f"the GGUF's own {own} blocks, loaded as they are"
-    kind = layer_kind(path)
+        others = {k: n for k, n in kinds.items() if k.lower() != own}
+        rest = (f"; {sum(others.values())} of {sum(kinds.values())} layer matrices ("
+                f"{', '.join(sorted(others))}) are re-rounded to {own}" if others else "")
+        return own, f"the GGUF's own {own} blocks, loaded as they are{rest}"
+    kind = kinds.most_common(1)[0][0] if kinds else None
     if kind in NOTED_TYPES:
         return "q8_0", (f"the GGUF's {kind} blocks have no kernels here: dequantized and re-rounded to "
                         "q8_0 (8.5 bits a weight) rather than widened to 16 bits; --dtype bfloat16 keeps "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -286,12 +287,15 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
                              "layers the metadata describes; the file is incomplete: re-convert it")
 
 
+def layer_kinds(path: Path) -> Counter:
+    """How many of a GGUF's layer matrices each GGML type holds (``Q4_K``, ``Q6_K``, ``F16``...)."""
+    return Counter(t.tensor_type.name for t in open_gguf(path).tensors
+                   if t.name.startswith("blk.") and len(t.shape) == 2)
+
+
 def layer_kind(path: Path) -> str | None:
     """The GGML type a GGUF's layers hold in most of their matrices (``Q4_K``, ``F16``, ...)."""
-    from collections import Counter
-
-    kinds = Counter(t.tensor_type.name for t in open_gguf(path).tensors
-                    if t.name.startswith("blk.") and len(t.shape) == 2)
+    kinds = layer_kinds(path)
     return kinds.most_common(1)[0][0] if kinds else None
 
 

@@ -246,6 +246,15 @@ def load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tupl
     return arrays
 
 
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "none"
+
+
 def conversion_progress(log: Callable[[str], None], every_s: float = 5.0) -> Callable[[int, int], None]:
     """A ``convert`` progress callback that logs ``done/total`` at most every ``every_s`` seconds
     (and at the end, when it took that long): a large or weighted conversion takes minutes."""
@@ -282,7 +291,8 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
                         + ([sorted((n, x.to_json()) for n, x in layouts.items())] if layouts else [])
                         + ([rank, tp, sorted((n, x.to_json()) for n, x in (shards or {}).items())]
                            if tp > 1 else [])
-                        + ([f"imatrix {imatrix_digest(imatrix)} {WEIGHTED_FORMAT}"] if imatrix else []))
+                        + ([f"imatrix {imatrix_digest(imatrix)} {WEIGHTED_FORMAT}"] if imatrix else [])
+                        + ([f"gguf {_gguf_version()}"] if dtype in QTYPES else []))  # its quantizer rounds
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:

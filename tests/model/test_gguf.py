@@ -480,3 +480,19 @@ def test_smollm2_greedy_matches_transformers(precompiler):
                               eos_token_id=sorted(tok.eos_ids), pad_token_id=sorted(tok.eos_ids)[0])
         want = out[0, len(ids):].tolist()
         assert ours == want, (text, tok.decode(ours), tok.decode(want))
+
+
+def test_auto_names_the_layer_matrices_it_re_rounds(tmp_path, source, tok):
+    """A Q4_0 file with one layer matrix in Q8_0 runs as q4_0, and the note says which are
+    re-rounded instead of claiming every block loads as it is."""
+    from sandwich_tvm.spec import resolve_run_spec
+
+    cfg, state = source
+    base = write_gguf(tmp_path / "q4.gguf", cfg, state, qtype="Q4_0", tokenizer=tok,
+                      drop=("blk.0.ffn_up.weight",))
+    mixed = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q8_0", tmp_path / "mixed.gguf")
+    spec = resolve_run_spec(mixed)
+    assert spec.weight_dtype == "q4_0"
+    assert "1 of 14 layer matrices (Q8_0) are re-rounded to q4_0" in spec.dtype_note
+    pure = write_gguf(tmp_path / "pure.gguf", cfg, state, qtype="Q4_0", tokenizer=tok)
+    assert resolve_run_spec(pure).dtype_note == "the GGUF's own q4_0 blocks, loaded as they are"
