@@ -195,14 +195,15 @@ def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:
         import psutil
 
         available = psutil.virtual_memory().available
-    weights = weights_bytes(spec.config, "float32" if spec.stock else spec.weight_dtype)
+    dtype = "float32" if spec.stock else spec.weight_dtype
+    weights = weights_bytes(spec.config, dtype)
     kv = kv_cache_bytes(spec.config, spec.kv_tokens, spec.kv_dtype)
     if weights + kv > available:
-        smaller = "" if spec.weight_dtype in ("q4_0", "q4_1") else ", a smaller --dtype (q8_0, q4_0)"
-        raise SpecError(f"{spec.config.name}'s {spec.weight_dtype} weights take {weights / 2**30:.1f} GiB "
-                        f"and its KV cache {kv / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB of "
-                        f"memory is available; use a machine with more memory{smaller} or a smaller "
-                        "--context")
+        smaller = "" if spec.stock or dtype in ("q4_0", "q4_1") else ", a smaller --dtype (q8_0, q4_0)"
+        which = f"{dtype} weights (TVM's stock build)" if spec.stock else f"{dtype} weights"
+        raise SpecError(f"{spec.config.name}'s {which} take {weights / 2**30:.1f} GiB and its KV cache "
+                        f"{kv / 2**30:.1f} GiB, but only {available / 2**30:.1f} GiB of memory is available; "
+                        f"use a machine with more memory{smaller} or a smaller --context")
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     try:
         results = greedy_agreement(opener("float32", "float32"), opener(dtype, args.kv_dtype), prompts,
                                    args.steps)
-    except (ModelLoadError, CompileError, EngineError) as exc:
+    except (ModelLoadError, CompileError, EngineError, SpecError) as exc:
         print_error(console, exc)
         return 2
     systems = {f"sandwich {dtype}": results}

@@ -51,6 +51,15 @@ class ModelTokenizer:
     def token_to_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A raw prompt's ids: BOS first where this tokenizer adds one (not a second one when the
+        text already starts with it), and never the EOS some post-processors append."""
+        ids = self.encode(text)
+        bos = self.token_to_id(self.bos_token) if self.bos_token else None
+        if bos is None or ids[:1] == [bos] or self.encode("a", add_special_tokens=True)[:1] != [bos]:
+            return ids
+        return [bos, *ids]
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, as OpenAI's logprobs report them, out of context: a
         byte piece (``<0xE4>``) its byte, a byte-level BPE piece through GPT-2's byte map,

@@ -183,6 +183,7 @@ def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays
     is logged and skipped: the arrays in hand are good, only the next start converts again."""
     import os
     import tempfile
+    import time
 
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
@@ -190,11 +191,17 @@ def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a save killed a day ago or more
+            if time.time() - stale.stat().st_mtime > 86400:
+                stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         # safetensors' numpy API has no bfloat16: such arrays are stored as their 16-bit words
         save_file({name: np.ascontiguousarray(a.view(np.uint16) if a.dtype == numpy_dtype("bfloat16") else a)
                    for (name, _), a in zip(params, arrays, strict=True)}, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file, not mkstemp's 0600: caches may be shared
         os.replace(tmp, path)
     except (OSError, SafetensorError) as err:
         if tmp is not None:

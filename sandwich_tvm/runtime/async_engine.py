@@ -118,7 +118,10 @@ class AsyncEngine:
         """Have the engine thread run ``compiled`` (the same model, newly tuned kernels) from its
         next step on; waits for it. Returns None, or why the swap was refused."""
         item = _Swap(compiled, threading.Event())
-        self._inbox.put(item)
+        with self._lock:  # a dead engine's inbox is never read again
+            if self.dead is not None:
+                return self.dead
+            self._inbox.put(item)
         if not item.done.wait(timeout):
             return "the engine did not take the swap in time"
         return item.error

@@ -194,11 +194,17 @@ class BatchEngine:
             seq.computed += n
             if seq.computed < len(seq.tokens):
                 continue  # a chunk in the middle of the prompt: no token yet
-            if seq.constraint is not None:
-                t0 = time.perf_counter()
-                seq.constraint.mask(rows[0])
-                self._step_grammar_s += time.perf_counter() - t0
-            samples = accept(draft, rows, seq.sampler, lambda x: x.token) if draft else [seq.sampler(rows[0])]
+            try:
+                if seq.constraint is not None:
+                    t0 = time.perf_counter()
+                    seq.constraint.mask(rows[0])
+                    self._step_grammar_s += time.perf_counter() - t0
+                samples = (accept(draft, rows, seq.sampler, lambda x: x.token) if draft
+                           else [seq.sampler(rows[0])])
+            except Exception as err:  # e.g. NaN logits: this request ends, the others go on
+                why = f"sampling failed: {type(err).__name__}: {err}"
+                events.append(self._finish(seq, "error", None, error=why))
+                continue
             if draft:
                 self.drafted += len(draft)
                 self.accepted += len(samples) - 1

@@ -31,6 +31,7 @@ class Detokenizer:
         self.ids: list[int] = []  # only the window still needed: ids[prefix:read] is context
         self.prefix = self.read = 0
         self.byte_fallback = byte_fallback(tok)
+        self._is_byte: dict[int, bool] = {}
 
     def push(self, token: int) -> str:
         """The text ``token`` completes (often "", e.g. inside a multi-byte character)."""
@@ -46,7 +47,7 @@ class Detokenizer:
         text = self.tok.decode(self.ids[self.prefix:])
         # A trailing U+FFFD may be a character whose last bytes come later (see the class notes).
         if self.byte_fallback:
-            incomplete = text.endswith("\ufffd") and len(self.ids) - self.read <= self.MAX_PENDING
+            incomplete = text.endswith("\ufffd") and 0 < self._trailing_bytes() <= self.MAX_PENDING
         else:
             incomplete = text.endswith("\ufffd") and not text.endswith("\ufffd\ufffd")
         if not final and (len(text) <= len(before) or incomplete):
@@ -55,6 +56,19 @@ class Detokenizer:
         self.ids = self.ids[self.read:]
         self.prefix, self.read = 0, len(self.ids)
         return text[len(before):]
+
+    def _trailing_bytes(self) -> int:
+        """How many of the ids not yet emitted, counted from the end, are byte pieces (``<0xNN>``)."""
+        raw = getattr(self.tok, "tok", self.tok)
+        n = 0
+        for t in reversed(self.ids[self.read:]):
+            if t not in self._is_byte:
+                piece = raw.id_to_token(t) if hasattr(raw, "id_to_token") else None
+                self._is_byte[t] = bool(piece) and len(piece) == 6 and piece.startswith("<0x")
+            if not self._is_byte[t]:
+                break
+            n += 1
+        return n
 
 
 def byte_fallback(tok: Decoder) -> bool:

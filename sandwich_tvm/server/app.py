@@ -91,13 +91,13 @@ class Server:
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: this server returns one choice per request", "n")
 
-    async def _encode(self, text: str, where: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+    async def _encode(self, text: str, where: str = "prompt", raw_prompt: bool = False) -> list[int]:
         """Token ids of ``text``; a raw completion prompt gets the tokenizer's BOS (as vLLM and
-        llama-server give it), a rendered chat template has its own."""
+        llama-server give it, ``ModelTokenizer.prompt_ids``), a rendered chat template has its own."""
         if self.tok is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids")
         _check_unicode(text, where)
-        return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
+        return await asyncio.to_thread(self.tok.prompt_ids if raw_prompt else self.tok.encode, text)
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
         self._check_common(req)
@@ -110,7 +110,7 @@ class Server:
                                "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._encode(prompt, add_special_tokens=True)
+            return await self._encode(prompt, raw_prompt=True)
         return list(prompt)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -239,8 +239,10 @@ def parse_tool_output(text: str, fmt: str = GENERIC) -> tuple[str | None, list[d
     a direct answer's text so far (what a stream sent), or other text as it is."""
     if fmt == HERMES:
         blocks, whole = hermes_blocks(text)
+        if not whole:  # cut short by max_tokens: the calls closed so far, as a stream sent them
+            blocks = blocks[:-1]
         try:
-            calls = [json.loads(b) for b in blocks] if whole else []
+            calls = [json.loads(b) for b in blocks]
         except json.JSONDecodeError:
             return text, []
         if not calls:

@@ -231,3 +231,16 @@ def test_a_failed_cache_save_is_logged_and_leaves_nothing(tmp_path, monkeypatch)
     save_converted(target, [("w", (2,))], [np.zeros(2, np.float32)], said.append)
     assert said and "not cached" in said[0] and "No space left" in said[0]
     assert list(target.parent.iterdir()) == []
+
+
+def test_the_conversion_cache_is_an_ordinary_file(tmp_path):
+    """Saved under a temporary name of its own, then renamed, with the umask's mode (a cache
+    shared between users stays readable), no temporary file left."""
+    from sandwich_tvm.model.weights import save_converted
+
+    target = tmp_path / "weights" / "model-abc.safetensors"
+    save_converted(target, [("w", (2,))], [np.ones(2, np.float32)])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in target.parent.iterdir()] == [target.name]

@@ -68,3 +68,4 @@ def test_a_dead_engine_answers_running_and_queued_requests():
     assert batch.added == ["a"] and not engine.alive
     with pytest.raises(EngineDead, match="boom"):
         asyncio.run(_first(engine, "c"))
+    assert "boom" in engine.swap_kernels(object(), timeout=5)  # refused at once, not timed out

@@ -117,23 +117,32 @@ def test_a_request_can_opt_out(tiny_model):
     _settled(on)
 
 
-def test_a_failed_sampling_step_ends_its_requests_and_the_engine_serves_on(tiny_model, monkeypatch):
-    """NaN logits (or any error while sampling) end the requests of that step with an error;
-    the cache is emptied and the next request gets the tokens it gets alone."""
+def test_a_failed_sample_ends_its_request_and_the_others_go_on(tiny_model, monkeypatch):
+    """NaN logits (or any error while sampling) end that request with an error; the request
+    batched with it gets its own tokens, and so does the next one."""
     batch = _batch(tiny_model, True)
     vocab = batch.engine.cfg.vocab_size
     prompt = _tokens(np.random.default_rng(3), 12, vocab)
     want = _serve(_batch(tiny_model, False), {"x": prompt})["x"]
-    batch.add("a", prompt, GREEDY)
-    batch.add("b", prompt[:5], GREEDY)
+    batch.add("a", prompt[:5], GREEDY)
+    batch.add("b", prompt, GREEDY)
 
-    def fail(step, logits):
+    def fail(logits):
         raise ValueError("no finite maximum")
 
-    monkeypatch.setattr(batch, "_sample", fail)
+    batch.seqs["a"].sampler = fail
     events = batch.step()
-    assert {e.request_id for e in events} == {"a", "b"}
-    assert all(e.finish_reason == "error" and "no finite maximum" in e.error for e in events)
-    assert not batch.has_work()
+    failed = [e for e in events if e.finish_reason == "error"]
+    assert [e.request_id for e in failed] == ["a"] and "no finite maximum" in failed[0].error
+    got = [e.token for e in events if e.request_id == "b" and e.token is not None]
+    while batch.has_work():
+        got += [e.token for e in batch.step() if e.token is not None]
+        _settled(batch)
+    assert got == want and batch.scheduler.pages_used() == 0
+    # a failure outside the per-request sampling (the step itself) ends the step's requests
+    batch.add("c", prompt, GREEDY)
+    monkeypatch.setattr(batch, "_sample", lambda step, logits: (_ for _ in ()).throw(ValueError("bug")))
+    events = batch.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [("c", "error")] and not batch.has_work()
     monkeypatch.undo()
-    assert _serve(batch, {"c": prompt})["c"] == want
+    assert _serve(batch, {"d": prompt})["d"] == want

@@ -142,7 +142,7 @@ def _byte_fallback_tokenizer():
     llama vocabularies have."""
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {"<unk>": 0, "▁hi": 1, "▁there": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab = {"<unk>": 0, "▁hi": 1, "▁there": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)} | {"▁": 259}
     tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
@@ -173,3 +173,13 @@ def test_byte_fallback_invalid_bytes_are_not_held_to_the_end():
     deltas = [detok.push(t) for t in stray]
     assert any(deltas[:4]), deltas  # past a character's worth of byte pieces
     assert "".join(deltas) + detok.finish() == tok.decode(stray)
+
+
+def test_a_leading_space_piece_does_not_count_as_a_byte():
+    """``▁`` alone decodes to nothing (stripped at the start), so it waits in the window; the
+    emoji's four byte pieces after it still come out whole."""
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *[3 + b for b in "😀".encode()], 2]  # ▁, the emoji's bytes, ▁there
+    assert tok.decode(ids) == "😀 there"
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == "😀 there" and not any("\ufffd" in d for d in deltas)

@@ -23,17 +23,20 @@ def test_null_fields_take_their_defaults():
     # a completion's max_tokens: absent is 16 (OpenAI's default), null is up to the context (vLLM)
     assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
     assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
-    with pytest.raises(ValueError, match="n"):  # a wrong type stays a 400
+    with pytest.raises(ValueError) as err:  # a wrong type stays a 400
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": "2"})
+    assert err.value.errors()[0]["loc"] == ("n",)
 
 
 def _server() -> Server:
     from tokenizers.processors import TemplateProcessing
 
     raw = placeholder_tokenizer(400)
-    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    # BOS first and an EOS after, as a GGUF with add_eos_token gives: a prompt keeps only the BOS
+    raw.post_processor = TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
     server = Server.__new__(Server)  # the request -> tokens half, without an engine
-    server.tok, server.model_name, server.tool_format = ModelTokenizer(raw, frozenset({2})), "tiny", "generic"
+    tok = ModelTokenizer(raw, frozenset({2}), bos_token="<s>")
+    server.tok, server.model_name, server.tool_format = tok, "tiny", "generic"
     return server
 
 
@@ -41,6 +44,8 @@ def test_a_raw_completion_prompt_gets_its_bos():
     server, text = _server(), "Once upon a time"
     ids = asyncio.run(server.completion_prompt(CompletionRequest(prompt=text)))
     assert ids == [1, *server.tok.encode(text)] and ids[1:] != []
+    again = asyncio.run(server.completion_prompt(CompletionRequest(prompt="<s>" + text)))
+    assert again == ids  # a prompt that starts with BOS's text gets no second one
     assert asyncio.run(server.completion_prompt(CompletionRequest(prompt=[5, 6]))) == [5, 6]  # ids as sent
 
 

@@ -120,3 +120,12 @@ def test_a_closing_tag_inside_an_argument_is_text():
         call = d["tool_calls"][0]
         by_index[call["index"]] = by_index.get(call["index"], "") + call["function"]["arguments"]
     assert [json.loads(v) for _, v in sorted(by_index.items())] == [args, rome]
+
+
+def test_a_hermes_answer_cut_short_keeps_its_closed_calls():
+    """max_tokens ending inside a third call: the two closed calls, as a stream sent them."""
+    calls = [{"name": "get_weather", "arguments": {"city": c}} for c in ("Paris", "Rome")]
+    text = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls) + '\n<tool_call>\n{"na'
+    content, got = parse_tool_output(text, HERMES)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in got] == [
+        {"city": "Paris"}, {"city": "Rome"}]
