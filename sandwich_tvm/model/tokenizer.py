@@ -67,22 +67,16 @@ class ModelTokenizer:
         piece = self.tok.id_to_token(int(token))
         if piece is None:
             return b""
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:
-                return bytes([int(piece[3:5], 16)])
-            except ValueError:
-                pass
+        byte = byte_piece(piece)
+        if byte is not None:
+            return bytes([byte])
         if self._byte_level and all(c in _BYTE_OF for c in piece):
             return bytes(_BYTE_OF[c] for c in piece)
         return piece.replace("\u2581", " ").encode()
 
     @cached_property
     def _byte_level(self) -> bool:
-        decoder = getattr(self.tok, "decoder", None)
-        try:
-            return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
-        except (AttributeError, TypeError):
-            return False
+        return decoder_uses(self.tok, "ByteLevel")
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -133,6 +127,26 @@ def byte_chars() -> dict[int, str]:
 
 
 _BYTE_OF = {c: b for b, c in byte_chars().items()}
+
+
+def byte_piece(piece: str) -> int | None:
+    """The byte a SentencePiece byte-fallback piece (``<0xE4>``) stands for, else None."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return int(piece[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
+def decoder_uses(tok, kind: str) -> bool:
+    """Whether the decoder of ``tok`` (a ``tokenizers.Tokenizer``, or a wrapper of one in ``.tok``)
+    has a step of type ``kind`` (``ByteLevel``, ``ByteFallback``)."""
+    decoder = getattr(getattr(tok, "tok", tok), "decoder", None)
+    try:
+        return decoder is not None and f'"{kind}"'.encode() in decoder.__getstate__()
+    except (AttributeError, TypeError):
+        return False
 
 
 def placeholder_tokenizer(vocab_size: int):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..model.tokenizer import byte_piece, decoder_uses
+
 
 class Decoder(Protocol):
     """What detokenization needs: ``tokenizers.Tokenizer`` and ``ModelTokenizer`` both fit."""
@@ -30,7 +32,7 @@ class Detokenizer:
         self.tok = tok
         self.ids: list[int] = []  # only the window still needed: ids[prefix:read] is context
         self.prefix = self.read = 0
-        self.byte_fallback = byte_fallback(tok)
+        self.byte_fallback = decoder_uses(tok, "ByteFallback")
         self._is_byte: dict[int, bool] = {}
 
     def push(self, token: int) -> str:
@@ -64,21 +66,11 @@ class Detokenizer:
         for t in reversed(self.ids[self.read:]):
             if t not in self._is_byte:
                 piece = raw.id_to_token(t) if hasattr(raw, "id_to_token") else None
-                self._is_byte[t] = bool(piece) and len(piece) == 6 and piece.startswith("<0x")
+                self._is_byte[t] = piece is not None and byte_piece(piece) is not None
             if not self._is_byte[t]:
                 break
             n += 1
         return n
-
-
-def byte_fallback(tok: Decoder) -> bool:
-    """Whether ``tok`` (a ``tokenizers.Tokenizer`` or a wrapper of one in ``.tok``) decodes byte
-    pieces with SentencePiece's byte fallback."""
-    decoder = getattr(getattr(tok, "tok", tok), "decoder", None)
-    try:
-        return decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
-    except (AttributeError, TypeError):
-        return False
 
 
 class StopMatcher:
