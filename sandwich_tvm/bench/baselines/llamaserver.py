@@ -19,8 +19,8 @@ from .llamacpp import gguf_for
 __all__ = ["BUILD_HINT", "find_llama_server", "find_tool", "gguf_for", "llama_server_command",
            "tool_unavailable", "unavailable"]
 
-BUILD_HINT = ("run `bash scripts/build_llama_server.sh` (builds llama-server and llama-perplexity into "
-              ".venv/bin, minutes)")
+BUILD_HINT = ("run `bash scripts/build_llama_server.sh` (builds llama-server, llama-perplexity, "
+              "llama-quantize and llama-imatrix into .venv/bin, minutes)")
 
 
 def find_tool(name: str, env: str) -> Path | None:
