@@ -92,13 +92,13 @@ def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     if path.suffix != ".gguf":
         return None
     kinds = layer_kinds(path)
-    own = gguf_quant_type(path)
+    kind = kinds.most_common(1)[0][0] if kinds else None
+    own = kind.lower() if kind is not None and kind.lower() in QTYPES else None
     if own is not None:
         others = {k: n for k, n in kinds.items() if k.lower() != own}
         rest = (f"; {sum(others.values())} of {sum(kinds.values())} layer matrices ("
                 f"{', '.join(sorted(others))}) are re-rounded to {own}" if others else "")
         return own, f"the GGUF's own {own} blocks, loaded as they are{rest}"
-    kind = kinds.most_common(1)[0][0] if kinds else None
     if kind in NOTED_TYPES:
         return "q8_0", (f"the GGUF's {kind} blocks have no kernels here: dequantized and re-rounded to "
                         "q8_0 (8.5 bits a weight) rather than widened to 16 bits; --dtype bfloat16 keeps "

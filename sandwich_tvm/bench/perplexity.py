@@ -221,8 +221,11 @@ def llamacpp_requantized(model: str, text: str, dtypes: list[str], *, imatrix: P
                 command = requantize(model_path(model), dst, dtype, threads=threads, imatrix=weights)
                 run = run_llama_perplexity(find_llama_perplexity(), dst, text, n_ctx=window, chunks=chunks,
                                            threads=threads)
-                out[name] = (replace(run, command=[c if c != str(dst) else dst.name for c in run.command]),
-                             [c if c != str(dst) else dst.name for c in command])
+
+                def named(cmd: list[str], dst: Path = dst) -> list[str]:  # the file, not its temporary path
+                    return [dst.name if c == str(dst) else c for c in cmd]
+
+                out[name] = (replace(run, command=named(run.command)), named(command))
                 log(f"{name}: perplexity {run.ppl:.4f} over the second halves")
     return out
 

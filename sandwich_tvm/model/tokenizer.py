@@ -54,11 +54,14 @@ class ModelTokenizer:
     def prompt_ids(self, text: str) -> list[int]:
         """A raw prompt's ids: BOS first where this tokenizer adds one (not a second one when the
         text already starts with it), and never the EOS some post-processors append."""
-        ids = self.encode(text)
+        ids, bos = self.encode(text), self._added_bos
+        return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+    @cached_property
+    def _added_bos(self) -> int | None:
+        """The BOS id this tokenizer's post-processor puts first, or None."""
         bos = self.token_to_id(self.bos_token) if self.bos_token else None
-        if bos is None or ids[:1] == [bos] or self.encode("a", add_special_tokens=True)[:1] != [bos]:
-            return ids
-        return [bos, *ids]
+        return bos if bos is not None and self.encode("a", add_special_tokens=True)[:1] == [bos] else None
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, as OpenAI's logprobs report them, out of context: a
