@@ -174,15 +174,15 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
 
 
 def weights_bytes(cfg: LlamaConfig, weight_dtype: str) -> int:
-    """What a model's weights take once loaded: the layers' and the head's Linears in their
-    types (the head q8_0 under 4-bit weights), an untied embedding table in fp32."""
+    """What a model's weights take once loaded: the layers' Linears in their type, the head
+    and an untied embedding table in the head's (q8_0 under 4-bit weights)."""
     from .kernels.costmodel import weight_bytes
     from .kernels.quant import head_dtype
 
-    embed = cfg.vocab_size * cfg.hidden_size
+    tables = 1 if cfg.tie_word_embeddings else 2
     layers = cfg.num_hidden_layers * cfg.layer_params()
-    untied = 0 if cfg.tie_word_embeddings else 4 * embed
-    return int(layers * weight_bytes(weight_dtype) + embed * weight_bytes(head_dtype(weight_dtype)) + untied)
+    return int(layers * weight_bytes(weight_dtype)
+               + tables * cfg.vocab_size * cfg.hidden_size * weight_bytes(head_dtype(weight_dtype)))
 
 
 def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:

@@ -148,8 +148,8 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embeddings; with a ``layout`` they are read from the packed (tied) lm_head weight,
-    widened to fp32."""
+    """Token embeddings; with a ``layout`` they are read from a packed weight (the tied lm_head's,
+    or a table of the head's type), widened to fp32."""
 
     def __init__(self, cfg: LlamaConfig, layout: WeightLayout | None):
         self.hidden = cfg.hidden_size
@@ -175,10 +175,13 @@ class Embedding(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
                  stage: Stage | None = None, separated: bool = False):
-        # tied and unsharded: the embedding is read from the packed lm_head (one copy)
-        tied = cfg.tie_word_embeddings and kernels is not None and tp == 1
+        # tied and unsharded: the embedding is read from the packed lm_head (one copy); otherwise
+        # a table of its own, packed in the head's type unless that is fp32 (a quarter of the
+        # bytes under q8_0, as llama.cpp keeps token_embd quantized)
+        tied = cfg.tie_word_embeddings and tp == 1
+        packed = kernels is not None and (tied or kernels.head_dtype != "float32")
         if stage is None or stage.first:
-            self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if tied else None)
+            self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if packed else None)
         count = cfg.num_hidden_layers if stage is None else stage.layers
         self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp, separated)
                                      for _ in range(count)])

@@ -2,8 +2,8 @@
 by gguf's reference code runs as HF transformers runs the same weights dequantized (fp32
 activations: the weights dequantized in registers), and, with int8 activations on a VNNI CPU,
 as HF runs them on activations quantized per row and block of 32 before every Linear; the
-lm_head stays at 8 bits under 4-bit weights; a model whose widths are not whole blocks is
-refused before anything is built."""
+lm_head and an untied embedding table are held in q8_0 under 4-bit weights; a model whose
+widths are not whole blocks is refused before anything is built."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def test_quantized_model_matches_hf_on_the_dequantized_weights(small, dtype, int
     compiled = compile_model(spec)
     assert compiled.meta["kernel_isa"] == (unit if int8 else host_isa())
     params = load_params(model_dir, cfg, compiled.params, host_isa(), dtype=dtype, layouts=compiled.layouts)
+    assert compiled.layouts["model.embed_tokens.weight"].dtype == head_dtype(dtype)  # not an fp32 table
     engine = Engine(compiled, params, PLAN)
     # AMX CPUs run m >= 32 on bf16 tiles (amxdq), not int8 ones: the reference below quantizes
     # every input to int8, so there the prompt stays under 32 rows
@@ -74,6 +75,9 @@ def test_quantized_model_matches_hf_on_the_dequantized_weights(small, dtype, int
     ref_model.load_state_dict(hf.state_dict())
     hooks = []
     with torch.no_grad():
+        assert not hf.config.tie_word_embeddings  # the embedding is a table of its own, in the head's type
+        emb = ref_model.model.embed_tokens.weight
+        emb.copy_(_dequantized(emb, head_dtype(dtype)))
         for name, mod in ref_model.named_modules():
             if isinstance(mod, torch.nn.Linear):
                 mod.weight.copy_(_dequantized(mod.weight, head_dtype(dtype) if name == "lm_head" else dtype))
@@ -167,15 +171,17 @@ def test_a_tensor_parallel_share_not_in_blocks_is_refused(tmp_path):
 
 
 def test_weights_that_do_not_fit_are_refused_before_compiling():
-    """Llama-3-8B's shapes (untied: a 2 GiB fp32 embedding table besides the head): fp32 weights
-    ~30 GiB, q8_0 ~9.4, q4_0 ~6.1; refused against 8 GiB of memory with a one-line error that
-    names a smaller type, accepted against enough."""
+    """Llama-3-8B's shapes (untied: an embedding table besides the head, both 0.5 GiB in q8_0):
+    fp32 weights ~30 GiB, bf16 ~15, q8_0 ~7.9, q4_0 ~4.7; refused against 6 GiB of memory with
+    a one-line error that names a smaller type, accepted against enough."""
     from sandwich_tvm.spec import check_weights_fit, weights_bytes
 
     cfg = load_config("llama-3-8b")
-    assert 29 < weights_bytes(cfg, "float32") / 2**30 < 31 and 5.5 < weights_bytes(cfg, "q4_0") / 2**30 < 6.5
-    spec = resolve_run_spec("llama-3-8b", dtype="q8_0", context=512)
-    with pytest.raises(SpecError, match=r"q8_0 weights take 9\.\d GiB .* --dtype \(q8_0, q4_0\)") as err:
+    gib = {d: weights_bytes(cfg, d) / 2**30 for d in ("float32", "bfloat16", "q8_0", "q4_0")}
+    assert 29 < gib["float32"] < 31 and 14.5 < gib["bfloat16"] < 15.5
+    assert 7.5 < gib["q8_0"] < 8.2 and 4.4 < gib["q4_0"] < 5.0
+    spec = resolve_run_spec("llama-3-8b", dtype="bfloat16", context=512)
+    with pytest.raises(SpecError, match=r"bfloat16 weights take 15\.\d GiB .* --dtype \(q8_0, q4_0\)") as err:
         check_weights_fit(spec, available=8 << 30)
     assert "\n" not in str(err.value)
     check_weights_fit(spec, available=16 << 30)
