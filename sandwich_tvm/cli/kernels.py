@@ -35,8 +35,8 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int, default=16,
                         help="micro-kernel sliding window σ (default 16)")
     parser.add_argument("--records", "--schedules", dest="records", type=Path, default=None, metavar="DIR",
-                        help=f"where records are written and read (default: ${RECORDS_ENV} or the user's "
-                             "cache; the package's shipped records are read after it)")
+                        help=f"where records are written and read, alone (default: ${RECORDS_ENV} or the "
+                             "user's cache, and the package's shipped records after it)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="P",
                         help="tune one rank's shard shapes of a model split over P processes (default 1)")
     parser.add_argument("--search", choices=("model", "full"), default="model",
