@@ -81,8 +81,8 @@ class ModelTokenizer:
     def _byte_level(self) -> bool:
         return decoder_uses(self.tok, "ByteLevel")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _template(self):

@@ -30,7 +30,7 @@ from ..runtime.metrics import ServingMetrics
 from ..runtime.sampling import SamplingError, SamplingParams
 from ..runtime.scheduler import QueueFull
 from ..runtime.text import Detokenizer, StopMatcher
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .structured import (
     HERMES,
     chat_messages,
@@ -84,14 +84,17 @@ class Server:
         self.grammars = Grammars(tok.tok, vocab, tok.eos_ids) if tok is not None else None
 
     # ------------------------------------------------------------------ request → tokens
-    def _check_common(self, req) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", "not_found_error")
+
+    def _check_common(self, req) -> None:
+        self.check_model(req.model)
         if req.n != 1:
             raise ApiError(400, f"n={req.n}: this server returns one choice per request", "n")
 
-    async def _encode(self, text: str, where: str = "prompt", raw_prompt: bool = False) -> list[int]:
+    async def encode(self, text: str, where: str = "prompt", raw_prompt: bool = False) -> list[int]:
         """Token ids of ``text``; a raw completion prompt gets the tokenizer's BOS (as vLLM and
         llama-server give it, ``ModelTokenizer.prompt_ids``), a rendered chat template has its own."""
         if self.tok is None:
@@ -110,7 +113,7 @@ class Server:
                                "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._encode(prompt, raw_prompt=True)
+            return await self.encode(prompt, raw_prompt=True)
         return list(prompt)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -132,7 +135,7 @@ class Server:
             text = await asyncio.to_thread(self.tok.render_chat, messages, req.add_generation_prompt, tools)
         except ChatTemplateError as err:
             raise ApiError(400, str(err), "messages") from err
-        return await self._encode(text, "messages")
+        return await self.encode(text, "messages")
 
     async def constraint(self, req, chat: bool) -> Constraint | None:
         """The request's output grammar, compiled (``ApiError`` 400 naming what is wrong)."""
@@ -427,6 +430,32 @@ def create_app(server: Server) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        """The ids a completion or chat request with this prompt would be served (vLLM's form)."""
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send either prompt (a completion's) or messages (a chat's)", "prompt")
+        if req.messages is not None:
+            chat = ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools,
+                                         add_generation_prompt=req.add_generation_prompt)
+            ids = await server.chat_prompt(chat)
+        else:
+            server.check_model(req.model)
+            ids = await server.encode(req.prompt, raw_prompt=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.context, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        server.check_model(req.model)
+        if server.tok is None:
+            raise ApiError(400, "this model has no tokenizer: its ids have no text")
+        vocab = server.engine.batch.engine.cfg.vocab_size
+        outside = [t for t in req.tokens if not 0 <= t < vocab]
+        if outside:
+            raise ApiError(400, f"tokens {outside[:5]} are outside the vocabulary (size {vocab})", "tokens")
+        # special tokens kept: the text /tokenize gave these ids for
+        return {"prompt": await asyncio.to_thread(server.tok.decode, req.tokens, False)}
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):

@@ -160,6 +160,24 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a completion ``prompt`` (the tokenizer's BOS added unless
+    ``add_special_tokens`` is false, as a completion gets it) or chat ``messages`` rendered by the
+    chat template, as a chat completion would be."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: int = 400) -> dict:
     """OpenAI's error JSON."""

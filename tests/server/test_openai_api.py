@@ -172,6 +172,34 @@ def test_bad_requests_get_openai_errors(served, body, status, needle):
     assert needle in err["message"] and err["type"]
 
 
+def test_tokenize_gives_the_ids_a_request_is_served_and_detokenize_their_text(served):
+    """vLLM's /tokenize and /detokenize: a completion prompt's ids (BOS as a completion gets it)
+    and a chat's (through the template) count as the served requests' usage does; ids give
+    their text back; wrong bodies are 400s naming the field, another model a 404."""
+    post = lambda path, body: httpx.post(f"{served.url}{path}", json=body, timeout=60)  # noqa: E731
+    text = "hello tokens"
+    r = post("/tokenize", {"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == served.tok.prompt_ids(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CONTEXT
+    done = post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == r["count"]
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    served_chat = post("/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == served_chat["usage"]["prompt_tokens"] > r["count"]
+    plain = post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert plain == served.tok.encode(text)
+    assert post("/detokenize", {"tokens": plain}).json() == {"prompt": text}
+    for path, body, status, field in [
+            ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "1 2"}, 400, "tokens")]:
+        bad = post(path, body)
+        assert bad.status_code == status and bad.json()["error"]["param"] == field, (body, bad.text)
+
+
 def test_long_prompt_names_the_limit(served):
     r = httpx.post(f"{served.url}/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": [5] * (CONTEXT + 10), "max_tokens": 1})
