@@ -333,6 +333,15 @@ def ensure_writable(path: Path, what: str = "directory") -> Path:
     return path
 
 
+def file_mode() -> int:
+    """The mode an ordinary new file gets here (0666 less the umask): what a file written under
+    a temporary name (``mkstemp``'s 0600) is given before its rename, so that a shared cache or
+    records directory stays readable by the others who use it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_atomic(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename: readers never see half."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -340,6 +349,7 @@ def save_atomic(path: Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as fh:
             fh.write(data)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

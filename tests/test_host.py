@@ -69,6 +69,16 @@ def test_tune_kernels_refuses_more_threads_than_cpus(capsys):
     assert "exceeds the" in capsys.readouterr().out
 
 
+def test_tune_kernels_refuses_an_unwritable_records_directory_before_measuring(tmp_path, capsys):
+    from sandwich_tvm.cli import tune
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert tune.main(["kernels", "--model", "llama-34m", "--records", str(blocker / "records")]) == 2
+    out = capsys.readouterr().out
+    assert "cannot write to the records directory" in out and not (tmp_path / "measured").exists()
+
+
 def test_torch_baseline_dtype_follows_the_cpu():
     from sandwich_tvm.bench.e2e import torch_dtype
 

@@ -6,11 +6,19 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import signal
 import sys
 
 from ..host import HostError
 
 _interrupted = False
+_sigint = False  # Ctrl-C arrived, even where TVM's C++ turned its KeyboardInterrupt into an error
+
+
+def _on_sigint(signum, frame) -> None:
+    global _sigint
+    _sigint = True
+    signal.default_int_handler(signum, frame)
 
 
 def _exit_130_if_interrupted() -> None:
@@ -31,11 +39,21 @@ def run(module: str) -> int:
     environment) and run its ``main``."""
     global _interrupted
     atexit.register(_exit_130_if_interrupted)  # before the imports: runs after their handlers
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         return importlib.import_module(f"sandwich_tvm.{module}").main()
     except HostError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception:
+        # a Python callback of TVM's (the tuner's builder, runner, search) interrupted: TVM's FFI
+        # hands the KeyboardInterrupt back as a RuntimeError; the user asked to stop all the same
+        if not _sigint:
+            raise
+        _interrupted = True
+        print("interrupted", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         _interrupted = True
         print("interrupted", file=sys.stderr)

@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         print_error(console, exc)
         return 2
     if args.stage == "kernels":
-        from ..kernels.database import ScheduleDbError
+        from ..kernels.database import ScheduleDbError, user_records_dir
 
-        try:
+        try:  # the records folder is written after every m: checked before the first
+            ensure_writable(spec.records or user_records_dir(), "records directory")
             return tune_model_kernels(args, spec, console, args.threads or len(os.sched_getaffinity(0)),
                                       2048 if args.max_m is None else args.max_m)
-        except (ModelConfigError, ScheduleDbError, ValueError) as exc:
+        except (ModelConfigError, ScheduleDbError, ValueError, HostError) as exc:
             print_error(console, exc)
             return 2
     if args.plan is not None and args.stage != "all":

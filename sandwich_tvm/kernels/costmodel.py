@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..host import CpuSignature, save_atomic
-from .database import FORMAT, SHIPPED_DIR, KernelRecord, user_records_dir
+from .database import FORMAT, SET_ASIDE, SHIPPED_DIR, KernelRecord, user_records_dir
 from .measurements import Measurement, all_measurements
 from .microkernel import ISAS
 from .quant import BLOCK, QTYPES
@@ -90,12 +90,14 @@ def record_samples(roots: Sequence[Path]) -> list[Sample]:
     out = []
     for base in roots:
         for path in sorted(Path(base).glob("*/t*/linear_*.json")):
+            if SET_ASIDE in path.name:
+                continue
             try:
                 d = json.loads(path.read_text())
                 if d.get("format") != FORMAT:
                     continue
                 rec = KernelRecord.from_json(d)
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a record
                 continue
             out += [Sample(rec.cpu, rec.threads, rec.shape, t.m, t.schedule, t.gflops)
                     for t in rec.tuned if t.searched and t.gflops > 0 and not math.isnan(t.gflops)]
@@ -206,7 +208,10 @@ def grouped_check(samples: Sequence[Sample], folds: int = 4, min_task: int = 8) 
                 tasks.setdefault((s.cpu.slug, s.threads, s.shape, s.m), []).append(s)
         if not train or not tasks:
             continue
-        model = CostModel.train(train)
+        try:
+            model = CostModel.train(train)
+        except ValueError:  # too few samples left to learn from in this fold
+            continue
         for (_, threads, shape, m), group in tasks.items():
             if len(group) >= min_task:
                 pred = model.predict(group[0].cpu, threads, shape, m, [s.schedule for s in group])

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..host import CpuSignature, cache_dir, host_signature, save_atomic, units_of
+from ..host import CpuSignature, cache_dir, file_lock, host_signature, save_atomic, units_of
 from .codegen import Bucket, KernelError, check_schedule
 from .microkernel import kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
@@ -188,10 +188,36 @@ def record_path(shape: GemmShape, threads: int, root: Path | None = None,
     return root / (cpu or host_signature()).slug / f"t{threads}" / f"linear_{shape.name}.json"
 
 
+SET_ASIDE = ".unusable-"  # in the name of a record set aside (kept, never read as a record)
+LOCK_NAME = ".records.lock"  # one per records folder: saves there take turns
+
+
 def save_record(rec: KernelRecord, root: Path | None = None) -> Path:
+    """Save ``rec`` atomically, merged under a lock with what another process (``serve``'s
+    background tuning beside a ``tune kernels`` run) saved there since it was read: every m
+    either holds is kept, a searched entry over a reused one, and otherwise this one's."""
     path = record_path(rec.shape, rec.threads, root, rec.cpu)
-    save_atomic(path, json.dumps(rec.to_json(), indent=1))
+    with file_lock(path.parent / LOCK_NAME):
+        save_atomic(path, json.dumps(_merged(rec, path).to_json(), indent=1))
     return path
+
+
+def _merged(rec: KernelRecord, path: Path) -> KernelRecord:
+    try:
+        disk = read_record(path)
+    except ScheduleDbError:  # none, damaged or stale: this one replaces it
+        return rec
+    if (disk.shape, disk.threads) != (rec.shape, rec.threads) or disk.cpu.differences(rec.cpu):
+        return rec
+    mine = {t.m: t for t in rec.tuned}
+    for t in disk.tuned:
+        if t.m not in mine or (t.searched and not mine[t.m].searched):
+            mine[t.m] = t
+    if len(mine) == len(rec.tuned) and all(mine[t.m] is t for t in rec.tuned):
+        return rec
+    sources = sorted(set(rec.transferred_from) | set(disk.transferred_from))
+    return KernelRecord(rec.shape, rec.threads, rec.cpu, sorted(mine.values(), key=lambda t: t.m),
+                        rec.seconds, rec.search, sources)
 
 
 def read_record(path: Path) -> KernelRecord:
@@ -201,6 +227,9 @@ def read_record(path: Path) -> KernelRecord:
     except FileNotFoundError:
         raise ScheduleDbError(
             f"{path}: no such tuning database; run `python -m sandwich_tvm.tune kernels`") from None
+    except OSError as err:  # another user's 0600 file, a folder in its place
+        raise ScheduleDbError(f"{path}: cannot be read ({err.strerror or err}); fix its permissions "
+                              "or remove it") from err
     except _StaleSchedule as err:
         stale = StaleRecordError(f"{path} is from an earlier version ({err}): it is not used; "
                                  "`python -m sandwich_tvm.tune kernels` re-tunes it")

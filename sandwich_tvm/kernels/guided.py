@@ -16,6 +16,7 @@ least sure, not returned.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -100,7 +101,10 @@ def tune_gemm_guided(
     def score(q: Problem, schs: list[GemmSchedule]) -> list[float]:
         return list(model.predict(here, threads, shape, q.m, schs))
 
-    write = record_writer(rec, root, progress)
+    def filled(r: KernelRecord) -> KernelRecord:  # the untuned m on their nearest tuned m's schedule
+        return with_fill(r, ladder, n, k, threads)
+
+    write = record_writer(rec, root, progress, saved=filled)  # an interrupted run leaves no gaps
     for m in best_first(ladder):
         if any(t.m == m for t in rec.tuned):
             continue
@@ -127,9 +131,17 @@ def tune_gemm_guided(
             rec.tuned = [t for t in rec.tuned if t.m != m]
             write(Tuned(m, sch, g, searched=True))
     if missing and rec.tuned:
-        fill = [Tuned(m, clipped(Problem(m, n, k, threads), nearest_tuned(rec.tuned, m).schedule),
-                      math.nan, searched=False) for m in missing]
-        for t in fill:
-            rec.add(t)
+        rec = filled(rec)
         save_record(rec, root)
     return rec
+
+
+def with_fill(rec: KernelRecord, ladder: Sequence[int], n: int, k: int, threads: int) -> KernelRecord:
+    """``rec`` with every m of ``ladder`` it lacks on its nearest tuned m's schedule (clipped to
+    that m, marked unsearched: a later run measures them); ``rec`` itself unchanged."""
+    out = dataclasses.replace(rec, tuned=list(rec.tuned))
+    for m in ladder:
+        near = nearest_tuned(rec.tuned, m)
+        if near is not None and not any(t.m == m for t in rec.tuned):
+            out.add(Tuned(m, clipped(Problem(m, n, k, threads), near.schedule), math.nan, searched=False))
+    return out

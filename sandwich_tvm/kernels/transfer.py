@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..host import CpuSignature
 from .codegen import KernelError, check_schedule
-from .database import KernelRecord, ScheduleDbError, read_record
+from .database import SET_ASIDE, KernelRecord, ScheduleDbError, read_record
 from .microkernel import kernel_isa, microkernels
 from .schedule import GemmSchedule, GemmShape
 
@@ -34,7 +34,7 @@ def transfer_sources(shape: GemmShape, threads: int, here: CpuSignature, roots: 
     for base in roots:
         for path in sorted(Path(base).glob(f"*/t{threads}/linear_*_{shape.dtype}*.json")):
             label = f"{path.parent.parent.name}/{path.name}"
-            if label in found:
+            if label in found or SET_ASIDE in path.name:
                 continue  # the user's file shadows the shipped one
             try:
                 rec = read_record(path)

@@ -8,6 +8,7 @@ runner, and every measurement is committed to a MetaSchedule database when one i
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
 from ..host import cpu_flags, host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
-from .database import KernelRecord, ScheduleDbError, load_record, record_path, save_record
+from .database import SET_ASIDE, KernelRecord, ScheduleDbError, load_record, record_path, save_record
 from .defaults import default_schedule
 from .measurements import MeasurementLog
 from .metaschedule import (
@@ -139,9 +140,8 @@ def tune_gemm(
     path = record_path(shape, threads, root)
     rec = resume_record(path, log) or KernelRecord(shape, threads, host_signature())
     done = {t.m: t for t in rec.tuned}
+    # resume: the tuner replays the record's searched m (``replay``), which rebuilds its window
     tuner = SequenceTuner(n, k, threads, microkernels(isa, dtype), max_m=max_m, window=window)
-    # resume: replay the window history
-    tuner.chosen = [t.schedule.mk for t in sorted(done.values(), key=lambda t: t.m) if t.searched]
     if search_one is None:
         db = None
         if work_dir:
@@ -169,10 +169,11 @@ def tune_gemm(
 
 
 def record_writer(rec: KernelRecord, root: Path | None, progress: Callable[[Tuned], None] | None = None,
-                  skip: Container[int] = ()) -> Callable[[Tuned], None]:
+                  skip: Container[int] = (),
+                  saved: Callable[[KernelRecord], KernelRecord] | None = None) -> Callable[[Tuned], None]:
     """What a tuner calls with each tuned m: added to ``rec`` with the seconds since the previous
-    one (an m in ``skip``, replayed from a resumed record, is not) and saved at once; then
-    ``progress``."""
+    one (an m in ``skip``, replayed from a resumed record, is not) and saved at once (``saved(rec)``
+    where given: what an interrupted run should leave); then ``progress``."""
     last = time.perf_counter()
 
     def write(t: Tuned) -> None:
@@ -181,7 +182,7 @@ def record_writer(rec: KernelRecord, root: Path | None, progress: Callable[[Tune
             now = time.perf_counter()
             rec.add(t, now - last)
             last = now
-            save_record(rec, root)
+            save_record(saved(rec) if saved else rec, root)
         if progress:
             progress(t)
 
@@ -195,7 +196,8 @@ def resume_record(path: Path, log: Callable[[str], None]) -> KernelRecord | None
     try:
         return load_record(path)
     except ScheduleDbError as err:
-        aside = path.with_name(f"{path.stem}.unusable-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        path.replace(aside)
+        aside = path.with_name(f"{path.stem}{SET_ASIDE}{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with contextlib.suppress(FileNotFoundError):  # another process set it aside first
+            path.replace(aside)
         log(f"{err}\nset it aside as {aside} and tuning afresh")
         return None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..host import cache_dir
+from ..host import cache_dir, file_mode
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.packing import WeightLayout, numpy_dtype
 from ..kernels.quant import QTYPES, WEIGHTED_FORMAT, QuantBlocks, head_dtype, row_mean_square
@@ -199,9 +199,7 @@ def save_converted(path: Path, params: list[tuple[str, tuple[int, ...]]], arrays
         # safetensors' numpy API has no bfloat16: such arrays are stored as their 16-bit words
         save_file({name: np.ascontiguousarray(a.view(np.uint16) if a.dtype == numpy_dtype("bfloat16") else a)
                    for (name, _), a in zip(params, arrays, strict=True)}, tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file, not mkstemp's 0600: caches may be shared
+        os.chmod(tmp, file_mode())  # as an ordinary file, not mkstemp's 0600: caches may be shared
         os.replace(tmp, path)
     except (OSError, SafetensorError) as err:
         if tmp is not None:

@@ -32,7 +32,8 @@ SWAP_TIMEOUT_S = 600.0  # a swap waits for the engine's current step; an engine 
 
 def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
     """(name, shape, threads, max m) of every GEMM of ``spec`` without a record covering its
-    range: the decode thread count's first (every token pays for them), then the prefill's."""
+    range, or whose guided tuning left m of it unmeasured: the decode thread count's first (every
+    token pays for them), then the prefill's."""
     from ..kernels.database import ScheduleDbError, find_record
     from ..model.shapes import linear_shapes
 
@@ -50,9 +51,15 @@ def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
             rec = find_record(shape, threads, spec.records)
         except ScheduleDbError:
             rec = None
-        if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max_m:
+        if rec is None or rec.shape != shape or max(t.m for t in rec.tuned) < max_m or unmeasured(rec, max_m):
             out.append((name, shape, threads, max_m))
     return out
+
+
+def unmeasured(rec, max_m: int) -> bool:
+    """Whether a guided record's budget (or an interrupt) left some m up to ``max_m`` on a
+    neighbour's schedule: such a GEMM is taken up again (the full search reuses m on purpose)."""
+    return rec.search == "model" and not all(t.searched for t in rec.tuned if t.m <= max_m)
 
 
 def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = True) -> None:

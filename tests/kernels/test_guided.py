@@ -73,6 +73,25 @@ def test_a_spent_budget_fills_the_rest_from_the_nearest_tuned_m_and_a_rerun_meas
     assert all(t.searched for t in rec.tuned) and [t.m for t in rec.tuned] == [1, 2, 3, 4]
 
 
+def test_an_interrupted_run_leaves_every_m_covered_and_is_taken_up_again(tmp_path):
+    """Ctrl-C (or serve stopping its worker) after m = 1 and 4: the saved record already holds
+    m = 2 and 3 on their nearest tuned m's kernel, not on m = 1's up to m = 3, and background
+    tuning's test sees them unmeasured."""
+    from sandwich_tvm.runtime.background_tuning import unmeasured
+
+    def stop(t):
+        if t.m == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune_gemm_guided(96, 64, threads=2, model=_model(), top=2, max_m=4, root=tmp_path, progress=stop)
+    saved = load_record(record_path(GemmShape(96, 64), 2, tmp_path))
+    assert [(t.m, t.searched) for t in saved.tuned] == [(1, True), (2, False), (3, False), (4, True)]
+    by_m = {t.m: t.schedule.mk for t in saved.tuned}
+    assert by_m[2] == by_m[1] and by_m[3] == by_m[4]
+    assert unmeasured(saved, 4) and not unmeasured(saved, 1)
+
+
 def test_refining_measures_the_current_schedule_against_candidates_never_measured(tmp_path):
     model = _model()
     rec = tune_gemm_guided(96, 64, threads=2, model=model, top=1, max_m=2, root=tmp_path)
