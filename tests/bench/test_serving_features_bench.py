@@ -15,9 +15,10 @@ def test_prefix_cache_bench_reports_shared_pages_and_equal_tokens(tmp_path, caps
 
     from ..model.hf_models import byte_level_tokenizer, write_hf_model
 
-    write_hf_model("gqa-small", tmp_path, seed=1)
-    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    rc = main(["prefix-cache", "--model", str(tmp_path), "--dtype", "float32", "--prefix-tokens", "70",
+    model = tmp_path / "gqa-small"  # named as test_pool's: the compile cache builds it once
+    write_hf_model("gqa-small", model, seed=1)
+    byte_level_tokenizer().save(str(model / "tokenizer.json"))
+    rc = main(["prefix-cache", "--model", str(model), "--dtype", "float32", "--prefix-tokens", "70",
                "--question-tokens", "6", "--rounds", "2", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -33,9 +34,10 @@ def test_speculative_bench_pairs_the_runs_and_keeps_greedy_tokens(tmp_path, caps
 
     from ..model.hf_models import byte_level_tokenizer, write_hf_model
 
-    write_hf_model("mha-untied", tmp_path, seed=2)
-    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    rc = main(["speculative", "--model", str(tmp_path), "--dtype", "float32", "--passage-chars", "60",
+    model = tmp_path / "mha-untied"  # one name for both speculative tests: one build
+    write_hf_model("mha-untied", model, seed=2)
+    byte_level_tokenizer().save(str(model / "tokenizer.json"))
+    rc = main(["speculative", "--model", str(model), "--dtype", "float32", "--passage-chars", "60",
                "--max-tokens", "24", "--rounds", "2", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -72,10 +74,11 @@ def test_speculative_bench_with_a_draft_model_on_chat_messages(tmp_path, capsys)
 
     from ..model.hf_models import byte_level_tokenizer, write_hf_model
 
-    write_hf_model("mha-untied", tmp_path, seed=2)
-    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    rc = main(["speculative", "--model", str(tmp_path), "--dtype", "float32", "--draft-model",
-               str(tmp_path), "--draft-dtype", "float32", "--workload", "chat", "--passage-chars", "120",
+    model = tmp_path / "mha-untied"
+    write_hf_model("mha-untied", model, seed=2)
+    byte_level_tokenizer().save(str(model / "tokenizer.json"))
+    rc = main(["speculative", "--model", str(model), "--dtype", "float32", "--draft-model",
+               str(model), "--draft-dtype", "float32", "--workload", "chat", "--passage-chars", "120",
                "--max-tokens", "12", "--rounds", "1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)

@@ -165,7 +165,7 @@ def test_huge_context_model_runs_with_a_small_cache_and_strict_json(small, tmp_p
     cpus = sorted(PROCESS_CPUS)
     plan = tmp_path / "plans.json"
     plan.write_text(json.dumps({"plans": [{"tp": 1, "prefill_cpus": [cpus], "decode_cpus": [cpus[:1]]}]}))
-    base = ["--model", str(huge), "--plan", str(plan), "--prompt-len", "6"]
+    base = ["--model", str(huge), "--plan", str(plan), "--prompt-len", "6", "--dtype", "float32"]
     assert generate_cli.main([*base, "--max-new-tokens", "2"]) == 0
     assert "KV cache: 256 tokens" in capsys.readouterr().err
     for new in (1, 0):

@@ -4,6 +4,7 @@ config and tokenizer; bad files are one-line errors; SmolLM2's packaged GGUF (wh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -472,9 +473,11 @@ def test_smollm2_greedy_matches_transformers(precompiler):
     prompts = [tok.render_chat([{"role": "user", "content": q}]) for q in questions]
     prompts.append("Once upon a time, in a small village by the sea,")
     new = 32
+    cpus = os.sched_getaffinity(0)
     for text in prompts:
         ids = tok.encode(text)
         ours = engine.generate(ids, new, stop=set(tok.eos_ids)).tokens
+        os.sched_setaffinity(0, cpus)  # the engine's decode plan pinned this thread: HF gets them all back
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
                               eos_token_id=sorted(tok.eos_ids), pad_token_id=sorted(tok.eos_ids)[0])
