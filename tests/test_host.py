@@ -69,6 +69,16 @@ def test_tune_kernels_refuses_more_threads_than_cpus(capsys):
     assert "exceeds the" in capsys.readouterr().out
 
 
+def test_tune_kernels_refuses_more_threads_than_tvms_pool(monkeypatch, capsys):
+    from sandwich_tvm.cli import tune
+
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: --threads 2 is refused for the CPUs first")
+    assert tune.main(["kernels", "--threads", "2"]) == 2
+    assert "exceeds TVM's pool of 1" in capsys.readouterr().out
+
+
 def test_tune_kernels_refuses_an_unwritable_records_directory_before_measuring(tmp_path, capsys):
     from sandwich_tvm.cli import tune
 

@@ -51,7 +51,7 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                         help="what the cost model learns from: all (default): the records directory and "
                              "the records and measurements shipped in the package; records: the records "
                              "directory alone (e.g. to hold shapes or CPUs out)")
-    add_dtype_arg(parser)
+    add_dtype_arg(parser, activations=False)
 
 
 def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console, threads: int, max_m: int,

@@ -50,12 +50,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "--imatrix does")
 
 
-def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+def add_dtype_arg(parser: argparse.ArgumentParser, activations: bool = True) -> None:
+    """--dtype, and --activations where the command runs the model (``tune`` tunes the kernels
+    ``auto`` activations run: its records are keyed by weight type, not by activation mode)."""
     parser.add_argument("--dtype", choices=("auto", *WEIGHT_DTYPES), default=DEFAULT_DTYPE,
                         help=f"the Linear weights' precision (default {DEFAULT_DTYPE}; auto: bfloat16, on "
                              "the CPU's bf16 dot-product unit where it has one, else widened to fp32 as "
                              "loaded; a GGUF: its own q8_0/q4_0/q4_1 blocks, other quantized types as "
                              "q8_0). Activations, norms, RoPE, softmax and accumulation stay fp32")
+    if not activations:
+        return
     parser.add_argument("--activations", choices=ACTIVATIONS, default="auto",
                         help="what quantized weights multiply (default auto: int8, quantized per row and "
                              "block of 32, on VNNI, Arm dotprod or AMX where the CPU has them, as "

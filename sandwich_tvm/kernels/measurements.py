@@ -3,13 +3,16 @@
 ``<records>/<cpu slug>/t<threads>/measured/linear_<shape>.jsonl``: a header line (the CPU
 signature, the shape and the thread count), then one line per measured candidate: its m,
 schedule and GFLOPS. Lines are appended (and flushed) as candidates are timed, so an
-interrupted tuning keeps what it measured; a torn last line is skipped when read.
+interrupted tuning keeps what it measured; a torn last line is skipped when read (the next append
+starts on a line of its own), and a file whose header is torn is set aside and begun again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +54,39 @@ class MeasurementLog:
         if not lines:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not self.path.exists() or self.path.stat().st_size == 0
+        fresh, torn = self._state()
         with open(self.path, "a") as fh:
             if fresh:
                 fh.write(json.dumps(self.header) + "\n")
-            fh.write("\n".join(lines) + "\n")
+            fh.write(("\n" if torn else "") + "\n".join(lines) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
+
+    def _state(self) -> tuple[bool, bool]:
+        """(whether the file needs its header, whether its last line was cut off). A file whose
+        header cannot be read (a write killed mid-line) would hide every line after it: it is
+        set aside (kept, renamed, no longer read) and a new one begun."""
+        try:
+            with open(self.path, "rb") as fh:
+                head = fh.readline()
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                if size:
+                    fh.seek(size - 1)
+                    last = fh.read(1)
+        except FileNotFoundError:
+            return True, False
+        if not size:
+            return True, False
+        try:
+            CpuSignature.from_json(json.loads(head)["cpu"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            with contextlib.suppress(FileNotFoundError):
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                self.path.replace(self.path.with_name(f"{self.path.name}.unusable-{stamp}"))
+            return True, False
+        return False, last != b"\n"
 
     def record(self, m: int, schedules: Sequence[GemmSchedule], gflops: Sequence[float]) -> None:
         """``MetaScheduleSearch.on_measured``: one timed batch at ``m``."""

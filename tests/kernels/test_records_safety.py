@@ -112,3 +112,19 @@ def test_the_cost_model_skips_set_aside_and_foreign_files_and_a_tiny_check_does_
     samples = record_samples([tmp_path])
     assert len(samples) == 2  # the set-aside copy and the list are not records
     assert grouped_check(samples) == []  # one shape: nothing to hold out, no crash
+
+
+def test_a_torn_measurements_file_loses_nothing_appended_after_it(tmp_path):
+    from sandwich_tvm.kernels.measurements import MeasurementLog, read_measurements
+
+    log = MeasurementLog(SHAPE, 2, host_signature(), tmp_path)
+    sch = _tuned(1).schedule
+    log.append([(1, sch, 5.0)])
+    with open(log.path, "a") as fh:
+        fh.write('{"m": 2, "s": {')  # killed mid-line
+    log.append([(3, sch, 6.0)])
+    assert [x.m for x in read_measurements(log.path)] == [1, 3]  # the next append is on its own line
+    log.path.write_text('{"cpu": {"isa"')  # a torn header
+    log.append([(4, sch, 7.0), (5, sch, 8.0)])
+    assert [x.m for x in read_measurements(log.path)] == [4, 5]
+    assert len(list(log.path.parent.glob("*.unusable-*"))) == 1  # the torn file kept aside
