@@ -337,8 +337,12 @@ def file_mode() -> int:
     """The mode an ordinary new file gets here (0666 less the umask): what a file written under
     a temporary name (``mkstemp``'s 0600) is given before its rename, so that a shared cache or
     records directory stays readable by the others who use it."""
-    umask = os.umask(0)
-    os.umask(umask)
+    try:  # read, not set: flipping the umask would race with other threads' files
+        with open("/proc/self/status") as fh:
+            umask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0)
+        os.umask(umask)
     return 0o666 & ~umask
 
 

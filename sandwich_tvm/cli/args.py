@@ -48,18 +48,19 @@ def positive_ints(text: str, option: str) -> list[int]:
     return values
 
 
-def threads_beyond_cpus(threads: int) -> str | None:
+def threads_beyond_cpus(threads: int, what: str = "") -> str | None:
     """The error for a ``--threads`` larger than the CPUs this process may use or than TVM's thread
     pool, else None: oversubscribed threads time (and tune for) a machine that is not this one,
     and a smaller pool times fewer workers than the records would say."""
+    what = what or f"--threads {threads}"
     cpus = len(os.sched_getaffinity(0))
     if threads > cpus:
-        return (f"--threads {threads} exceeds the {cpus} CPUs this process may use; oversubscribed "
+        return (f"{what} exceeds the {cpus} CPUs this process may use; oversubscribed "
                 "threads time (and tune for) another machine")
     from ..host import tvm_num_threads
 
     pool = tvm_num_threads()  # fixed when TVM's pool starts
     if threads > pool:
-        return (f"--threads {threads} exceeds TVM's pool of {pool} (TVM_NUM_THREADS): its kernels would "
+        return (f"{what} exceeds TVM's pool of {pool} (TVM_NUM_THREADS): its kernels would "
                 f"be timed on {pool} workers; unset TVM_NUM_THREADS or lower --threads")
     return None

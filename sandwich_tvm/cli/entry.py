@@ -34,6 +34,18 @@ def _exit_130_if_interrupted() -> None:
         os._exit(130)
 
 
+def _is_interrupt(err: BaseException) -> bool:
+    """Whether ``err`` is a KeyboardInterrupt in other clothes: one in its chain, or named by the
+    message TVM's FFI gives a Python exception it carried through C++."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in str(err):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def run(module: str) -> int:
     """Import ``sandwich_tvm.<module>`` (e.g. ``cli.generate``; importing TVM checks the
     environment) and run its ``main``."""
@@ -46,10 +58,10 @@ def run(module: str) -> int:
     except HostError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as err:
         # a Python callback of TVM's (the tuner's builder, runner, search) interrupted: TVM's FFI
         # hands the KeyboardInterrupt back as a RuntimeError; the user asked to stop all the same
-        if not _sigint:
+        if not (_sigint and _is_interrupt(err)):
             raise
         _interrupted = True
         print("interrupted", file=sys.stderr)

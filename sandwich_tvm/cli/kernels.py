@@ -58,6 +58,11 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
                        tp: int | None = None) -> int:
     """Tune the GEMMs of ``spec``'s model and weight dtype for ``threads`` (one rank's shards when
     split over ``tp`` processes; default ``--tp``), writing to ``spec.records``."""
+    from ..kernels.database import ScheduleDbError
+    from .args import threads_beyond_cpus
+
+    if too_many := threads_beyond_cpus(threads, f"tuning for {threads} threads"):  # defaults and plans too
+        raise ScheduleDbError(too_many)
     cfg, dtype, root = spec.config, spec.weight_dtype, spec.records
     tp = getattr(args, "tp", 1) if tp is None else tp
     check_tp(cfg, tp)

@@ -192,13 +192,34 @@ SET_ASIDE = ".unusable-"  # in the name of a record set aside (kept, never read 
 LOCK_NAME = ".records.lock"  # one per records folder: saves there take turns
 
 
+# what this process last read from or wrote to each record file: the base of a three-way merge
+_BASE: dict[Path, dict[int, tuple]] = {}
+
+
+def _entry(t: Tuned) -> tuple:
+    return (t.schedule, t.searched, None if math.isnan(t.gflops) else round(t.gflops, 2))
+
+
+def remember(path: Path, rec: KernelRecord) -> None:
+    """Note ``rec`` as what this process knows of ``path`` (a later save merges against it)."""
+    _BASE[Path(path).resolve()] = {t.m: _entry(t) for t in rec.tuned}
+
+
 def save_record(rec: KernelRecord, root: Path | None = None) -> Path:
     """Save ``rec`` atomically, merged under a lock with what another process (``serve``'s
-    background tuning beside a ``tune kernels`` run) saved there since it was read: every m
-    either holds is kept, a searched entry over a reused one, and otherwise this one's."""
+    background tuning beside a ``tune kernels`` run) saved there since this one read it: an m
+    only one side changed keeps that side's entry (a refined m stays refined); one both
+    changed keeps a measured entry over a reused one, then the faster; every m either holds is
+    kept. A folder that cannot be written is a ``ScheduleDbError``."""
     path = record_path(rec.shape, rec.threads, root, rec.cpu)
-    with file_lock(path.parent / LOCK_NAME):
-        save_atomic(path, json.dumps(_merged(rec, path).to_json(), indent=1))
+    try:
+        with file_lock(path.parent / LOCK_NAME):
+            merged = _merged(rec, path)
+            save_atomic(path, json.dumps(merged.to_json(), indent=1))
+    except OSError as err:
+        raise ScheduleDbError(f"cannot write the record {path}: {err.strerror or err}; make its folder "
+                              "writable or pass --records DIR") from err
+    remember(path, merged)
     return path
 
 
@@ -209,15 +230,23 @@ def _merged(rec: KernelRecord, path: Path) -> KernelRecord:
         return rec
     if (disk.shape, disk.threads) != (rec.shape, rec.threads) or disk.cpu.differences(rec.cpu):
         return rec
-    mine = {t.m: t for t in rec.tuned}
-    for t in disk.tuned:
-        if t.m not in mine or (t.searched and not mine[t.m].searched):
-            mine[t.m] = t
-    if len(mine) == len(rec.tuned) and all(mine[t.m] is t for t in rec.tuned):
-        return rec
+    base = _BASE.get(path.resolve(), {})
+    mine, theirs = {t.m: t for t in rec.tuned}, {t.m: t for t in disk.tuned}
+    out = {}
+    for m in mine.keys() | theirs.keys():
+        a, b = mine.get(m), theirs.get(m)
+        if a is None or b is None or _entry(a) == _entry(b):
+            out[m] = a or b
+        elif _entry(a) == base.get(m):  # only the other process changed it
+            out[m] = b
+        elif _entry(b) == base.get(m):  # only this one did
+            out[m] = a
+        else:  # both: measured over reused, then the faster (a reuse has no GFLOPS)
+            out[m] = max((a, b), key=lambda t: (t.searched, -math.inf if math.isnan(t.gflops) else t.gflops))
     sources = sorted(set(rec.transferred_from) | set(disk.transferred_from))
-    return KernelRecord(rec.shape, rec.threads, rec.cpu, sorted(mine.values(), key=lambda t: t.m),
-                        rec.seconds, rec.search, sources)
+    search = "full" if "full" in (rec.search, disk.search) else rec.search  # a full search reuses on purpose
+    return KernelRecord(rec.shape, rec.threads, rec.cpu, sorted(out.values(), key=lambda t: t.m),
+                        rec.seconds, search, sources)
 
 
 def read_record(path: Path) -> KernelRecord:

@@ -15,9 +15,18 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
-from ..host import cpu_flags, host_signature
+from ..host import cpu_flags, file_lock, host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
-from .database import SET_ASIDE, KernelRecord, ScheduleDbError, load_record, record_path, save_record
+from .database import (
+    LOCK_NAME,
+    SET_ASIDE,
+    KernelRecord,
+    ScheduleDbError,
+    load_record,
+    record_path,
+    remember,
+    save_record,
+)
 from .defaults import default_schedule
 from .measurements import MeasurementLog
 from .metaschedule import (
@@ -163,7 +172,8 @@ def tune_gemm(
     def cached_refine(p: Problem, start: GemmSchedule) -> tuple[GemmSchedule, float]:
         return replay(p) or refine_one(p, start)
 
-    tuner.tune(cached, record_writer(rec, root, progress, skip=done),
+    replayed = {m for m, t in done.items() if t.searched}  # a reused or filled m is searched again: kept
+    tuner.tune(cached, record_writer(rec, root, progress, skip=replayed),
                cached_refine if refine_one is not None else None)
     return rec
 
@@ -180,6 +190,7 @@ def record_writer(rec: KernelRecord, root: Path | None, progress: Callable[[Tune
         nonlocal last
         if t.m not in skip:
             now = time.perf_counter()
+            rec.tuned = [x for x in rec.tuned if x.m != t.m]  # a resumed fill or reuse, replaced
             rec.add(t, now - last)
             last = now
             save_record(saved(rec) if saved else rec, root)
@@ -194,10 +205,16 @@ def resume_record(path: Path, log: Callable[[str], None]) -> KernelRecord | None
     if not path.exists():
         return None
     try:
-        return load_record(path)
+        rec = load_record(path)
     except ScheduleDbError as err:
-        aside = path.with_name(f"{path.stem}{SET_ASIDE}{time.strftime('%Y%m%d-%H%M%S')}.json")
-        with contextlib.suppress(FileNotFoundError):  # another process set it aside first
-            path.replace(aside)
-        log(f"{err}\nset it aside as {aside} and tuning afresh")
-        return None
+        with file_lock(path.parent / LOCK_NAME):  # another process may have set it aside and saved anew
+            try:
+                rec = load_record(path)
+            except ScheduleDbError:
+                aside = path.with_name(f"{path.stem}{SET_ASIDE}{time.strftime('%Y%m%d-%H%M%S')}.json")
+                with contextlib.suppress(FileNotFoundError):
+                    path.replace(aside)
+                log(f"{err}\nset it aside as {aside} and tuning afresh")
+                return None
+    remember(path, rec)
+    return rec

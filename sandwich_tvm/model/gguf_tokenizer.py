@@ -5,13 +5,17 @@ Two vocabularies, as llama.cpp names them:
 
 - ``gpt2``: byte-level BPE (SmolLM2, Llama 3) from the vocabulary and merges, split before BPE
   as the model's own ``tokenizer.json`` does (``tokenizer.ggml.pre``: ``smollm`` splits digits
-  first, the Llama-3 family by its regex, everything else by GPT-2's);
-- ``llama``: SentencePiece BPE with byte fallback (Llama 2, TinyLlama), as HF's
-  ``LlamaTokenizer`` builds it; the merges are recovered from the token scores when the file
-  has none.
+  first, the Llama-3 family by its regex, GPT-2's own by its; a split not known here is refused
+  rather than guessed);
+- ``llama``: SentencePiece BPE with byte fallback (Llama 2, TinyLlama, Mistral), as llama.cpp
+  runs it: a space is put before the text and before every piece of text that follows a special
+  token (as Llama-2's own ``tokenizer.json`` does); the merges are recovered from the token
+  scores when the file has none.
 
 Control tokens (type 3) are special tokens, user-defined ones (type 4) plain added tokens, both
-matched whole.
+matched whole by their text. BOS is added where the file says so, and where it does not say,
+where llama.cpp adds it (SentencePiece and the Llama-3 family). Generation stops at EOS, EOT,
+EOM and, as in llama.cpp, at the end-of-turn tokens the vocabulary holds by name.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # tokenizer.ggml.pre values of the Llama-3 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 and kin)
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx", "pixtral", "lfm2")
 GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm")
+# where llama.cpp adds BOS to a byte-level vocabulary whose file does not say
+BOS_PRE = (*LLAMA3_PRE, "tekken", "chameleon")
+# tokens llama.cpp ends generation at wherever a vocabulary has them (its end-of-generation set)
+EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+             "<end_of_turn>", "<EOT>")
 
 
 def gguf_model_tokenizer(path: Path) -> ModelTokenizer:
@@ -41,8 +50,11 @@ def gguf_model_tokenizer(path: Path) -> ModelTokenizer:
                              "converted with its tokenizer")
     types = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = metadata(reader, "tokenizer.ggml.merges")
+    pre = metadata(reader, "tokenizer.ggml.pre")
+    if pre is None:  # files converted before the key existed: Llama 3's by its vocabulary
+        pre = "llama-bpe" if "<|begin_of_text|>" in tokens else "default"
     if kind == "gpt2":
-        tok = byte_level_bpe(tokens, merges or [], metadata(reader, "tokenizer.ggml.pre", "default"), path)
+        tok = byte_level_bpe(tokens, merges or [], pre, path, types)
     elif kind == "llama":
         scores = metadata(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         prefix = metadata(reader, "tokenizer.ggml.add_space_prefix", True)
@@ -51,29 +63,41 @@ def gguf_model_tokenizer(path: Path) -> ModelTokenizer:
     else:
         raise ModelLoadError(f"{path}: tokenizer {kind!r} is not supported; sandwich-tvm reads gpt2 "
                              "(byte-level BPE) and llama (SentencePiece) vocabularies")
-    _add_special(tok, tokens, types, byte_level=kind == "gpt2")
+    _add_special(tok, tokens, types)
 
     def token(key: str) -> tuple[int | None, str]:
         tid = metadata(reader, f"tokenizer.ggml.{key}_token_id")
         return (tid, tokens[tid]) if isinstance(tid, int) and 0 <= tid < len(tokens) else (None, "")
 
     (bos_id, bos), (eos_id, eos) = token("bos"), token("eos")
-    _add_bos_eos(tok, bos_id if metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama") else None,
+    add_bos = metadata(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or pre in BOS_PRE)
+    if add_bos and bos_id is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.add_bos_token is set but the file names no BOS "
+                             "token (tokenizer.ggml.bos_token_id); convert it again")
+    _add_bos_eos(tok, bos_id if add_bos else None,
                  eos_id if metadata(reader, "tokenizer.ggml.add_eos_token", False) else None, tokens)
     stops = {tid for tid, _ in (token("eos"), token("eot"), token("eom")) if tid is not None}
+    stops |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
     template = metadata(reader, "tokenizer.chat_template")
     return ModelTokenizer(tok, frozenset(stops), template if isinstance(template, str) and template
                           else DEFAULT_CHAT_TEMPLATE, bos_token=bos, eos_token=eos, source=str(path))
 
 
-def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path | str = ""):
+def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path | str = "",
+                   types: list[int] | None = None):
     """GPT-2-style byte-level BPE over ``tokens`` (ids by position) and ``merges`` ("a b")."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if pre not in (*LLAMA3_PRE, *GPT2_PRE):
+        raise ModelLoadError(f"{where}: its pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: "
+                             f"text would be split otherwise than the model was trained on; supported: "
+                             f"{', '.join((*LLAMA3_PRE, *GPT2_PRE))}")
     spelling = byte_chars()
     alphabet = set(spelling.values())
-    # A token outside the byte alphabet (a control token with a space, say) is spelled in it.
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+    added = {i for i, k in enumerate(types or ()) if k in (CONTROL, USER_DEFINED)}
+    # Control and user-defined tokens are their raw text (matched whole, ``_add_special``); another
+    # token outside the byte alphabet is spelled in it.
+    vocab = {t if set(t) <= alphabet or i in added else "".join(spelling[b] for b in t.encode()): i
              for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     llama3 = pre in LLAMA3_PRE
@@ -86,11 +110,6 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
         digits = pre_tokenizers.Digits(individual_digits=True)
         tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     else:
-        if pre not in GPT2_PRE:
-            import sys
-
-            print(f"note: {where}: pre-tokenizer {pre!r} is not known here; text is split as GPT-2 "
-                  "splits it, which may differ from the model's own tokenizer", file=sys.stderr)
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -98,17 +117,18 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
 
 def sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[str] | None,
                       add_space_prefix: bool, unk_id: int | None = None):
-    """SentencePiece BPE with byte fallback as HF's ``LlamaTokenizer`` builds it: ``▁`` for
-    spaces (one prepended to the text unless ``add_space_prefix`` is false)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """SentencePiece BPE with byte fallback as llama.cpp runs it: ``▁`` for spaces, and unless
+    ``add_space_prefix`` is false one more before the text and before every piece of text after a
+    special token (the normalizer sees each piece between added tokens on its own)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges
              else merges_from_scores(vocab, dict(zip(tokens, scores, strict=True))))
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
     tok = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", split=False,
-                                                 prepend_scheme="first" if add_space_prefix else "never")
+    spaces = normalizers.Replace(" ", "▁")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if add_space_prefix else spaces
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return tok
@@ -126,14 +146,13 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     return [(a, b) for a, b, _ in found]
 
 
-def _add_special(tok, tokens: list[str], types: list[int], byte_level: bool) -> None:
-    """Control tokens as special tokens, user-defined ones as added tokens: both matched whole. In
-    a byte-level vocabulary a "control" token outside the byte alphabet is a llama.cpp mislabel."""
+def _add_special(tok, tokens: list[str], types: list[int]) -> None:
+    """Control tokens as special tokens, user-defined ones as added tokens: both matched whole, by
+    their text (``convert_hf_to_gguf`` writes added tokens as they read, not byte-spelled)."""
     from tokenizers import AddedToken
 
-    alphabet = set(byte_chars().values()) if byte_level else None
     control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=False)
-               if k == CONTROL and (alphabet is None or set(t) <= alphabet)]
+               if k == CONTROL]
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=False)
             if k == USER_DEFINED]
     if control:

@@ -5,6 +5,7 @@ by others, and set-aside or foreign files are skipped instead of crashing the co
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -128,3 +129,50 @@ def test_a_torn_measurements_file_loses_nothing_appended_after_it(tmp_path):
     log.append([(4, sch, 7.0), (5, sch, 8.0)])
     assert [x.m for x in read_measurements(log.path)] == [4, 5]
     assert len(list(log.path.parent.glob("*.unusable-*"))) == 1  # the torn file kept aside
+
+
+def test_a_save_keeps_what_another_process_changed_since_this_one_read(tmp_path):
+    """A three-way merge against what this process last read or wrote: another process's refined
+    m = 1 survives a save of this process's older copy; where both changed an m, the faster."""
+    path = save_record(KernelRecord(SHAPE, 2, host_signature(), [_tuned(1, gflops=10.0)]), tmp_path)
+    other = KernelRecord(SHAPE, 2, host_signature(), [_tuned(1, gflops=35.0)])
+    save_atomic(path, json.dumps(other.to_json()))  # another process refined m = 1 meanwhile
+    save_record(KernelRecord(SHAPE, 2, host_signature(), [_tuned(1, gflops=10.0), _tuned(2, gflops=5.0)]),
+                tmp_path)
+    assert [(t.m, t.gflops) for t in load_record(path).tuned] == [(1, 35.0), (2, 5.0)]
+    again = KernelRecord(SHAPE, 2, host_signature(), [_tuned(1, gflops=40.0), _tuned(2, gflops=5.0)])
+    save_atomic(path, json.dumps(again.to_json()))  # refined again, while this one re-measured it too
+    save_record(KernelRecord(SHAPE, 2, host_signature(), [_tuned(1, gflops=20.0), _tuned(2, gflops=5.0)]),
+                tmp_path)
+    assert [(t.m, t.gflops) for t in load_record(path).tuned] == [(1, 40.0), (2, 5.0)]
+
+
+def test_a_full_search_after_an_interrupted_guided_run_keeps_what_it_measures(tmp_path):
+    fills = [_tuned(m, searched=False) for m in (2, 3, 4)]
+    filled = KernelRecord(SHAPE, 2, host_signature(), [_tuned(1), *fills], search="model")
+    path = save_record(filled, tmp_path)
+    isa = kernel_isa(host_isa(), "float32", set(host_signature().features or ()))
+    searched = []
+
+    def search_one(p, _mks, _top):
+        searched.append(p.m)
+        return default_schedule(SHAPE, p.m, 2, isa), 20.0 + p.m
+
+    tune_gemm(SHAPE.n, SHAPE.k, threads=2, max_m=4, root=tmp_path, search_one=search_one)
+    assert searched == [2, 3, 4]  # m = 1 was measured: replayed
+    assert [(t.m, t.searched, t.gflops) for t in load_record(path).tuned] == [
+        (1, True, 10.0), (2, True, 22.0), (3, True, 23.0), (4, True, 24.0)]
+
+
+def test_only_an_interrupt_in_other_clothes_exits_130():
+    from sandwich_tvm.cli.entry import _is_interrupt
+
+    assert _is_interrupt(RuntimeError("Traceback ... KeyboardInterrupt"))
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise RuntimeError("while building") from inner
+    except RuntimeError as err:
+        assert _is_interrupt(err)
+    assert not _is_interrupt(RuntimeError("a real error")) and not _is_interrupt(OSError("disk full"))

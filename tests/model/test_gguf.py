@@ -4,6 +4,7 @@ config and tokenizer; bad files are one-line errors; SmolLM2's packaged GGUF (wh
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,7 +21,15 @@ from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
 from ..conftest import smollm2_path
 from ..precompile import warm_up
-from .gguf_models import CHAT_TEMPLATE, add_tensor, quantized, tiny_config, tiny_tokenizer, write_gguf
+from .gguf_models import (
+    CHAT_TEMPLATE,
+    SPECIALS,
+    add_tensor,
+    quantized,
+    tiny_config,
+    tiny_tokenizer,
+    write_gguf,
+)
 
 TEXTS = [
     "Hello world! Numbers: 12345, 3.14159 and 2024-11-26.",
@@ -173,7 +182,9 @@ def test_gguf_tokenizer_encodes_as_its_source(tmp_path, source, tok):
     path = write_gguf(tmp_path / "tiny.gguf", cfg, state, tokenizer=tok)
     ours = load_model_tokenizer(path)
     vocab = tok.get_vocab()
-    assert ours.eos_ids == {vocab["<|im_end|>"]} and ours.chat_template == CHAT_TEMPLATE
+    # generation ends at EOS and, as in llama.cpp, at the end-of-turn tokens named by their text
+    assert ours.eos_ids == {vocab["<|im_end|>"], vocab["<|endoftext|>"]}
+    assert ours.chat_template == CHAT_TEMPLATE
     assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
     for text in TEXTS:
         assert ours.encode(text) == tok.encode(text).ids, text
@@ -222,11 +233,104 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, source):
     w.close()
     ours = load_model_tokenizer(path)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
-    for text in ["hello world", "the world is in the wind", " hello  world", "héllo 🤖 world\n", "x"]:
+    for text in ["hello world", "the world is in the wind", "hello  world", "héllo 🤖 world\n", "x"]:
         want = hf.encode(text)
         assert ours.encode(text, add_special_tokens=True) == want, text
         assert want[0] == 1 and ours.encode(text) == want[1:]
         assert ours.decode(ours.encode(text)) == hf.decode(want, skip_special_tokens=True), text
+    # llama.cpp's rule, where transformers' GGUF reader differs: a space before the text (even one
+    # that starts with a space) and before every piece of text after a special token
+    bpe = {t: i for i, t in enumerate(tokens)}
+
+    def pieces(text: str) -> list[int]:
+        return [bpe[t.value] for t in ours.tok.model.tokenize(text)]
+
+    assert ours.encode(" hello  world") == pieces("▁▁hello▁▁world")
+    assert ours.encode("<s>hello</s> world</s>") == [1, *pieces("▁hello"), 2, *pieces("▁▁world"), 2]
+    assert ours.decode(ours.encode("hello</s>world")) == "hello world"  # the piece's own space shows
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:  # llama.cpp itself, where llama-cpp-python is installed
+        for text in ["hello world", " hello  world", "<s>hello</s> world</s>", "the\nwind 🤖", "x</s>\n"]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
+def _llama3_style_gguf(path, tok, pre: str | None, add_bos: bool | None = None):
+    """A byte-level vocabulary written as ``convert_hf_to_gguf`` writes Llama 3 and its
+    derivatives: control tokens appended as raw text (one outside the byte alphabet, as
+    DeepSeek-R1-Distill-Llama's), a user-defined token with a space, BOS ``<|begin_of_text|>``,
+    EOS another token, ``<|eot_id|>`` named only by its text; ``pre``/``add_bos`` None: absent."""
+    import gguf
+
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    control, user = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED
+    extra = [("<|begin_of_text|>", control), ("<|eot_id|>", control), ("\u2039\uff5cUser\uff5c>", control),
+             ("<tool call>", user)]
+    types = [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens]
+    tokens += [t for t, _ in extra]
+    types += [k for _, k in extra]
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    cfg = tiny_config(len(tokens))
+    w = gguf.GGUFWriter(str(path), "llama")
+    sizes = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
+             "attention.head_count": 4, "attention.head_count_kv": 2}
+    for key, val in sizes.items():
+        w.add_uint32(f"llama.{key}", val)
+    w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    from .gguf_models import gguf_name
+
+    for name, arr in random_checkpoint(cfg).items():
+        add_tensor(w, gguf_name(name), arr, "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, {t: i for i, t in enumerate(tokens)}
+
+
+def test_llama3_style_vocabularies_tokenize_as_llama_cpp(tmp_path, tok):
+    """BOS where llama.cpp adds it when the file does not say, added tokens matched whole as their
+    raw text (with ids inside the vocabulary), end-of-turn tokens named by text stop generation,
+    a file without tokenizer.ggml.pre read by its vocabulary, an unknown split refused."""
+    path, ids = _llama3_style_gguf(tmp_path / "l3.gguf", tok, "llama-bpe")
+    ours = load_model_tokenizer(path)
+    bos, user, tool = ids["<|begin_of_text|>"], ids["\u2039\uff5cUser\uff5c>"], ids["<tool call>"]
+    hi = ours.encode("hi")
+    assert ours.prompt_ids("hi") == [bos, *hi]
+    assert ours.encode("\u2039\uff5cUser\uff5c>hi<tool call>") == [user, *hi, tool]
+    assert ours.eos_ids == {ids["<|im_end|>"], ids["<|eot_id|>"], ids["<|endoftext|>"]}
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["hi there", "<|begin_of_text|>\u2039\uff5cUser\uff5c>hi<tool call> 12345", TEXTS[0]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+    unsaid, _ = _llama3_style_gguf(tmp_path / "old.gguf", tok, None)  # converted before the key
+    assert load_model_tokenizer(unsaid).prompt_ids("hi") == [bos, *load_model_tokenizer(unsaid).encode("hi")]
+    plain, _ = _llama3_style_gguf(tmp_path / "plain.gguf", tok, "gpt-2")  # GPT-2's split: no BOS unless said
+    assert load_model_tokenizer(plain).prompt_ids("hi") == load_model_tokenizer(plain).encode("hi")
+    tekken, _ = _llama3_style_gguf(tmp_path / "tekken.gguf", tok, "tekken")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'tekken'.*supported: llama3") as err:
+        load_model_tokenizer(tekken)
+    _one_line(err)
+
+
+def _llama_cpp_vocab(path):
+    """llama.cpp's tokenizer for a GGUF (BOS as the file says, special tokens parsed), or None
+    where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    return lambda text: llm.tokenize(text.encode(), add_bos=True, special=True)
 
 
 # --------------------------------------------------------------------------- bad files
@@ -419,7 +523,8 @@ def test_smollm2_tokenizer_matches_transformers():
         assert ours.encode(text, add_special_tokens=True) == hf.encode(text)  # no BOS (add_bos_token false)
     nl = ours.token_to_id("ĊĊ")
     assert nl in ours.encode("Steps:\n\n1. Go") and nl not in hf.encode("Steps:\n\n1. Go")
-    assert ours.eos_ids == {hf.eos_token_id} and ours.bos_token == hf.bos_token
+    assert ours.eos_ids == {hf.eos_token_id, hf.convert_tokens_to_ids("<|endoftext|>")}  # llama.cpp's stops
+    assert ours.bos_token == hf.bos_token
     messages = [{"role": "user", "content": "What is 2+2?"}]
     assert ours.render_chat(messages) == hf.apply_chat_template(messages, tokenize=False,
                                                                 add_generation_prompt=True)

@@ -66,12 +66,12 @@ def open_bf16(model, cfg, precompiler, kv_dtype="float32") -> Engine:
     return Engine(compiled, params, PLAN)
 
 
-def bf16_rounded(hf, tied: bool):
+def bf16_rounded(hf):
     """HF's model in fp32 with every weight our bf16 model stores in bf16 rounded to it."""
     ref = copy.deepcopy(hf)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if name.endswith("proj.weight") or name == "lm_head.weight" or (tied and "embed_tokens" in name):
+            if name.endswith("proj.weight") or name == "lm_head.weight" or "embed_tokens" in name:
                 p.copy_(p.to(torch.bfloat16).to(torch.float32))
     return ref
 
@@ -86,7 +86,7 @@ def test_bf16_model_matches_hf(hf_case, precompiler):
     ours = np.stack(logits)
     tokens = torch.tensor([prompt + gen.tokens[:-1]])
     with torch.no_grad():
-        exact = bf16_rounded(hf, cfg.tie_word_embeddings)(tokens).logits[0].numpy()[len(prompt) - 1:]
+        exact = bf16_rounded(hf)(tokens).logits[0].numpy()[len(prompt) - 1:]
         in_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(tokens).logits[0].float().numpy()[len(prompt) - 1:]
     scale = float(np.abs(exact).max())
     np.testing.assert_allclose(ours, exact, rtol=EXACT_TOL, atol=EXACT_TOL * scale)
@@ -158,5 +158,5 @@ def test_bf16_on_the_widening_kernels_gives_hfs_tokens(hf_case, cap, capped_runs
     cfg = load_config(model_dir)
     prompt = synthetic_prompt(20, cfg.vocab_size)
     with torch.no_grad():
-        ref = bf16_rounded(hf, cfg.tie_word_embeddings)(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        ref = bf16_rounded(hf)(torch.tensor([prompt + tokens[:-1]])).logits[0]
     assert tokens == [int(t) for t in ref[len(prompt) - 1:].argmax(-1)]
