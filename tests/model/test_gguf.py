@@ -196,6 +196,26 @@ def test_gguf_tokenizer_encodes_as_its_source(tmp_path, source, tok):
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
 
 
+def _vocab_gguf(path, vocab_size: int, tokenizer) -> None:
+    """A tiny llama GGUF whose tokenizer keys ``tokenizer(writer)`` writes (random fp32 weights)."""
+    import gguf
+
+    from .gguf_models import gguf_name
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    sizes = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
+             "attention.head_count": 4, "attention.head_count_kv": 2}
+    for key, val in sizes.items():
+        w.add_uint32(f"llama.{key}", val)
+    tokenizer(w)
+    for name, arr in random_checkpoint(tiny_config(vocab_size)).items():
+        add_tensor(w, gguf_name(name), arr, "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, source):
     """A llama (SentencePiece) vocabulary without merges: recovered from the scores, byte fallback
     for everything else, BOS added as llama.cpp adds it."""
@@ -209,28 +229,18 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, source):
     types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
              + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(letters) + len(pieces)))
     scores = [0.0] * 259 + [-100.0 - i for i in range(len(letters))] + [-float(i) for i in range(len(pieces))]
-    cfg = tiny_config(len(tokens))
     path = tmp_path / "sp.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    sizes = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
-             "attention.head_count": 4, "attention.head_count_kv": 2}
-    for key, val in sizes.items():
-        w.add_uint32(f"llama.{key}", val)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    for name, arr in random_checkpoint(cfg).items():
-        from .gguf_models import gguf_name
 
-        add_tensor(w, gguf_name(name), arr, "F32")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def spm(w) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+
+    _vocab_gguf(path, len(tokens), spm)
     ours = load_model_tokenizer(path)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
     for text in ["hello world", "the world is in the wind", "hello  world", "héllo 🤖 world\n", "x"]:
@@ -270,30 +280,20 @@ def _llama3_style_gguf(path, tok, pre: str | None, add_bos: bool | None = None):
     tokens += [t for t, _ in extra]
     types += [k for _, k in extra]
     merges = json.loads(tok.to_str())["model"]["merges"]
-    cfg = tiny_config(len(tokens))
-    w = gguf.GGUFWriter(str(path), "llama")
-    sizes = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
-             "attention.head_count": 4, "attention.head_count_kv": 2}
-    for key, val in sizes.items():
-        w.add_uint32(f"llama.{key}", val)
-    w.add_tokenizer_model("gpt2")
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    from .gguf_models import gguf_name
 
-    for name, arr in random_checkpoint(cfg).items():
-        add_tensor(w, gguf_name(name), arr, "F32")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def bpe(w) -> None:
+        w.add_tokenizer_model("gpt2")
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+        w.add_eos_token_id(vocab["<|im_end|>"])
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+
+    _vocab_gguf(path, len(tokens), bpe)
     return path, {t: i for i, t in enumerate(tokens)}
 
 
