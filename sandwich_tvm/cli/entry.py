@@ -35,11 +35,13 @@ def _exit_130_if_interrupted() -> None:
 
 
 def _is_interrupt(err: BaseException) -> bool:
-    """Whether ``err`` is a KeyboardInterrupt in other clothes: one in its chain, or named by the
-    message TVM's FFI gives a Python exception it carried through C++."""
+    """Whether ``err`` is a KeyboardInterrupt in other clothes: one in its chain, or one TVM's FFI
+    carried through C++, whose message holds the Python traceback (naming the interrupt or the
+    handler that raised it: the FFI may report it as a bare RuntimeError)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in str(err):
+        text = str(err)
+        if isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in text or _on_sigint.__name__ in text:
             return True
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -60,11 +62,13 @@ def run(module: str) -> int:
         return 2
     except Exception as err:
         # a Python callback of TVM's (the tuner's builder, runner, search) interrupted: TVM's FFI
-        # hands the KeyboardInterrupt back as a RuntimeError; the user asked to stop all the same
-        if not (_sigint and _is_interrupt(err)):
+        # hands the KeyboardInterrupt back as a RuntimeError, at times a bare one; the user asked
+        # to stop all the same. An error that does not show itself as the interrupt is named.
+        if not _sigint:
             raise
         _interrupted = True
-        print("interrupted", file=sys.stderr)
+        print("interrupted" if _is_interrupt(err) else
+              f"interrupted ({type(err).__name__} raised while stopping)", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         _interrupted = True

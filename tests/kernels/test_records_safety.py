@@ -168,6 +168,7 @@ def test_only_an_interrupt_in_other_clothes_exits_130():
     from sandwich_tvm.cli.entry import _is_interrupt
 
     assert _is_interrupt(RuntimeError("Traceback ... KeyboardInterrupt"))
+    assert _is_interrupt(RuntimeError('File "entry.py", line 21, in _on_sigint\n RuntimeError'))  # CI's
     try:
         try:
             raise KeyboardInterrupt
