@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..host import tvm_num_threads
+
 
 def _int_at_least(text: str, low: int, rule: str) -> int:
     try:
@@ -57,8 +59,6 @@ def threads_beyond_cpus(threads: int, what: str = "") -> str | None:
     if threads > cpus:
         return (f"{what} exceeds the {cpus} CPUs this process may use; oversubscribed "
                 "threads time (and tune for) another machine")
-    from ..host import tvm_num_threads
-
     pool = tvm_num_threads()  # fixed when TVM's pool starts
     if threads > pool:
         return (f"{what} exceeds TVM's pool of {pool} (TVM_NUM_THREADS): its kernels would "

@@ -14,10 +14,12 @@ after every tuned m, so an interrupted tuning resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,8 +190,17 @@ def record_path(shape: GemmShape, threads: int, root: Path | None = None,
     return root / (cpu or host_signature()).slug / f"t{threads}" / f"linear_{shape.name}.json"
 
 
-SET_ASIDE = ".unusable-"  # in the name of a record set aside (kept, never read as a record)
+SET_ASIDE = ".unusable-"  # in the name of a file set aside (kept, never read as a record)
 LOCK_NAME = ".records.lock"  # one per records folder: saves there take turns
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unusable records or measurements file out of the way (kept for a look, no longer
+    read); another process that set it aside first is no error. Returns the new name."""
+    aside = path.with_name(f"{path.stem}{SET_ASIDE}{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+    with contextlib.suppress(FileNotFoundError):
+        path.replace(aside)
+    return aside
 
 
 # what this process last read from or wrote to each record file: the base of a three-way merge

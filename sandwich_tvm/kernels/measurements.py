@@ -9,16 +9,14 @@ starts on a line of its own), and a file whose header is torn is set aside and b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..host import CpuSignature
-from .database import search_roots, user_records_dir
+from .database import search_roots, set_aside, user_records_dir
 from .schedule import GemmSchedule, GemmShape
 
 MEASURED_DIR = "measured"
@@ -62,7 +60,6 @@ class MeasurementLog:
             fh.flush()
             os.fsync(fh.fileno())
 
-
     def _state(self) -> tuple[bool, bool]:
         """(whether the file needs its header, whether its last line was cut off). A file whose
         header cannot be read (a write killed mid-line) would hide every line after it: it is
@@ -82,9 +79,7 @@ class MeasurementLog:
         try:
             CpuSignature.from_json(json.loads(head)["cpu"])
         except (ValueError, KeyError, TypeError, AttributeError):
-            with contextlib.suppress(FileNotFoundError):
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                self.path.replace(self.path.with_name(f"{self.path.name}.unusable-{stamp}"))
+            set_aside(self.path)
             return True, False
         return False, last != b"\n"
 

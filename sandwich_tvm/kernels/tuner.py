@@ -8,7 +8,6 @@ runner, and every measurement is committed to a MetaSchedule database when one i
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
@@ -19,13 +18,13 @@ from ..host import cpu_flags, file_lock, host_signature
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import (
     LOCK_NAME,
-    SET_ASIDE,
     KernelRecord,
     ScheduleDbError,
     load_record,
     record_path,
     remember,
     save_record,
+    set_aside,
 )
 from .defaults import default_schedule
 from .measurements import MeasurementLog
@@ -211,10 +210,7 @@ def resume_record(path: Path, log: Callable[[str], None]) -> KernelRecord | None
             try:
                 rec = load_record(path)
             except ScheduleDbError:
-                aside = path.with_name(f"{path.stem}{SET_ASIDE}{time.strftime('%Y%m%d-%H%M%S')}.json")
-                with contextlib.suppress(FileNotFoundError):
-                    path.replace(aside)
-                log(f"{err}\nset it aside as {aside} and tuning afresh")
+                log(f"{err}\nset it aside as {set_aside(path)} and tuning afresh")
                 return None
     remember(path, rec)
     return rec

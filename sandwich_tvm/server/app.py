@@ -80,8 +80,8 @@ class Server:
         self.engine, self.tok, self.model_name, self.metrics = engine, tok, model_name, metrics
         self.tool_format = tool_format(tok.chat_template if tok is not None else None)
         self.context = engine.batch.engine.context
-        vocab = engine.batch.engine.cfg.vocab_size
-        self.grammars = Grammars(tok.tok, vocab, tok.eos_ids) if tok is not None else None
+        self.vocab_size = engine.batch.engine.cfg.vocab_size
+        self.grammars = Grammars(tok.tok, self.vocab_size, tok.eos_ids) if tok is not None else None
 
     # ------------------------------------------------------------------ request → tokens
     def check_model(self, model: str | None) -> None:
@@ -325,7 +325,7 @@ def create_app(server: Server) -> FastAPI:
             params = req.sampling(max_tokens, logprobs)
         except SamplingError as err:
             raise ApiError(400, str(err)) from err
-        vocab = server.engine.batch.engine.cfg.vocab_size
+        vocab = server.vocab_size
         outside = [t for t, _ in params.logit_bias if t >= vocab]
         if outside:
             raise ApiError(400, f"logit_bias names token ids {outside[:5]} outside the vocabulary "
@@ -450,7 +450,7 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(req.model)
         if server.tok is None:
             raise ApiError(400, "this model has no tokenizer: its ids have no text")
-        vocab = server.engine.batch.engine.cfg.vocab_size
+        vocab = server.vocab_size
         outside = [t for t in req.tokens if not 0 <= t < vocab]
         if outside:
             raise ApiError(400, f"tokens {outside[:5]} are outside the vocabulary (size {vocab})", "tokens")
