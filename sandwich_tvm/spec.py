@@ -82,23 +82,28 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
 
 def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
-    default: its own q8_0/q4_0/q4_1 blocks as they are; a type without kernels (Q5, the
-    K-quants) dequantized and re-rounded to q8_0, which keeps their values to within q8_0's
-    rounding at about half the bytes of bf16."""
+    default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks; a type
+    without kernels (Q5, the other K-quants) dequantized and re-rounded to q8_0, which keeps
+    their values to within q8_0's rounding at about half the bytes of bf16."""
     from .model.config import model_path
-    from .model.gguf import NOTED_TYPES, layer_kinds
+    from .model.gguf import KERNEL_TYPES, NOTED_TYPES, layer_kinds
 
     path = model_path(model)
     if path.suffix != ".gguf":
         return None
     kinds = layer_kinds(path)
     kind = kinds.most_common(1)[0][0] if kinds else None
-    own = kind.lower() if kind is not None and kind.lower() in QTYPES else None
+    own = KERNEL_TYPES.get(kind)
     if own is not None:
-        others = {k: n for k, n in kinds.items() if k.lower() != own}
+        others = {k: n for k, n in kinds.items() if KERNEL_TYPES.get(k) != own}
         rest = (f"; {sum(others.values())} of {sum(kinds.values())} layer matrices ("
                 f"{', '.join(sorted(others))}) are re-rounded to {own}" if others else "")
-        return own, f"the GGUF's own {own} blocks, loaded as they are{rest}"
+        how = (f"the GGUF's own {own} blocks, loaded as they are" if kind.lower() == own else
+               f"the GGUF's {kind} blocks run as {own} blocks (every 4-bit value as it is, each block's "
+               "scale and minimum rounded to fp16; 5 bits a weight)")
+        keep = (" (--dtype q8_0 keeps them within q8_0's rounding)" if others and own != "q8_0" and
+                any(k in NOTED_TYPES or k == "Q8_0" for k in others) else "")
+        return own, how + rest + keep
     if kind in NOTED_TYPES:
         return "q8_0", (f"the GGUF's {kind} blocks have no kernels here: dequantized and re-rounded to "
                         "q8_0 (8.5 bits a weight) rather than widened to 16 bits; --dtype bfloat16 keeps "

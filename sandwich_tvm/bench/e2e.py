@@ -135,6 +135,8 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     """llama.cpp through llama-cpp-python; ``locked``: its weights in locked memory."""
     import os
 
+    from ..model.config import model_path
+    from ..model.gguf import layer_kinds
     from ..tvm_compat import PROCESS_CPUS
     from .baselines.llamacpp import LlamaCpp, available, gguf_for
 
@@ -147,6 +149,9 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     # the weights in the precision Sandwich runs them (F32, or an F16/BF16 GGUF)
     dtype = args.llamacpp_dtype or weight_dtype
     path = gguf_for(args.model, cfg, args.seed, log=log, dtype=dtype)
+    kinds = layer_kinds(path) if path == model_path(args.model) else None
+    if kinds and set(kinds) != {dtype.upper()}:  # the user's own file in other types (Q4_K_M): named by them
+        dtype = "GGUF " + "/".join(kind for kind, _ in kinds.most_common())
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8, locked=locked)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
     name = LLAMACPP_ROWS["llamacpp-mlock" if locked else "llamacpp"]

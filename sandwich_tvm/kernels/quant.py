@@ -26,6 +26,7 @@ low nibbles and 16 + 4j.. in its high ones, which is GGUF's own byte order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -240,30 +241,53 @@ def qtype(dtype: str) -> QType | None:
     return QTYPES.get(dtype)
 
 
-@dataclass(frozen=True)
 class QuantBlocks:
     """A weight held as GGUF blocks (``raw[n, k / 32 * block_bytes]``), not as floats: what a
-    quantized GGUF tensor gives the loader so that it is packed without re-quantizing."""
+    quantized GGUF tensor gives the loader so that it is packed without re-quantizing.
 
-    raw: np.ndarray
-    qtype: QType
-    k: int
+    ``raw`` may be given as a function that makes it when first read (``later``: a Q4_K tensor
+    regrouped as q4_1 blocks, ``kernels.kquant``), and ``values`` as one that gives the exact
+    float weights, which then stand for the blocks wherever a float or another type is asked
+    for (a regrouping rounds the blocks' scales to fp16)."""
+
+    def __init__(self, raw: np.ndarray, qtype: QType, k: int, values: Callable[[], np.ndarray] | None = None):
+        self._raw, self._make, self._values = raw, None, values
+        self.qtype, self.k, self._rows = qtype, k, raw.shape[0]
+
+    @classmethod
+    def later(cls, make: Callable[[], np.ndarray], rows: int, qtype: QType, k: int,
+              values: Callable[[], np.ndarray] | None = None) -> QuantBlocks:
+        """Blocks that ``make()`` builds when first read, of ``rows`` rows."""
+        blocks = cls(np.empty((rows, 0), np.uint8), qtype, k, values)
+        blocks._raw, blocks._make = None, make
+        return blocks
+
+    @property
+    def raw(self) -> np.ndarray:
+        if self._raw is None:
+            self._raw, self._make = self._make(), None
+        return self._raw
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.raw.shape[0], self.k)
+        return (self._rows, self.k)
 
     @property
     def ndim(self) -> int:
         return 2
 
-    def rows(self, index) -> QuantBlocks:
-        return QuantBlocks(self.raw[index], self.qtype, self.k)
+    @property
+    def exact(self) -> bool:
+        """Whether the float weights come from elsewhere than the blocks (``values``)."""
+        return self._values is not None
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        w = self.qtype.dequantize(self.raw)
+        w = self._values() if self._values is not None else self.qtype.dequantize(self.raw)
         return w if dtype is None else w.astype(dtype)
 
     @staticmethod
     def concat(parts: list[QuantBlocks]) -> QuantBlocks:
-        return QuantBlocks(np.concatenate([p.raw for p in parts], axis=0), parts[0].qtype, parts[0].k)
+        values = (None if all(p._values is None for p in parts)
+                  else (lambda: np.concatenate([np.asarray(p, np.float32) for p in parts], axis=0)))
+        return QuantBlocks.later(lambda: np.concatenate([p.raw for p in parts], axis=0),
+                                 sum(p.shape[0] for p in parts), parts[0].qtype, parts[0].k, values)

@@ -1,11 +1,12 @@
 """GGUF files (llama.cpp's format) in: the config from the metadata, and the tensors under HF's
 names as ``checkpoint.read_checkpoint`` returns them (the tokenizer is ``gguf_tokenizer``).
 
-F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 (and, with a printed
-note, Q5 and the K-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is
-used, one at a time. llama.cpp stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k``
-are permuted by its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's
-rotate-half order here.
+F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 tensors are their own
+blocks (``QuantBlocks``), and Q4_K's are regrouped as q4_1 blocks (``kernels.kquant``) when
+first read; the other types (with a printed note: Q5, the other K-quants, the i-quants) are
+dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a time. llama.cpp
+stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are permuted by its HF
+conversion, see ``bench.baselines.llamacpp``); they are put back in HF's rotate-half order here.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.kquant import q4_k_as_q4_1
 from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
 from .config import LlamaConfig, ModelConfigError, shape_problems
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # loaded as the issue's weight types
-# dequantized (by gguf.quants), with a note: Q5, the K-quants, and the i-quants llama.cpp also
-# falls back to for rows K-quants cannot hold (IQ4_NL under Q2_K/Q3_K for widths not of 256)
-NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+# the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_1"}
+NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
+# dequantized (by gguf.quants), with a note: Q5, the other K-quants, and the i-quants llama.cpp
+# also falls back to for rows K-quants cannot hold (IQ4_NL under Q2_K/Q3_K for widths not of 256)
+NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
                "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 
 # GGUF tensor names (after ``blk.N.``) -> HF's (after ``model.layers.N.``)
@@ -244,8 +248,14 @@ def _tensor(t) -> np.ndarray | LazyTensor:
         return t.data.reshape(shape)
     if kind == "BF16":
         return t.data.view(numpy_dtype("bfloat16")).reshape(shape)
-    if kind.lower() in QTYPES and len(shape) == 2:  # the blocks as they are (kernels.quant)
-        return QuantBlocks(t.data.reshape(shape[0], -1), QTYPES[kind.lower()], shape[1])
+    if kind in KERNEL_TYPES and len(shape) == 2:  # the blocks as they are (kernels.quant)
+        raw = t.data.reshape(shape[0], -1)
+        qtype = QTYPES[KERNEL_TYPES[kind]]
+        if kind == qtype.gguf:
+            return QuantBlocks(raw, qtype, shape[1])
+        # Q4_K: regrouped when first read; the file's exact values wherever floats are asked for
+        return QuantBlocks.later(lambda: q4_k_as_q4_1(raw, t.name), shape[0], qtype, shape[1],
+                                 lambda: gguf.quants.dequantize(raw, t.tensor_type).reshape(shape))
 
     def load() -> np.ndarray:
         try:
@@ -306,7 +316,7 @@ def linear_type(path: Path) -> str | None:
     if kind is None:
         return None
     floats = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-    return floats.get(kind, kind.lower() if kind.lower() in QTYPES else None)
+    return floats.get(kind, KERNEL_TYPES.get(kind))
 
 
 def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
@@ -322,7 +332,10 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             if isinstance(arr, QuantBlocks):  # whole rows of blocks move
-                state[name] = QuantBlocks(_unpermute(arr.raw, heads), arr.qtype, arr.k)
+                state[name] = QuantBlocks.later(lambda a=arr, h=heads: _unpermute(a.raw, h), arr.shape[0],
+                                                arr.qtype, arr.k,
+                                                (lambda a=arr, h=heads: _unpermute(np.asarray(a), h))
+                                                if arr.exact else None)
                 continue
             arr = LazyTensor(arr.shape, arr.dtype, lambda a=arr, h=heads: _unpermute(np.asarray(a), h))
         state[name] = arr

@@ -112,9 +112,39 @@ def add_tensor(w, name: str, arr: np.ndarray, kind: str) -> None:
         w.add_tensor(name, arr)
     elif kind == "F16":
         w.add_tensor(name, arr.astype(np.float16))
+    elif kind == "Q4_K":  # gguf's quantizer has no K-quants
+        w.add_tensor(name, q4_k_quantize(arr), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
     else:
         qtype = gguf.GGMLQuantizationType[kind]
         w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def q4_k_quantize(w: np.ndarray) -> np.ndarray:
+    """``W[n, k]`` as rows of Q4_K super-blocks (llama.cpp's ``block_q4_K``), rounded plainly:
+    each sub-block of 32 spans its min..max in 15 steps, its step and minimum in 6-bit multiples
+    of the super-block's d and dmin. Not llama.cpp's search, but its format bit for bit."""
+    n, k = w.shape
+    x = np.asarray(w, np.float32).reshape(n, k // 256, 8, 32)
+    lo = np.minimum(x.min(axis=3), 0)
+    step, low = (x.max(axis=3) - lo) / 15, -lo  # [n, blocks, 8]
+    d = (step.max(axis=2) / 63).astype(np.float16)
+    dmin = (low.max(axis=2) / 63).astype(np.float16)
+
+    def six(v, scale):
+        s = scale.astype(np.float32)[..., None]
+        return np.clip(np.rint(np.divide(v, s, out=np.zeros_like(v), where=s > 0)), 0, 63).astype(np.uint8)
+
+    sc, mn = six(step, d), six(low, dmin)
+    eff_d = d.astype(np.float32)[..., None] * sc
+    eff_m = dmin.astype(np.float32)[..., None] * mn
+    q = np.clip(np.rint(np.divide(x + eff_m[..., None], eff_d[..., None], out=np.zeros_like(x),
+                                  where=eff_d[..., None] > 0)), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)], axis=-1)
+    pairs = q.reshape(n, k // 256, 4, 2, 32)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    head = np.stack([d, dmin], axis=-1).view(np.uint8)  # [n, blocks, 4]
+    return np.concatenate([head, scales, qs], axis=-1).reshape(n, -1)
 
 
 def add_gpt2_tokenizer(w, tok, pre: str = "default") -> None:
@@ -140,4 +170,6 @@ def quantized(arr: np.ndarray, kind: str) -> np.ndarray:
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
-    return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), qtype)
+    arr = np.ascontiguousarray(arr, np.float32)
+    raw = q4_k_quantize(arr) if kind == "Q4_K" else gguf.quants.quantize(arr, qtype)
+    return gguf.quants.dequantize(raw, qtype)

@@ -138,6 +138,62 @@ def test_quantized_gguf_blocks_load_as_they_are(tmp_path, source, qtype):
     assert spec.weight_dtype == q.name and "GGUF" in spec.dtype_note
 
 
+def _k_config(vocab_size: int) -> LlamaConfig:
+    """A tiny Llama whose widths are whole Q4_K super-blocks (256)."""
+    return LlamaConfig("tiny-k", 256, 2, 4, 2, 512, vocab_size, max_position_embeddings=256,
+                       rope_theta=50000.0, tie_word_embeddings=False)
+
+
+def test_q4_k_gguf_runs_as_q4_1_blocks(tmp_path, tok):
+    """A Q4_K GGUF's matrices reach the packing as q4_1 blocks holding the same 4-bit values (q/k
+    rows moved back whole, qkv fused), ``--dtype auto`` runs them as q4_1, and wherever floats or
+    another type are asked for (q8_0, a tensor-parallel share) the file's exact values stand."""
+    from sandwich_tvm.kernels.kquant import q4_k_as_q4_1
+    from sandwich_tvm.kernels.packing import WeightLayout
+    from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks
+    from sandwich_tvm.model.gguf import linear_type
+    from sandwich_tvm.model.parallel import Shard
+    from sandwich_tvm.spec import resolve_run_spec
+
+    from .gguf_models import q4_k_quantize
+
+    cfg = _k_config(tok.get_vocab_size())
+    state = random_checkpoint(cfg, seed=4)
+    path = write_gguf(tmp_path / "tiny-q4_k.gguf", cfg, state, qtype="Q4_K", tokenizer=tok)
+    q41 = QTYPES["q4_1"]
+    got = read_checkpoint(path)
+    proj = {x: f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv"}
+    for name in proj.values():
+        t = got[name]
+        assert isinstance(t, QuantBlocks) and t.qtype == q41 and t.shape == state[name].shape
+        np.testing.assert_array_equal(t.raw, q4_k_as_q4_1(q4_k_quantize(state[name])))
+        exact = quantized(state[name], "Q4_K")
+        np.testing.assert_array_equal(np.asarray(t), exact)  # the file's values, not the regrouped ones
+        assert np.abs(q41.dequantize(t.raw) - exact).max() <= 1e-3 * np.abs(exact).max()
+    fused = np.concatenate([q4_k_as_q4_1(q4_k_quantize(state[proj[x]])) for x in "qkv"])
+    n, name = fused.shape[0], "model.layers.1.self_attn.qkv_proj.weight"
+    for dtype, want in (("q4_1", QuantBlocks(fused, q41, cfg.hidden_size)),
+                        ("q8_0", np.concatenate([quantized(state[proj[x]], "Q4_K") for x in "qkv"]))):
+        layout = WeightLayout("avx2", dtype)
+        packed = weights.convert(cfg, got, [(name, layout.shape(n, cfg.hidden_size))], "avx2",
+                                 where=str(path), dtype=dtype)[0]
+        np.testing.assert_array_equal(packed, layout.pack(want))
+    down = got["model.layers.0.mlp.down_proj.weight"]
+    share = Shard(1, (cfg.intermediate_size,)).take_blocks(down, 1, 2)  # k 256..511: blocks, exact values
+    assert share.qtype == q41 and share.shape == (cfg.hidden_size, 256)
+    np.testing.assert_array_equal(np.asarray(share), np.asarray(down)[:, 256:])
+    assert linear_type(path) == "q4_1"
+    spec = resolve_run_spec(path)
+    assert spec.weight_dtype == "q4_1" and "Q4_K blocks run as q4_1 blocks" in spec.dtype_note
+    # a Q4_K_M-like file: a Q6_K matrix among the Q4_K ones is re-rounded, and the note says so
+    base = write_gguf(tmp_path / "base.gguf", cfg, state, qtype="Q4_K", tokenizer=tok,
+                      drop=("blk.0.ffn_down.weight",))
+    mixed = _with_tensor(base, cfg, "blk.0.ffn_down.weight", "Q6_K", tmp_path / "mixed.gguf",
+                         shape=(cfg.hidden_size, cfg.intermediate_size))
+    note = resolve_run_spec(mixed).dtype_note
+    assert "1 of 14 layer matrices (Q6_K) are re-rounded to q4_1 (--dtype q8_0 keeps them" in note
+
+
 def test_checkpoint_key_samples_large_ggufs(tmp_path, source, monkeypatch):
     cfg, state = source
     a = write_gguf(tmp_path / "a.gguf", cfg, state)
@@ -427,9 +483,10 @@ def test_unsupported_and_noted_quant_types(tmp_path, source, capsys):
     assert "IQ4_NL tensors; they are dequantized" in capsys.readouterr().err
 
 
-def _with_tensor(src: Path, cfg: LlamaConfig, name: str, kind: str, out: Path) -> Path:
-    """``src`` plus tensor ``name`` (an FFN up projection) stored as ``kind``: random bytes of
-    the right size."""
+def _with_tensor(src: Path, cfg: LlamaConfig, name: str, kind: str, out: Path,
+                 shape: tuple[int, int] | None = None) -> Path:
+    """``src`` plus tensor ``name`` (an FFN up projection, or of ``shape``) stored as ``kind``:
+    random bytes of the right size."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
@@ -443,7 +500,8 @@ def _with_tensor(src: Path, cfg: LlamaConfig, name: str, kind: str, out: Path) -
                         sub_type=field.types[-1] if len(field.types) > 1 else None)
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    shape = (cfg.intermediate_size, cfg.hidden_size // block * size)
+    rows, k = shape or (cfg.intermediate_size, cfg.hidden_size)
+    shape = (rows, k // block * size)
     w.add_tensor(name, np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -588,6 +646,51 @@ def test_smollm2_greedy_matches_transformers(precompiler):
                               eos_token_id=sorted(tok.eos_ids), pad_token_id=sorted(tok.eos_ids)[0])
         want = out[0, len(ids):].tolist()
         assert ours == want, (text, tok.decode(ours), tok.decode(want))
+
+
+@pytest.mark.compile
+def test_q4_k_gguf_matches_transformers(tmp_path, tok):
+    """Our engine on a Q4_K GGUF (its blocks run as q4_1, fp32 activations and KV cache) gives
+    HF transformers' logits on the regrouped weights to fp32 rounding, and its greedy tokens on
+    the same GGUF as transformers reads it (``gguf_file=``: the Q4_K values dequantized)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
+    from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks
+    from sandwich_tvm.runtime.loader import open_engine
+    from sandwich_tvm.spec import resolve_run_spec
+
+    cfg = _k_config(tok.get_vocab_size())
+    path = write_gguf(tmp_path / "tiny-q4_k.gguf", cfg, random_checkpoint(cfg, seed=6), qtype="Q4_K",
+                      tokenizer=tok)
+    spec = resolve_run_spec(path, activations="float32", kv_dtype="float32", needed_tokens=64, max_batch=1)
+    assert spec.weight_dtype == "q4_1"
+    engine, _ = open_engine(spec)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab_size, 21)]
+    logits: list[np.ndarray] = []
+    ours = engine.generate(prompt, 16, logits_out=logits).tokens
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    regrouped = type(hf)(hf.config).eval()
+    state, q8 = read_checkpoint(path), QTYPES["q8_0"]
+
+    def runs(name: str, w: torch.Tensor) -> torch.Tensor:  # the weights our kernels multiply
+        t = state.get(name)
+        if name == "lm_head.weight":  # the head in q8_0 under 4-bit weights: the Q4_K values re-rounded
+            return torch.from_numpy(q8.dequantize(q8.quantize(np.asarray(t))))
+        return torch.from_numpy(t.qtype.dequantize(t.raw)) if isinstance(t, QuantBlocks) else w
+
+    regrouped.load_state_dict({name: runs(name, w) for name, w in hf.state_dict().items()})
+    ids = torch.tensor([prompt + ours[:-1]])
+    with torch.no_grad():
+        want = regrouped(ids).logits[0].numpy()[len(prompt) - 1:]
+        exact = hf(ids).logits[0].numpy()[len(prompt) - 1:]
+        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(np.stack(logits), want, rtol=1e-4, atol=1e-4 * scale)
+    assert np.abs(want - exact).max() <= 1e-2 * scale  # fp16 block scales: a small move
+    assert ours == greedy
 
 
 def test_auto_names_the_layer_matrices_it_re_rounds(tmp_path, source, tok):
