@@ -82,11 +82,12 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
 
 def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
-    default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks; a type
+    default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks (with
+    the Linears the file holds in 5 bits or more in q8_0: ``gguf_wider_linears``); a type
     without kernels (Q5, the other K-quants) dequantized and re-rounded to q8_0, which keeps
     their values to within q8_0's rounding at about half the bytes of bf16."""
     from .model.config import model_path
-    from .model.gguf import KERNEL_TYPES, NOTED_TYPES, layer_kinds
+    from .model.gguf import KERNEL_TYPES, NOTED_TYPES, WIDE_TYPES, layer_kinds
 
     path = model_path(model)
     if path.suffix != ".gguf":
@@ -96,14 +97,19 @@ def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     own = KERNEL_TYPES.get(kind)
     if own is not None:
         others = {k: n for k, n in kinds.items() if KERNEL_TYPES.get(k) != own}
-        rest = (f"; {sum(others.values())} of {sum(kinds.values())} layer matrices ("
-                f"{', '.join(sorted(others))}) are re-rounded to {own}" if others else "")
+        wide = {k: n for k, n in others.items() if k in WIDE_TYPES} if own != "q8_0" else {}
+        rounded = {k: n for k, n in others.items() if k not in wide}
         how = (f"the GGUF's own {own} blocks, loaded as they are" if kind.lower() == own else
                f"the GGUF's {kind} blocks run as {own} blocks (every 4-bit value as it is, each block's "
                "scale and minimum rounded to fp16; 5 bits a weight)")
-        keep = (" (--dtype q8_0 keeps them within q8_0's rounding)" if others and own != "q8_0" and
-                any(k in NOTED_TYPES or k == "Q8_0" for k in others) else "")
-        return own, how + rest + keep
+        if wide:
+            n = sum(wide.values())
+            how += (f"; {n} layer {'matrix' if n == 1 else 'matrices'} in {', '.join(sorted(wide))} run in "
+                    "q8_0 with the Linears that hold them, as wide as the file keeps them")
+        if rounded:
+            how += (f"; {sum(rounded.values())} of {sum(kinds.values())} layer matrices ("
+                    f"{', '.join(sorted(rounded))}) are re-rounded to {own}")
+        return own, how
     if kind in NOTED_TYPES:
         return "q8_0", (f"the GGUF's {kind} blocks have no kernels here: dequantized and re-rounded to "
                         "q8_0 (8.5 bits a weight) rather than widened to 16 bits; --dtype bfloat16 keeps "
@@ -178,15 +184,20 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
                         f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
 
 
-def weights_bytes(cfg: LlamaConfig, weight_dtype: str) -> int:
-    """What a model's weights take once loaded: the layers' Linears in their type, the head
-    and an untied embedding table in the head's (q8_0 under 4-bit weights)."""
+def weights_bytes(cfg: LlamaConfig, weight_dtype: str, wider: Sequence[tuple[int, str, str]] = ()) -> int:
+    """What a model's weights take once loaded: the layers' Linears in their type (``wider``:
+    the (layer, Linear, dtype) held in another, ``RunSpec.wider_linears``), the head and an
+    untied embedding table in the head's (q8_0 under 4-bit weights)."""
     from .kernels.costmodel import weight_bytes
     from .kernels.quant import head_dtype
+    from .model.shapes import linear_shapes
 
     tables = 1 if cfg.tie_word_embeddings else 2
     layers = cfg.num_hidden_layers * cfg.layer_params()
-    return int(layers * weight_bytes(weight_dtype)
+    shapes = linear_shapes(cfg, weight_dtype)
+    extra = sum(shapes[name].n * shapes[name].k * (weight_bytes(dtype) - weight_bytes(weight_dtype))
+                for _, name, dtype in wider)
+    return int(layers * weight_bytes(weight_dtype) + extra
                + tables * cfg.vocab_size * cfg.hidden_size * weight_bytes(head_dtype(weight_dtype)))
 
 
@@ -201,7 +212,7 @@ def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:
 
         available = psutil.virtual_memory().available
     dtype = "float32" if spec.stock else spec.weight_dtype
-    weights = weights_bytes(spec.config, dtype)
+    weights = weights_bytes(spec.config, dtype, () if spec.stock else spec.wider_linears)
     kv = kv_cache_bytes(spec.config, spec.kv_tokens, spec.kv_dtype)
     if weights + kv > available:
         smaller = "" if spec.stock or dtype in ("q4_0", "q4_1") else ", a smaller --dtype (q8_0, q4_0)"
@@ -234,6 +245,9 @@ class RunSpec:
     hosts: tuple[str, ...] = ()  # workers (HOST:PORT) that run pipeline stages 1.. (stage 0 runs here)
     host_timeout_s: float = 60.0  # a host that answers no call within this fails it
     imatrix: Path | None = None  # an importance matrix that 4-bit weights quantized at load follow
+    # (layer, Linear, dtype): Linears a GGUF holds wider than weight_dtype (a Q4_K_M's Q6_K attn_v
+    # and ffn_down), run in that dtype under --dtype auto (``model.gguf.wider_linears``)
+    wider_linears: tuple[tuple[int, str, str], ...] = ()
 
     def describe(self) -> str:
         acts = ", int8 activations" if self.int8_activations else ""
@@ -262,6 +276,7 @@ class RunSpec:
         d["records"] = None if d["records"] is None else Path(d["records"])
         d["imatrix"] = None if d.get("imatrix") is None else Path(d["imatrix"])
         d["hosts"] = tuple(d.get("hosts", ()))
+        d["wider_linears"] = tuple(tuple(w) for w in d.get("wider_linears", ()))
         return cls(config=load_config(d["model"]), **d)
 
 
@@ -286,6 +301,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     cfg = load_config(model)
     if kv_dtype not in KV_DTYPES:
         raise SpecError(f"KV cache dtype {kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
+    wider: tuple[tuple[int, str, str], ...] = ()
     if stock:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
     else:
@@ -293,6 +309,11 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
         own = gguf_auto_dtype(model) if dtype == "auto" else None
         if own is not None:
             weight_dtype, note = own
+            if weight_dtype in ("q4_0", "q4_1"):  # what the file holds in 5 bits or more stays q8_0
+                from .model.config import model_path
+                from .model.gguf import wider_linears
+
+                wider = wider_linears(model_path(model))
     int8_acts = False if stock else resolve_activations(activations, weight_dtype)
     imatrix = _check_imatrix(imatrix, model, cfg, weight_dtype, stock)
     if plan is None:
@@ -318,7 +339,7 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
                    context=context, kv_tokens=kv, max_batch=max_batch,
                    prefill_chunk=min(prefill_chunk, context), records=records, stock=stock, seed=seed,
                    dtype_note=note, int8_activations=int8_acts, hosts=hosts, host_timeout_s=host_timeout_s,
-                   imatrix=imatrix)
+                   imatrix=imatrix, wider_linears=wider)
 
 
 def _check_imatrix(imatrix: Path | str | None, model: str | Path, cfg: LlamaConfig, weight_dtype: str,

@@ -36,6 +36,7 @@ from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
+from ..model.shapes import linear_shapes
 from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes
 from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
@@ -271,8 +272,8 @@ def bench_e2e(args, console: Console) -> dict:
         runners.append((also_name, tvm_runner(args, spec.with_plan(also), prompts, log, name=also_name)))
     dtype_name = f"sandwich {args.also_dtype}" if args.also_dtype else None
     if dtype_name:
-        runners.append((dtype_name, tvm_runner(args, dataclasses.replace(spec, weight_dtype=args.also_dtype),
-                                               prompts, log, name=dtype_name)))
+        other = dataclasses.replace(spec, weight_dtype=args.also_dtype, wider_linears=())  # all in that type
+        runners.append((dtype_name, tvm_runner(args, other, prompts, log, name=dtype_name)))
     for system, row_name in LLAMACPP_ROWS.items():
         if system in systems:
             run = llamacpp_runner(args, cfg, prompts, threads, notes, log, spec.weight_dtype,
@@ -332,7 +333,7 @@ def bench_e2e(args, console: Console) -> dict:
             r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
             r["same_tokens_as_sandwich"] = r["tokens"] == base["tokens"]
-    add_weight_reads(rows, cfg, spec.weight_dtype)
+    add_weight_reads(rows, cfg, spec.weight_dtype, spec.wider_linears)
     cpu = host_signature()
     return {"cpu": f"{cpu.model_name} ({cpu.slug})", "signature": cpu.to_json(),
             "command": "python -m sandwich_tvm.bench " + " ".join(getattr(args, "argv", ["e2e"])),
@@ -346,14 +347,19 @@ def bench_e2e(args, console: Console) -> dict:
             "bandwidth_samples_gbs": probe.samples if probe else []}
 
 
-def decode_weight_bytes(cfg: LlamaConfig, dtype: str) -> float:
+def decode_weight_bytes(cfg: LlamaConfig, dtype: str, wider: tuple[tuple[int, str, str], ...] = ()) -> float:
     """Bytes of weights one decode step reads: every layer's Linears in ``dtype`` (quantized:
-    with their blocks' scales) and the head in its own type (q8_0 under 4-bit weights)."""
+    with their blocks' scales; ``wider``: the ones held in another type, ``RunSpec.wider_linears``)
+    and the head in its own type (q8_0 under 4-bit weights)."""
     head = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[head_dtype(dtype)]
-    return cfg.num_hidden_layers * cfg.layer_params() * DTYPE_BYTES[dtype] + head
+    shapes = linear_shapes(cfg, dtype)
+    extra = sum(shapes[name].n * shapes[name].k * (DTYPE_BYTES[d] - DTYPE_BYTES[dtype])
+                for _, name, d in wider)
+    return cfg.num_hidden_layers * cfg.layer_params() * DTYPE_BYTES[dtype] + extra + head
 
 
-def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
+def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str,
+                     wider: tuple[tuple[int, str, str], ...] = ()) -> None:
     """Each row's ``weight_read_gbs``: the decode step's weight bytes over its median TPOT (the
     KV cache and activations it also reads are left out, so this is a floor); Sandwich's rows
     also get that over the streaming-read (DRAM) bandwidth sampled around their requests, and
@@ -366,7 +372,7 @@ def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str) -> None:
         r_dtype = r.get("weights", dtype)
         if r_dtype not in DTYPE_BYTES:
             continue
-        nbytes = decode_weight_bytes(cfg, r_dtype)
+        nbytes = decode_weight_bytes(cfg, r_dtype, wider if r["system"] == "sandwich" else ())
         r["weight_bytes"], r["llc_bytes"] = nbytes, llc
         r["weight_read_gbs"] = nbytes / (r["tpot_ms"] * 1e6)
         if r.get("decode_bandwidth_gbs"):

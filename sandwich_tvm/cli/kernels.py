@@ -66,7 +66,7 @@ def tune_model_kernels(args: argparse.Namespace, spec: RunSpec, console: Console
     cfg, dtype, root = spec.config, spec.weight_dtype, spec.records
     tp = getattr(args, "tp", 1) if tp is None else tp
     check_tp(cfg, tp)
-    shapes = linear_shapes(cfg, dtype, tp)
+    shapes = linear_shapes(cfg, dtype, tp, wider=spec.wider_linears)
     shards = f", one of {tp} ranks' shards" if tp > 1 else ""
     table = Table(title=f"Sandwich kernels for {cfg.name}, {dtype} weights, {threads} threads{shards}")
     for col in ("gemm", "n", "k", "tuned m", "searched", "best GFLOPS", "seconds", "file"):

@@ -157,13 +157,14 @@ def build_key(spec: RunSpec, stage: Stage | Role | None = None) -> str:
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
                                    spec.weight_dtype, spec.act_dtype, spec.int8_activations, plan.tp,
+                                   spec.wider_linears,
                                    _part_json(stage), host_signature().to_json(),
                                    str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())
     for src in source_files():
         h.update(src.name.encode() + src.read_bytes())
     if not spec.stock and not (isinstance(stage, Role) and stage.name == ATTENTION):  # no Linears there
-        shapes = list(linear_shapes(cfg, spec.weight_dtype, plan.tp).values())
+        shapes = list(linear_shapes(cfg, spec.weight_dtype, plan.tp, wider=spec.wider_linears).values())
         for threads in sorted({plan.prefill_threads, plan.decode_threads}):
             for shape in shapes:
                 rec = find_record(shape, threads, spec.records)
@@ -235,7 +236,8 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
         raise CompileError(f"the stock TVM build runs one process; the plan has {plan.processes} (tensor "
                            "and pipeline parallelism are Sandwich's)")
     kernels = None if stock else KernelSet(plan.prefill_threads, plan.decode_threads, max_batch, root,
-                                           dtype=dtype, int8_activations=spec.int8_activations)
+                                           dtype=dtype, int8_activations=spec.int8_activations,
+                                           wider={(layer, name): d for layer, name, d in spec.wider_linears})
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels")

@@ -319,6 +319,25 @@ def linear_type(path: Path) -> str | None:
     return floats.get(kind, KERNEL_TYPES.get(kind))
 
 
+# 5 bits and more: types a 4-bit model holds in q8_0 rather than round to 4 bits
+WIDE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# GGUF layer tensors -> the Linear that holds them (fused as the model stores them)
+_LINEARS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_output": "o", "ffn_gate": "gate_up",
+            "ffn_up": "gate_up", "ffn_down": "down"}
+
+
+def wider_linears(path: Path) -> tuple[tuple[int, str, str], ...]:
+    """(layer, Linear, ``"q8_0"``) of every Linear holding a matrix of 5 bits or more (a
+    Q4_K_M's Q6_K ``attn_v`` and ``ffn_down``): what a model in 4-bit weights runs in q8_0 to
+    keep the precision the file chose (a fused qkv or gate_up takes its widest part's)."""
+    out = set()
+    for t in open_gguf(path).tensors:
+        m = _LAYER.fullmatch(t.name)
+        if m and m.group(2) in _LINEARS and t.tensor_type.name in WIDE_TYPES:
+            out.add((int(m.group(1)), _LINEARS[m.group(2)], "q8_0"))
+    return tuple(sorted(out))
+
+
 def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     """Every tensor of a GGUF under HF's names (checked against the file's metadata by
     ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""

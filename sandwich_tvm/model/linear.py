@@ -43,6 +43,8 @@ class KernelSet:
     cpu: CpuSignature | None = None
     dtype: str = "float32"
     int8_activations: bool = True  # quantized weights: on the CPU's int8 dot-product unit where it has one
+    # (layer, Linear) -> a wider weight type than ``dtype``, as a GGUF holds it (``RunSpec.wider_linears``)
+    wider: dict[tuple[int, str], str] = field(default_factory=dict)
     sources: dict[tuple[str, str], str] = field(default_factory=dict)
     # kernel name -> (shape, phase, epilogue), for the pass that picks the decode kernels
     calls: dict[str, tuple[GemmShape, str, str]] = field(default_factory=dict)
@@ -58,6 +60,10 @@ class KernelSet:
     def head_dtype(self) -> str:
         """The lm_head's weight type (``kernels.quant.head_dtype``: q8_0 under 4-bit weights)."""
         return head_dtype(self.dtype)
+
+    def linear_dtype(self, layer: int, linear: str) -> str:
+        """The weight type of ``linear`` (qkv, o, gate_up, down) in layer ``layer``."""
+        return self.wider.get((layer, linear), self.dtype)
 
     def kernel_isa_for(self, dtype: str) -> str:
         if self.cpu is not None:

@@ -40,11 +40,15 @@ from .stages import Stage
 
 
 def _linear(cfg: LlamaConfig, k: int, n: int, kernels: KernelSet | None,
-            interleave: bool = False, shard: Shard | None = None, head: bool = False) -> nn.Module:
+            interleave: bool = False, shard: Shard | None = None, head: bool = False,
+            at: tuple[int, str] | None = None) -> nn.Module:
     """``Y = X @ W.T`` with ``W[n, k]`` (this rank's part of a weight split as ``shard``); the
-    ``head`` in the kernel set's head dtype."""
-    linear = (nn.Linear(k, n, bias=False, dtype=ACT_DTYPE) if kernels is None
-              else PackedLinear(k, n, kernels, interleave, kernels.head_dtype if head else None))
+    ``head`` in the kernel set's head dtype, the Linear ``at`` (layer, name) in its own."""
+    if kernels is None:
+        linear = nn.Linear(k, n, bias=False, dtype=ACT_DTYPE)
+    else:
+        dtype = kernels.head_dtype if head else kernels.linear_dtype(*at) if at else None
+        linear = PackedLinear(k, n, kernels, interleave, dtype)
     shard_hint(linear.weight, shard)
     return linear
 
@@ -91,15 +95,16 @@ def native_stderr_off() -> Iterator[None]:
 
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
-                 separated: bool = False):
+                 separated: bool = False, layer: int = 0):
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads // tp,
                                                     cfg.num_key_value_heads // tp, cfg.head_dim)
         self.dtype, self.kv_dtype, self.tp, self.separated = ACT_DTYPE, kv_dtype, tp, separated
         d = self.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels,
-                                shard=Shard(0, (q, kv, kv)) if tp > 1 else None)
-        self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q))
+                                shard=Shard(0, (q, kv, kv)) if tp > 1 else None, at=(layer, "qkv"))
+        self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q),
+                              at=(layer, "o"))
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
         """``residual + o_proj(attention(x))``; separated, attention runs on the attention rank."""
@@ -113,14 +118,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, tp: int = 1):
+    def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, tp: int = 1, layer: int = 0):
         full = cfg.intermediate_size
         self.inter, self.tp = full // tp, tp
         # silu·mul is gate_up's fused epilogue on Sandwich's kernels: its weight is interleaved
         self.fused = kernels is not None and fuses_silu_mul(self.inter, kernels.kernel_isa)
         self.gate_up_proj = _linear(cfg, cfg.hidden_size, 2 * self.inter, kernels, interleave=self.fused,
-                                    shard=Shard(0, (full, full)) if tp > 1 else None)
-        self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels, shard=_row_parallel(tp, full))
+                                    shard=Shard(0, (full, full)) if tp > 1 else None, at=(layer, "gate_up"))
+        self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels, shard=_row_parallel(tp, full),
+                                 at=(layer, "down"))
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
         """``residual + down_proj(silu(gate) * up)``; silu·mul fused into gate_up's kernel, or
@@ -135,10 +141,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Layer ``layer`` of the whole model (its Linears' weight types may differ per layer)."""
+
     def __init__(self, cfg: LlamaConfig, kernels: KernelSet | None, kv_dtype: str, tp: int = 1,
-                 separated: bool = False):
-        self.self_attn = Attention(cfg, kernels, kv_dtype, tp, separated)
-        self.mlp = MLP(cfg, kernels, tp)
+                 separated: bool = False, layer: int = 0):
+        self.self_attn = Attention(cfg, kernels, kv_dtype, tp, separated, layer)
+        self.mlp = MLP(cfg, kernels, tp, layer)
         self.input_layernorm = _norm(cfg, kernels)
         self.post_attention_layernorm = _norm(cfg, kernels)
 
@@ -183,8 +191,9 @@ class LlamaModel(nn.Module):
         if stage is None or stage.first:
             self.embed_tokens = Embedding(cfg, kernels.layout(dtype=kernels.head_dtype) if packed else None)
         count = cfg.num_hidden_layers if stage is None else stage.layers
-        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp, separated)
-                                     for _ in range(count)])
+        first = 0 if stage is None else stage.first_layer
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kernels, kv_dtype, tp, separated, first + i)
+                                     for i in range(count)])
         if stage is None or stage.first:  # a pipeline's head is on its first stage
             self.norm = _norm(cfg, kernels)
         self.embeds, self.norms = stage is None or stage.first, stage is None

@@ -38,7 +38,7 @@ def gemms_to_tune(spec) -> list[tuple[str, object, int, int]]:
     from ..model.shapes import linear_shapes
 
     plan = spec.plan
-    shapes = linear_shapes(spec.config, spec.weight_dtype, plan.tp)
+    shapes = linear_shapes(spec.config, spec.weight_dtype, plan.tp, wider=spec.wider_linears)
     wanted: dict[tuple[str, int], int] = {}  # (gemm, threads) -> largest m; decode's threads first
     for threads, top in ((plan.decode_threads, spec.max_batch), (plan.prefill_threads, spec.prefill_chunk)):
         for name in shapes:

@@ -58,10 +58,11 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qtype: str = "F32",
                tokenizer=None, arch: str = "llama", meta: dict | None = None, drop: tuple[str, ...] = (),
-               extra: dict[str, np.ndarray] | None = None) -> Path:
+               extra: dict[str, np.ndarray] | None = None, kinds: dict[str, str] | None = None) -> Path:
     """``state`` (HF names) as a GGUF: matrices stored as ``qtype`` (the embedding as Q8_0 when
     ``qtype`` is a 4-bit type, as llama.cpp's Q4 files do), 1-D tensors as F32. ``meta``
-    overrides metadata values (``None`` leaves a key out); ``drop`` leaves GGUF tensors out."""
+    overrides metadata values (``None`` leaves a key out); ``drop`` leaves GGUF tensors out;
+    ``kinds`` stores the GGUF tensors it names in other types."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -94,6 +95,7 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
         kind = qtype if arr.ndim == 2 else "F32"
         if name == "token_embd.weight" and kind.startswith("Q4"):
             kind = "Q8_0"
+        kind = (kinds or {}).get(name, kind)
         add_tensor(w, name, arr, kind)
     for name, arr in (extra or {}).items():
         add_tensor(w, name, arr, "F32")

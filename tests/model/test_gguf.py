@@ -185,13 +185,16 @@ def test_q4_k_gguf_runs_as_q4_1_blocks(tmp_path, tok):
     assert linear_type(path) == "q4_1"
     spec = resolve_run_spec(path)
     assert spec.weight_dtype == "q4_1" and "Q4_K blocks run as q4_1 blocks" in spec.dtype_note
-    # a Q4_K_M-like file: a Q6_K matrix among the Q4_K ones is re-rounded, and the note says so
+    assert spec.wider_linears == ()
+    # a Q4_K_M-like file: the Linear holding a Q6_K matrix runs in q8_0, and the note says so
     base = write_gguf(tmp_path / "base.gguf", cfg, state, qtype="Q4_K", tokenizer=tok,
                       drop=("blk.0.ffn_down.weight",))
     mixed = _with_tensor(base, cfg, "blk.0.ffn_down.weight", "Q6_K", tmp_path / "mixed.gguf",
                          shape=(cfg.hidden_size, cfg.intermediate_size))
-    note = resolve_run_spec(mixed).dtype_note
-    assert "1 of 14 layer matrices (Q6_K) are re-rounded to q4_1 (--dtype q8_0 keeps them" in note
+    spec = resolve_run_spec(mixed)
+    assert spec.weight_dtype == "q4_1" and spec.wider_linears == ((0, "down", "q8_0"),)
+    assert "; 1 layer matrix in Q6_K run in q8_0 with the Linears that hold them" in spec.dtype_note
+    assert resolve_run_spec(mixed, dtype="q4_1").wider_linears == ()  # asked for: every Linear in it
 
 
 def test_checkpoint_key_samples_large_ggufs(tmp_path, source, monkeypatch):
@@ -650,9 +653,11 @@ def test_smollm2_greedy_matches_transformers(precompiler):
 
 @pytest.mark.compile
 def test_q4_k_gguf_matches_transformers(tmp_path, tok):
-    """Our engine on a Q4_K GGUF (its blocks run as q4_1, fp32 activations and KV cache) gives
-    HF transformers' logits on the regrouped weights to fp32 rounding, and its greedy tokens on
-    the same GGUF as transformers reads it (``gguf_file=``: the Q4_K values dequantized)."""
+    """Our engine on a Q4_K GGUF whose layer 1 holds ``attn_v`` and ``ffn_down`` in Q8_0, as a
+    Q4_K_M holds some in Q6_K (``--dtype auto``: the Q4_K blocks run as q4_1, layer 1's qkv and
+    down in q8_0; fp32 activations and KV cache), gives HF transformers' logits on the weights
+    it runs to fp32 rounding, and its greedy tokens on the same GGUF as transformers reads it
+    (``gguf_file=``: the file's values dequantized)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
@@ -662,48 +667,60 @@ def test_q4_k_gguf_matches_transformers(tmp_path, tok):
 
     cfg = _k_config(tok.get_vocab_size())
     path = write_gguf(tmp_path / "tiny-q4_k.gguf", cfg, random_checkpoint(cfg, seed=6), qtype="Q4_K",
-                      tokenizer=tok)
+                      tokenizer=tok, kinds={"blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
     spec = resolve_run_spec(path, activations="float32", kv_dtype="float32", needed_tokens=64, max_batch=1)
-    assert spec.weight_dtype == "q4_1"
-    engine, _ = open_engine(spec)
+    assert spec.weight_dtype == "q4_1" and spec.wider_linears == ((1, "down", "q8_0"), (1, "qkv", "q8_0"))
+    engine, compiled = open_engine(spec)
+    kinds = {(i, name): compiled.layouts[f"model.layers.{i}.{name}.weight"].dtype
+             for i in (0, 1) for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj")}
+    assert kinds == {(0, "self_attn.qkv_proj"): "q4_1", (0, "self_attn.o_proj"): "q4_1",
+                     (0, "mlp.down_proj"): "q4_1", (1, "self_attn.qkv_proj"): "q8_0",
+                     (1, "self_attn.o_proj"): "q4_1", (1, "mlp.down_proj"): "q8_0"}
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab_size, 21)]
     logits: list[np.ndarray] = []
     ours = engine.generate(prompt, 16, logits_out=logits).tokens
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-    regrouped = type(hf)(hf.config).eval()
+    runs_model = type(hf)(hf.config).eval()
     state, q8 = read_checkpoint(path), QTYPES["q8_0"]
+    wide = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj")
+    in_q8 = ("lm_head.weight", *(f"model.layers.1.{x}.weight" for x in wide))
 
     def runs(name: str, w: torch.Tensor) -> torch.Tensor:  # the weights our kernels multiply
         t = state.get(name)
-        if name == "lm_head.weight":  # the head in q8_0 under 4-bit weights: the Q4_K values re-rounded
+        if name in in_q8:  # the head, and layer 1's fused qkv and down: the file's values in q8_0
             return torch.from_numpy(q8.dequantize(q8.quantize(np.asarray(t))))
         return torch.from_numpy(t.qtype.dequantize(t.raw)) if isinstance(t, QuantBlocks) else w
 
-    regrouped.load_state_dict({name: runs(name, w) for name, w in hf.state_dict().items()})
+    runs_model.load_state_dict({name: runs(name, w) for name, w in hf.state_dict().items()})
     ids = torch.tensor([prompt + ours[:-1]])
     with torch.no_grad():
-        want = regrouped(ids).logits[0].numpy()[len(prompt) - 1:]
+        want = runs_model(ids).logits[0].numpy()[len(prompt) - 1:]
         exact = hf(ids).logits[0].numpy()[len(prompt) - 1:]
         greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     scale = float(np.abs(want).max())
     np.testing.assert_allclose(np.stack(logits), want, rtol=1e-4, atol=1e-4 * scale)
-    assert np.abs(want - exact).max() <= 1e-2 * scale  # fp16 block scales: a small move
+    assert np.abs(want - exact).max() <= 1e-2 * scale  # fp16 block scales, a q8_0 head: a small move
     assert ours == greedy
 
 
 def test_auto_names_the_layer_matrices_it_re_rounds(tmp_path, source, tok):
-    """A Q4_0 file with one layer matrix in Q8_0 runs as q4_0, and the note says which are
-    re-rounded instead of claiming every block loads as it is."""
+    """A Q4_0 file with one layer matrix in Q4_1 runs as q4_0, and the note says which are
+    re-rounded instead of claiming every block loads as it is; one in Q8_0 keeps its Linear
+    (gate_up, fused with the Q4_0 gate) in q8_0."""
     from sandwich_tvm.spec import resolve_run_spec
 
     cfg, state = source
     base = write_gguf(tmp_path / "q4.gguf", cfg, state, qtype="Q4_0", tokenizer=tok,
                       drop=("blk.0.ffn_up.weight",))
-    mixed = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q8_0", tmp_path / "mixed.gguf")
+    mixed = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q4_1", tmp_path / "mixed.gguf")
     spec = resolve_run_spec(mixed)
-    assert spec.weight_dtype == "q4_0"
-    assert "1 of 14 layer matrices (Q8_0) are re-rounded to q4_0" in spec.dtype_note
+    assert spec.weight_dtype == "q4_0" and spec.wider_linears == ()
+    assert "1 of 14 layer matrices (Q4_1) are re-rounded to q4_0" in spec.dtype_note
+    wide = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q8_0", tmp_path / "wide.gguf")
+    spec = resolve_run_spec(wide)
+    assert spec.weight_dtype == "q4_0" and spec.wider_linears == ((0, "gate_up", "q8_0"),)
+    assert "re-rounded" not in spec.dtype_note
     pure = write_gguf(tmp_path / "pure.gguf", cfg, state, qtype="Q4_0", tokenizer=tok)
     assert resolve_run_spec(pure).dtype_note == "the GGUF's own q4_0 blocks, loaded as they are"
