@@ -341,6 +341,7 @@ def bench_e2e(args, console: Console) -> dict:
             "threads": threads, "processes": plan.processes,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
+            "wider_linears": [list(w) for w in spec.wider_linears],  # (layer, Linear, dtype) held wider
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes, "repeat": max(1, args.repeat),
             "interleaving": "every round runs one request per system but the stock build, in turn; the "
                             "order is reversed every other round and prompt length", "order": order,
