@@ -7,6 +7,8 @@ widths are not whole blocks is refused before anything is built."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -169,6 +171,28 @@ def test_a_tensor_parallel_share_not_in_blocks_is_refused(tmp_path):
     assert "\n" not in str(err.value)
     assert resolve_run_spec(path, dtype="q4_0").weight_dtype == "q4_0"
     assert resolve_run_spec(path, dtype="bfloat16", plan=tp2).plan.tp == 2
+
+
+def test_wider_linears_add_their_shapes_and_bytes():
+    """Linears held wider than the model's type (a Q4_K_M's Q6_K ones, in q8_0) are one more
+    shape each for tuning and the build key, with their Linear's epilogue, and their bytes count;
+    the run spec carries them through JSON (tensor-parallel ranks, pipeline hosts)."""
+    from sandwich_tvm.model.shapes import linear_shapes
+    from sandwich_tvm.spec import RunSpec, weights_bytes
+
+    cfg = load_config("llama-3.2-1b")
+    wider = ((0, "down", "q8_0"), (0, "qkv", "q8_0"), (3, "down", "q8_0"))
+    plain = linear_shapes(cfg, "q4_1", 1, "avx512")
+    mixed = linear_shapes(cfg, "q4_1", 1, "avx512", wider=wider)
+    assert set(mixed) - set(plain) == {"down q8_0", "qkv q8_0"}
+    assert mixed["down q8_0"] == type(plain["down"])(plain["down"].n, plain["down"].k, "q8_0",
+                                                      plain["down"].epilogue)
+    per_weight = (34 - 20) / 32  # q8_0 against q4_1 bytes a weight
+    down, qkv = cfg.hidden_size * cfg.intermediate_size, plain["qkv"].n * plain["qkv"].k
+    extra = weights_bytes(cfg, "q4_1", wider) - weights_bytes(cfg, "q4_1")
+    assert extra == pytest.approx((2 * down + qkv) * per_weight, rel=1e-6)
+    spec = replace(resolve_run_spec("llama-3.2-1b", dtype="q4_1"), wider_linears=wider)
+    assert RunSpec.from_json(spec.to_json()).wider_linears == wider
 
 
 def test_weights_that_do_not_fit_are_refused_before_compiling():
