@@ -80,11 +80,17 @@ def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | 
     return unit and choice != "float32"
 
 
+REGROUPED_HOW = {"Q4_K": "every 4-bit value as it is, each block's scale and minimum rounded to fp16; 5 bits "
+                         "a weight",
+                 "Q5_0": "every value exactly; 8.5 bits a weight where the file holds 5.5"}
+
+
 def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
-    default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks (with
+    default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks and
+    Q5_0's as q8_0 ones (with
     the Linears the file holds in 5 bits or more in q8_0: ``gguf_wider_linears``); a type
-    without kernels (Q5, the other K-quants) dequantized and re-rounded to q8_0, which keeps
+    without kernels (Q5_1, the other K-quants) dequantized and re-rounded to q8_0, which keeps
     their values to within q8_0's rounding at about half the bytes of bf16."""
     from .model.config import model_path
     from .model.gguf import KERNEL_TYPES, NOTED_TYPES, WIDE_TYPES, layer_kinds
@@ -100,8 +106,7 @@ def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
         wide = {k: n for k, n in others.items() if k in WIDE_TYPES} if own != "q8_0" else {}
         rounded = {k: n for k, n in others.items() if k not in wide}
         how = (f"the GGUF's own {own} blocks, loaded as they are" if kind.lower() == own else
-               f"the GGUF's {kind} blocks run as {own} blocks (every 4-bit value as it is, each block's "
-               "scale and minimum rounded to fp16; 5 bits a weight)")
+               f"the GGUF's {kind} blocks run as {own} blocks ({REGROUPED_HOW.get(kind, 'their values')})")
         if wide:
             n = sum(wide.values())
             how += (f"; {n} layer {'matrix' if n == 1 else 'matrices'} in {', '.join(sorted(wide))} run in "

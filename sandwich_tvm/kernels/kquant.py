@@ -1,4 +1,5 @@
-"""llama.cpp's Q4_K super-blocks regrouped as the q4_1 blocks the kernels read.
+"""llama.cpp block types without kernels of their own, regrouped as blocks the kernels read
+with every value as the file holds it: Q4_K as q4_1 blocks, Q5_0 as q8_0 blocks.
 
 A Q4_K super-block holds 256 consecutive weights of a row in 144 bytes: an fp16 scale ``d`` and
 minimum ``dmin``, eight 6-bit sub-scales ``sc`` and sub-minima ``mn`` packed in 12 bytes, and
@@ -9,6 +10,10 @@ in their high nibbles). Sub-block ``j`` (32 weights) decodes as
 every 4-bit value as it is; only ``d'`` and ``m'`` are rounded to fp16 (by at most 2^-11 of
 themselves: a weight moves by under 1% of its block's step), and it reads 5 bits a weight
 where the file holds 4.5.
+
+A Q5_0 block (32 weights in 22 bytes: an fp16 ``d``, 32 high bits, 16 bytes of low nibbles)
+decodes as ``w = d * (q - 16)``, q in 0..31: a q8_0 block with the same ``d`` and the int8
+values ``q - 16``, exactly (8.5 bits a weight where the file holds 5.5).
 """
 
 from __future__ import annotations
@@ -55,3 +60,29 @@ def q4_k_as_q4_1(raw: np.ndarray, name: str = "a Q4_K tensor") -> np.ndarray:
     out[..., :4] = narrow.view(np.uint8).reshape(n, -1, SUBS, 4)
     out[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
     return out.reshape(n, -1)
+
+
+Q5_0_BYTES = 22  # d (fp16), the 32 high bits (uint32), 16 bytes of low nibbles
+
+
+def q5_0_as_q8_0(raw: np.ndarray, name: str = "a Q5_0 tensor") -> np.ndarray:
+    """Rows of Q5_0 blocks ``[n, k / 32 * 22]`` -> the same weights as rows of q8_0 blocks
+    ``[n, k / 32 * 34]``: value j's high bit is bit j of the block's ``qh``, its low 4 bits the
+    low nibble of byte j (j < 16) or the high nibble of byte j - 16."""
+    from .packing import KernelError
+
+    n, width = raw.shape
+    if width % Q5_0_BYTES:
+        raise KernelError(f"{name}: {width} bytes a row is not a whole number of Q5_0 blocks")
+    blocks = np.ascontiguousarray(raw, np.uint8).reshape(n, width // Q5_0_BYTES, Q5_0_BYTES)
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [n, blocks, 32]: bit j of qh
+    nibbles = blocks[..., 6:]
+    low = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1)  # values 0..15, then 16..31
+    out = np.empty((n, blocks.shape[1], 34), np.uint8)
+    out[..., :2] = blocks[..., :2]
+    out[..., 2:] = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(n, -1)
+
+
+# GGML type -> (the weight dtype whose blocks hold it, the regrouping)
+REGROUPED = {"Q4_K": ("q4_1", q4_k_as_q4_1), "Q5_0": ("q8_0", q5_0_as_q8_0)}

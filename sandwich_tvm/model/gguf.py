@@ -2,8 +2,9 @@
 names as ``checkpoint.read_checkpoint`` returns them (the tokenizer is ``gguf_tokenizer``).
 
 F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 tensors are their own
-blocks (``QuantBlocks``), and Q4_K's are regrouped as q4_1 blocks (``kernels.kquant``) when
-first read; the other types (with a printed note: Q5, the other K-quants, the i-quants) are
+blocks (``QuantBlocks``), and Q4_K's and Q5_0's are regrouped as q4_1 and q8_0 blocks
+(``kernels.kquant``) when first read; the other types (with a printed note: Q5_1, the other
+K-quants, the i-quants) are
 dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a time. llama.cpp
 stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are permuted by its HF
 conversion, see ``bench.baselines.llamacpp``); they are put back in HF's rotate-half order here.
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.kquant import q4_k_as_q4_1
+from ..kernels.kquant import REGROUPED
 from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
@@ -30,11 +31,11 @@ from .config import LlamaConfig, ModelConfigError, shape_problems
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
-KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_1"}
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
-# dequantized (by gguf.quants), with a note: Q5, the other K-quants, and the i-quants llama.cpp
+# dequantized (by gguf.quants), with a note: Q5_1, the other K-quants, and the i-quants llama.cpp
 # also falls back to for rows K-quants cannot hold (IQ4_NL under Q2_K/Q3_K for widths not of 256)
-NOTED_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+NOTED_TYPES = ("Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
                "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 
 # GGUF tensor names (after ``blk.N.``) -> HF's (after ``model.layers.N.``)
@@ -253,8 +254,9 @@ def _tensor(t) -> np.ndarray | LazyTensor:
         qtype = QTYPES[KERNEL_TYPES[kind]]
         if kind == qtype.gguf:
             return QuantBlocks(raw, qtype, shape[1])
-        # Q4_K: regrouped when first read; the file's exact values wherever floats are asked for
-        return QuantBlocks.later(lambda: q4_k_as_q4_1(raw, t.name), shape[0], qtype, shape[1],
+        # Q4_K, Q5_0: regrouped when first read; the file's exact values wherever floats are asked for
+        regroup = REGROUPED[kind][1]
+        return QuantBlocks.later(lambda: regroup(raw, t.name), shape[0], qtype, shape[1],
                                  lambda: gguf.quants.dequantize(raw, t.tensor_type).reshape(shape))
 
     def load() -> np.ndarray:

@@ -1,6 +1,7 @@
 """Q4_K super-blocks regrouped as q4_1 blocks (``kernels.kquant``): the same 4-bit values, the
 sub-scales unpacked as llama.cpp unpacks them, and every weight within fp16's rounding of the
-block scales of what ``gguf`` dequantizes from the Q4_K bytes."""
+block scales of what ``gguf`` dequantizes from the Q4_K bytes. Q5_0 blocks as q8_0 blocks:
+every weight exact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from sandwich_tvm.kernels.kquant import Q4_K_BYTES, q4_k_as_q4_1, q4_k_scales
+from sandwich_tvm.kernels.kquant import Q4_K_BYTES, q4_k_as_q4_1, q4_k_scales, q5_0_as_q8_0
 from sandwich_tvm.kernels.packing import KernelError
 from sandwich_tvm.kernels.quant import QTYPES
 
@@ -70,3 +71,16 @@ def test_a_scale_beyond_fp16_is_refused():
         q4_k_as_q4_1(raw, "blk.0.ffn_up.weight")
     with pytest.raises(KernelError, match="not a whole number of Q4_K super-blocks"):
         q4_k_as_q4_1(raw[:, :100])
+
+
+def test_q5_0_blocks_are_q8_0_blocks():
+    """Every value of a Q5_0 block, its high bit (bit j of ``qh``) included, lands as ``q - 16``
+    under the same scale: random bytes (every bit pattern) with finite scales decode exactly."""
+    raw = np.random.default_rng(4).integers(0, 256, (9, 5, 22), dtype=np.uint8)
+    scales = np.random.default_rng(5).uniform(-1, 1, (9, 5)).astype(np.float16)
+    raw[..., :2] = scales[..., None].view(np.uint8)
+    raw = raw.reshape(9, -1)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
+    np.testing.assert_array_equal(QTYPES["q8_0"].dequantize(q5_0_as_q8_0(raw)), want)
+    with pytest.raises(KernelError, match="not a whole number of Q5_0 blocks"):
+        q5_0_as_q8_0(raw[:, :30])

@@ -472,13 +472,13 @@ def test_unsupported_and_noted_quant_types(tmp_path, source, capsys):
     with pytest.raises(ModelLoadError, match="a tensor has an unknown type .*sandwich-tvm loads F32") as err:
         load_config(unknown)
     _one_line(err)
-    # Q5_0 (like the K-quants) loads dequantized, with a note; random blocks: only the shape is checked
-    q5 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q5_0", tmp_path / "q5.gguf")
+    # Q5_1 (like most K-quants) loads dequantized, with a note; random blocks: only the shape is checked
+    q5 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "Q5_1", tmp_path / "q5.gguf")
     got = read_checkpoint(q5)
     with np.errstate(invalid="ignore", over="ignore"):  # random scales: inf and NaN
         up = np.asarray(got["model.layers.0.mlp.up_proj.weight"])
     assert up.shape == (cfg.intermediate_size, cfg.hidden_size)
-    assert "q5.gguf holds Q5_0 tensors; they are dequantized at load" in capsys.readouterr().err
+    assert "q5.gguf holds Q5_1 tensors; they are dequantized at load" in capsys.readouterr().err
     iq4 = _with_tensor(base, cfg, "blk.0.ffn_up.weight", "IQ4_NL", tmp_path / "iq4.gguf")  # an i-quant too
     with np.errstate(invalid="ignore", over="ignore"):
         up = np.asarray(read_checkpoint(iq4)["model.layers.0.mlp.up_proj.weight"])

@@ -128,29 +128,38 @@ def test_auto_keeps_a_gguf_s_own_blocks():
     assert resolve_run_spec("llama-160m").weight_dtype == "bfloat16"
 
 
-def test_auto_rounds_a_gguf_without_kernels_to_q8_0(tmp_path):
-    """A GGUF whose layers hold a type without kernels (Q5_0, like the K-quants) runs as q8_0 under
-    --dtype auto, not widened to 16 bits: its weights load as q8_0 blocks of the dequantized values."""
+@pytest.mark.parametrize("kind", ["Q5_1", "Q5_0"])
+def test_auto_rounds_a_gguf_without_kernels_to_q8_0(tmp_path, kind):
+    """A GGUF whose layers hold a type without kernels (Q5_1, like most K-quants) runs as q8_0
+    under --dtype auto, not widened to 16 bits: its weights load as q8_0 blocks of the dequantized
+    values. Q5_0's blocks are q8_0 blocks already (d the same, the values q - 16): they load as
+    they are, every value exact."""
     from sandwich_tvm.compiler.artifact import export_module
     from sandwich_tvm.kernels.packing import WeightLayout
     from sandwich_tvm.model.checkpoint import random_checkpoint, read_checkpoint
     from sandwich_tvm.model.linear import KernelSet
 
-    from .gguf_models import tiny_config, tiny_tokenizer, write_gguf
+    from .gguf_models import quantized, tiny_config, tiny_tokenizer, write_gguf
 
     tok = tiny_tokenizer()
     cfg = tiny_config(tok.get_vocab_size())
-    path = write_gguf(tmp_path / "q5.gguf", cfg, random_checkpoint(cfg, 2), qtype="Q5_0", tokenizer=tok)
+    state = random_checkpoint(cfg, 2)
+    path = write_gguf(tmp_path / "q5.gguf", cfg, state, qtype=kind, tokenizer=tok)
     spec = resolve_run_spec(path)
-    assert spec.weight_dtype == "q8_0" and "Q5_0 blocks have no kernels" in spec.dtype_note
+    how = ("Q5_1 blocks have no kernels" if kind == "Q5_1"
+           else "Q5_0 blocks run as q8_0 blocks (every value exactly")
+    assert spec.weight_dtype == "q8_0" and how in spec.dtype_note
     assert resolve_run_spec(path, dtype="bfloat16").weight_dtype == "bfloat16"  # asked: as asked
     params = export_module(cfg, KernelSet(2, 1, isa="avx2", dtype="q8_0"))[1]
     arrays = load_params(path, cfg, params, "avx2", dtype="q8_0")
     name = "model.layers.1.mlp.down_proj.weight"
-    values = np.asarray(read_checkpoint(path)[name])  # the Q5_0 blocks dequantized
+    values = np.asarray(read_checkpoint(path)[name])  # the file's blocks dequantized
+    np.testing.assert_array_equal(values, quantized(state[name], kind))
     got = WeightLayout("avx2", "q8_0").unpack(arrays[[n for n, _ in params].index(name)], *values.shape)
     q8 = QTYPES["q8_0"]
-    np.testing.assert_array_equal(got, q8.dequantize(q8.quantize(values)))
+    np.testing.assert_array_equal(got, values if kind == "Q5_0" else q8.dequantize(q8.quantize(values)))
+    if kind == "Q5_1":
+        assert not np.array_equal(got, values)  # re-rounded: the Q5_0 case's equality says something
 
 
 def test_a_tensor_parallel_share_not_in_blocks_is_refused(tmp_path):
