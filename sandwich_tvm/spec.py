@@ -89,7 +89,7 @@ def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
     default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks and
     Q5_0's as q8_0 ones (with
-    the Linears the file holds in 5 bits or more in q8_0: ``gguf_wider_linears``); a type
+    the Linears the file holds in 5 bits or more in q8_0: ``model.gguf.wider_linears``); a type
     without kernels (Q5_1, the other K-quants) dequantized and re-rounded to q8_0, which keeps
     their values to within q8_0's rounding at about half the bytes of bf16."""
     from .model.config import model_path
@@ -189,21 +189,28 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
                         f"{available / 2**30:.1f} GiB of memory is available; lower {option}")
 
 
+def layer_weight_bytes(cfg: LlamaConfig, weight_dtype: str,
+                       wider: Sequence[tuple[int, str, str]] = ()) -> float:
+    """Bytes a layer weight takes on average: ``DTYPE_BYTES[weight_dtype]``, more where Linears are
+    held wider (``RunSpec.wider_linears``); what the simulator streams per weight."""
+    from .model.shapes import linear_shapes
+
+    shapes = linear_shapes(cfg, weight_dtype)
+    extra = sum(shapes[name].n * shapes[name].k * (DTYPE_BYTES[dtype] - DTYPE_BYTES[weight_dtype])
+                for _, name, dtype in wider)
+    return DTYPE_BYTES[weight_dtype] + extra / (cfg.num_hidden_layers * cfg.layer_params())
+
+
 def weights_bytes(cfg: LlamaConfig, weight_dtype: str, wider: Sequence[tuple[int, str, str]] = ()) -> int:
     """What a model's weights take once loaded: the layers' Linears in their type (``wider``:
     the (layer, Linear, dtype) held in another, ``RunSpec.wider_linears``), the head and an
     untied embedding table in the head's (q8_0 under 4-bit weights)."""
-    from .kernels.costmodel import weight_bytes
     from .kernels.quant import head_dtype
-    from .model.shapes import linear_shapes
 
     tables = 1 if cfg.tie_word_embeddings else 2
     layers = cfg.num_hidden_layers * cfg.layer_params()
-    shapes = linear_shapes(cfg, weight_dtype)
-    extra = sum(shapes[name].n * shapes[name].k * (weight_bytes(dtype) - weight_bytes(weight_dtype))
-                for _, name, dtype in wider)
-    return int(layers * weight_bytes(weight_dtype) + extra
-               + tables * cfg.vocab_size * cfg.hidden_size * weight_bytes(head_dtype(weight_dtype)))
+    return int(layers * layer_weight_bytes(cfg, weight_dtype, wider)
+               + tables * cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[head_dtype(weight_dtype)])
 
 
 def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:
@@ -257,8 +264,9 @@ class RunSpec:
     def describe(self) -> str:
         acts = ", int8 activations" if self.int8_activations else ""
         acts += f", imatrix {self.imatrix.name}" if self.imatrix else ""
+        wide = f" ({len(self.wider_linears)} Linears in q8_0)" if self.wider_linears else ""
         build = ("TVM stock build" if self.stock
-                 else f"{self.weight_dtype} weights{acts}, {self.kv_dtype} KV cache")
+                 else f"{self.weight_dtype} weights{wide}{acts}, {self.kv_dtype} KV cache")
         return (f"{self.config.name}: {build}, context {self.context}, KV cache {self.kv_tokens} tokens, "
                 f"batch {self.max_batch}; {self.plan.describe()}")
 

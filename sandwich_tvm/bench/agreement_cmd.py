@@ -115,7 +115,9 @@ def main_agreement(args: argparse.Namespace, console: Console) -> int:
     def opener(weights: str, kv: str):
         def open_it():
             log(f"opening the {weights} model ({kv} KV cache) ...")
-            engine, _ = open_engine(replace(spec, weight_dtype=weights, kv_dtype=kv), log=log)
+            wider = spec.wider_linears if weights == spec.weight_dtype else ()  # the reference: all fp32
+            engine, _ = open_engine(replace(spec, weight_dtype=weights, kv_dtype=kv, wider_linears=wider),
+                                    log=log)
             return engine
         return open_it
 

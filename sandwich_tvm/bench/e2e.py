@@ -36,8 +36,7 @@ from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
-from ..model.shapes import linear_shapes
-from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes
+from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes, layer_weight_bytes
 from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
 from .rounds import Runner, interleaved, merge_rounds, paired_ratio
@@ -103,6 +102,7 @@ def tvm_runner(args, spec: RunSpec, prompts: list[int], log, probe=None, name: s
             probe.sample()
         decode_total = sum(gen.decode_ms)
         row = {"system": "tvm-stock" if stock else name, "prompt": p, "weights": dtype,
+               "wider_linears": len(spec.wider_linears),
                "ttft_ms": gen.ttft_ms,
                "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
                "switch_ms": gen.switch_ms,
@@ -151,7 +151,8 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     dtype = args.llamacpp_dtype or weight_dtype
     path = gguf_for(args.model, cfg, args.seed, log=log, dtype=dtype)
     kinds = layer_kinds(path) if path == model_path(args.model) else None
-    if kinds and set(kinds) != {dtype.upper()}:  # the user's own file in other types (Q4_K_M): named by them
+    own = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
+    if kinds and set(kinds) != {own}:  # the user's own file in other types (Q4_K_M): named by them
         dtype = "GGUF " + "/".join(kind for kind, _ in kinds.most_common())
     engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8, locked=locked)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
@@ -291,17 +292,18 @@ def bench_e2e(args, console: Console) -> dict:
             gbs[p] = float(np.median(probe.samples[first:]))
     # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
 
-    def predict(dtype: str, on, refresh: bool = False) -> list[dict]:
+    def predict(dtype: str, on, refresh: bool = False, wider: tuple = ()) -> list[dict]:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
         kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
-                         gemm_speedup=float(pairs), weight_bytes=DTYPE_BYTES[dtype],
+                         gemm_speedup=float(pairs), weight_bytes=layer_weight_bytes(cfg, dtype, wider),
                          head_bytes=DTYPE_BYTES[head_dtype(dtype)],
                          kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim), kernels=kernels)
 
-    preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile)}
+    preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile,
+                                 wider=spec.wider_linears)}
     if also is not None:
-        preds[also_name] = predict(spec.weight_dtype, also)
+        preds[also_name] = predict(spec.weight_dtype, also, wider=spec.wider_linears)
     if dtype_name:
         preds[dtype_name] = predict(args.also_dtype, plan)
     del runners, turns
@@ -353,10 +355,7 @@ def decode_weight_bytes(cfg: LlamaConfig, dtype: str, wider: tuple[tuple[int, st
     with their blocks' scales; ``wider``: the ones held in another type, ``RunSpec.wider_linears``)
     and the head in its own type (q8_0 under 4-bit weights)."""
     head = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[head_dtype(dtype)]
-    shapes = linear_shapes(cfg, dtype)
-    extra = sum(shapes[name].n * shapes[name].k * (DTYPE_BYTES[d] - DTYPE_BYTES[dtype])
-                for _, name, d in wider)
-    return cfg.num_hidden_layers * cfg.layer_params() * DTYPE_BYTES[dtype] + extra + head
+    return cfg.num_hidden_layers * cfg.layer_params() * layer_weight_bytes(cfg, dtype, wider) + head
 
 
 def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str,
@@ -373,7 +372,7 @@ def add_weight_reads(rows: list[dict], cfg: LlamaConfig, dtype: str,
         r_dtype = r.get("weights", dtype)
         if r_dtype not in DTYPE_BYTES:
             continue
-        nbytes = decode_weight_bytes(cfg, r_dtype, wider if r["system"] == "sandwich" else ())
+        nbytes = decode_weight_bytes(cfg, r_dtype, wider if r.get("wider_linears") else ())
         r["weight_bytes"], r["llc_bytes"] = nbytes, llc
         r["weight_read_gbs"] = nbytes / (r["tpot_ms"] * 1e6)
         if r.get("decode_bandwidth_gbs"):

@@ -29,10 +29,14 @@ def chain_prompt(args: argparse.Namespace, spec: RunSpec) -> tuple[list[int], Mo
     return tok.encode(text), tok
 
 
-def build_dtypes(run: RunSpec, meta: dict) -> dict[str, str]:
-    """The dtypes a build runs: its weights and KV cache as compiled (``meta``), its activations."""
-    return {"weight_dtype": meta.get("dtype", run.weight_dtype),
-            "kv_dtype": meta.get("kv_dtype", run.kv_dtype), "act_dtype": run.act_dtype}
+def build_dtypes(run: RunSpec, meta: dict) -> dict[str, object]:
+    """The dtypes a build runs: its weights and KV cache as compiled (``meta``), its activations,
+    and the Linears a GGUF held wider (``RunSpec.wider_linears``: layer, Linear, dtype)."""
+    out = {"weight_dtype": meta.get("dtype", run.weight_dtype),
+           "kv_dtype": meta.get("kv_dtype", run.kv_dtype), "act_dtype": run.act_dtype}
+    if run.wider_linears and not run.stock:
+        out["wider_linears"] = [list(w) for w in run.wider_linears]
+    return out
 
 
 def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console,

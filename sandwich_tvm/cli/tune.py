@@ -23,7 +23,7 @@ from ..host import HostError, cache_dir, ensure_writable
 from ..kernels.attention import DEFAULT_KV_DTYPE
 from ..kernels.quant import head_dtype
 from ..model.config import ModelConfigError
-from ..spec import DTYPE_BYTES, RunSpec, SpecError, kv_value_bytes, resolve_run_spec
+from ..spec import DTYPE_BYTES, RunSpec, SpecError, kv_value_bytes, layer_weight_bytes, resolve_run_spec
 from ..topology.hwobj import TopologyError
 from ..topology.plan import ExecPlan, PlanError, save_plans
 from ..topology.profile import ProfileError
@@ -135,7 +135,7 @@ def plan_stage(args: argparse.Namespace, spec: RunSpec, console: Console) -> Exe
             result = run_search(
                 args, tree, model, profile, trace,
                 progress=lambda _stage, done, total: bar.update(task, completed=done, total=total),
-                weight_bytes=DTYPE_BYTES[spec.weight_dtype],
+                weight_bytes=layer_weight_bytes(spec.config, spec.weight_dtype, spec.wider_linears),
                 head_bytes=DTYPE_BYTES[head_dtype(spec.weight_dtype)], decode_kernels=kernels,
                 kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim))
     except (TopologyError, ModelConfigError, ProfileError, HostError, ValueError) as exc:

@@ -7,9 +7,9 @@ minimum ``dmin``, eight 6-bit sub-scales ``sc`` and sub-minima ``mn`` packed in 
 in their high nibbles). Sub-block ``j`` (32 weights) decodes as
 ``w = d * sc[j] * q - dmin * mn[j]``: a q4_1 block (``w = q * d' + m'``) with
 ``d' = d * sc[j]`` and ``m' = -dmin * mn[j]``. So a Q4_K tensor runs on the q4_1 kernels with
-every 4-bit value as it is; only ``d'`` and ``m'`` are rounded to fp16 (by at most 2^-11 of
-themselves: a weight moves by under 1% of its block's step), and it reads 5 bits a weight
-where the file holds 4.5.
+every 4-bit value as it is; only ``d'`` and ``m'`` are rounded to fp16 (each by at most 2^-11
+of itself, so a weight moves by at most 2^-11 (15 |d'| + |m'|): about 1% of a step in a block
+around zero, 2^-11 of the weight in any), and it reads 5 bits a weight where the file holds 4.5.
 
 A Q5_0 block (32 weights in 22 bytes: an fp16 ``d``, 32 high bits, 16 bytes of low nibbles)
 decodes as ``w = d * (q - 16)``, q in 0..31: a q8_0 block with the same ``d`` and the int8
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+REGROUP_FORMAT = 1  # keys converted weights: bump it when a regrouping changes
 SUPER = 256  # weights per Q4_K super-block
 Q4_K_BYTES = 144  # d, dmin (fp16), 12 bytes of sub-scales and sub-minima, 128 bytes of values
 SUBS = SUPER // 32  # q4_1 blocks per super-block
@@ -52,8 +53,8 @@ def q4_k_as_q4_1(raw: np.ndarray, name: str = "a Q4_K tensor") -> np.ndarray:
         wide = np.stack([halves[..., :1] * sc, -(halves[..., 1:] * mn)], axis=-1)  # [n, blocks, 8, 2]
         narrow = wide.astype(np.float16)
     if np.any(np.isinf(narrow) & np.isfinite(wide)):
-        raise KernelError(f"{name}: a block scale d * sc exceeds fp16's range, so its Q4_K blocks "
-                          "cannot run as q4_1; use --dtype q8_0")
+        raise KernelError(f"{name}: a block scale d * sc or minimum dmin * mn exceeds fp16's range, so "
+                          "its Q4_K blocks cannot run as q4_1; use --dtype q8_0")
     qs = sb[..., 16:].reshape(n, -1, SUBS // 2, 32)
     q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(n, -1, SUBS, 32)  # sub-block 2c: low, 2c + 1: high
     out = np.empty((n, q.shape[1], SUBS, 20), np.uint8)

@@ -245,8 +245,9 @@ class QuantBlocks:
     """A weight held as GGUF blocks (``raw[n, k / 32 * block_bytes]``), not as floats: what a
     quantized GGUF tensor gives the loader so that it is packed without re-quantizing.
 
-    ``raw`` may be given as a function that makes it when first read (``later``: a Q4_K tensor
-    regrouped as q4_1 blocks, ``kernels.kquant``), and ``values`` as one that gives the exact
+    ``raw`` may be given as a function that makes it each time it is read (``later``: a Q4_K
+    tensor regrouped as q4_1 blocks, ``kernels.kquant``; not kept, so a checkpoint's state
+    holds no copy while the other tensors convert), and ``values`` as one that gives the exact
     float weights, which then stand for the blocks wherever a float or another type is asked
     for (a regrouping rounds the blocks' scales to fp16)."""
 
@@ -257,16 +258,14 @@ class QuantBlocks:
     @classmethod
     def later(cls, make: Callable[[], np.ndarray], rows: int, qtype: QType, k: int,
               values: Callable[[], np.ndarray] | None = None) -> QuantBlocks:
-        """Blocks that ``make()`` builds when first read, of ``rows`` rows."""
+        """Blocks that ``make()`` builds whenever they are read, of ``rows`` rows."""
         blocks = cls(np.empty((rows, 0), np.uint8), qtype, k, values)
         blocks._raw, blocks._make = None, make
         return blocks
 
     @property
     def raw(self) -> np.ndarray:
-        if self._raw is None:
-            self._raw, self._make = self._make(), None
-        return self._raw
+        return self._raw if self._make is None else self._make()
 
     @property
     def shape(self) -> tuple[int, int]:

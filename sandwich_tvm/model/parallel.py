@@ -82,15 +82,21 @@ class Shard:
         """Rank ``rank``'s part of GGUF blocks, still blocks (their values as the file holds
         them, never re-rounded): rows whole, or k where every rank's cut falls between blocks;
         None where a cut would split a block (the caller then dequantizes)."""
+        if w.shape[self.dim] != sum(self.segments):
+            raise ShardError(f"a tensor of shape {list(w.shape)} does not split into segments "
+                             f"{list(self.segments)} along dim {self.dim}")
         values = (lambda: self.take(np.asarray(w, np.float32), rank, tp)) if w.exact else None
-        if self.dim == 0:  # short shares: zero blocks
-            return QuantBlocks(self.take(w.raw, rank, tp), w.qtype, w.k, values)
+        n = w.shape[0]
+        if self.dim == 0:  # short shares: zero blocks; read (regrouped) only when packed as blocks
+            return QuantBlocks.later(lambda: self.take(w.raw, rank, tp), self.local(tp), w.qtype, w.k, values)
         if any(size % BLOCK or -(-size // tp) % BLOCK for size in self.segments):
             return None
-        n = w.raw.shape[0]
         blocks = Shard(1, tuple(size // BLOCK for size in self.segments))
-        part = blocks.take(w.raw.reshape(n, w.k // BLOCK, w.qtype.block_bytes), rank, tp)
-        return QuantBlocks(part.reshape(n, -1), w.qtype, part.shape[1] * BLOCK, values)
+
+        def part() -> np.ndarray:
+            return blocks.take(w.raw.reshape(n, w.k // BLOCK, w.qtype.block_bytes), rank, tp).reshape(n, -1)
+
+        return QuantBlocks.later(part, n, w.qtype, blocks.local(tp) * BLOCK, values)
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "segments": list(self.segments)}

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..host import cache_dir, file_mode
 from ..kernels.codegen import fuses_silu_mul
+from ..kernels.kquant import REGROUP_FORMAT
 from ..kernels.packing import WeightLayout, numpy_dtype
 from ..kernels.quant import QTYPES, WEIGHTED_FORMAT, QuantBlocks, head_dtype, row_mean_square
 from ..memory import aligned_empty, collapse_huge_pages
@@ -297,7 +298,8 @@ def _load_params(spec: str | Path, cfg: LlamaConfig, params: list[tuple[str, tup
                         + ([rank, tp, sorted((n, x.to_json()) for n, x in (shards or {}).items())]
                            if tp > 1 else [])
                         + ([f"imatrix {imatrix_digest(imatrix)} {WEIGHTED_FORMAT}"] if imatrix else [])
-                        + ([f"gguf {_gguf_version()}"] if dtype in QTYPES else []))  # its quantizer rounds
+                        + ([f"gguf {_gguf_version()} regroup {REGROUP_FORMAT}"] if dtype in QTYPES
+                           else []))  # its quantizer rounds; K-quants and Q5_0 regrouped
     cached = converted_cache_path(model_dir, layout, cfg)
     arrays = load_converted(cached, params, dtype)
     if arrays is not None:

@@ -67,7 +67,7 @@ def test_any_scales_within_fp16_rounding_of_the_block_scales():
 def test_a_scale_beyond_fp16_is_refused():
     raw = _blocks(1, 1, np.float16(60000.0), np.float16(0.0))
     raw.reshape(1, Q4_K_BYTES)[0, 4:8] = 63  # sub-blocks 0-3: sc = 63
-    with pytest.raises(KernelError, match="blk.0.ffn_up.weight: a block scale d \\* sc exceeds fp16"):
+    with pytest.raises(KernelError, match="blk.0.ffn_up.weight: a block scale .* exceeds fp16"):
         q4_k_as_q4_1(raw, "blk.0.ffn_up.weight")
     with pytest.raises(KernelError, match="not a whole number of Q4_K super-blocks"):
         q4_k_as_q4_1(raw[:, :100])

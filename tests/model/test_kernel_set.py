@@ -105,3 +105,24 @@ def test_bf16_kernels_use_bf16_records_only(tmp_path):
     fp32 = KernelSet(2, 2, root=tmp_path, isa="avx512", cpu=cpu)
     assert fp32.buckets(GemmShape(64, 32), "prefill") == default_buckets(GemmShape(64, 32), 2, None, "avx512")
     assert fp32.sources[("prefill", "n64_k32_float32")] == "default"
+
+
+def test_wider_linears_land_on_their_layers_in_every_pipeline_stage(tmp_path):
+    """A Linear held wider (``KernelSet.wider``, keyed by the whole model's layer index) is packed
+    and called in its type in the stage that runs its layer, and the other layers keep the
+    model's type: a stage counts its layers from its first one."""
+    from sandwich_tvm.compiler.artifact import export_with_layouts
+    from sandwich_tvm.model.stages import split_layers
+
+    from .gguf_models import tiny_config
+
+    cfg = tiny_config(300)
+    kernels = KernelSet(2, 1, root=tmp_path, isa="avx2", dtype="q4_1", wider={(1, "down"): "q8_0"})
+    seen = {}
+    for stage in split_layers(cfg.num_hidden_layers, 2):
+        _, _, hints = export_with_layouts(cfg, kernels, stage=stage)
+        seen |= {name: layout.dtype for name, layout in hints["layout"].items() if ".layers." in name}
+    assert seen["model.layers.1.mlp.down_proj.weight"] == "q8_0"
+    assert seen["model.layers.0.mlp.down_proj.weight"] == "q4_1"
+    assert {d for name, d in seen.items() if "down_proj" not in name} == {"q4_1"}
+    assert any(shape.dtype == "q8_0" and shape.n == cfg.hidden_size for shape, *_ in kernels.calls.values())
