@@ -265,9 +265,11 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("llama3", "default"):
-        raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3 or none)")
-    scaling = _llama3_scaling(rope, where) if kind == "llama3" else None
+    if kind not in ("llama3", "linear", "default"):
+        raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear or none)")
+    scaling = (_llama3_scaling(rope, where) if kind == "llama3" else
+               linear_scaling(_Fields(rope, f"{where} (rope_scaling)").float("factor", 1.0), where)
+               if kind == "linear" else None)
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -285,6 +287,14 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if problems:
         raise f.fail("; ".join(problems))
     return LlamaConfig(name=name, **kwargs)
+
+
+def linear_scaling(factor: float, where: Path | str) -> dict | None:
+    """Linear RoPE scaling (positions divided by ``factor``: DeepSeek-Coder, LongChat); None
+    for a factor of 1."""
+    if not factor > 0 or not math.isfinite(factor):
+        raise ModelConfigError(f"{where}: linear RoPE scaling needs a factor > 0, not {factor}")
+    return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
 
 
 def _llama3_scaling(rope: dict, where: Path | str) -> dict:

@@ -27,7 +27,7 @@ from ..kernels.kquant import REGROUPED
 from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
-from .config import LlamaConfig, ModelConfigError, shape_problems
+from .config import LlamaConfig, ModelConfigError, linear_scaling, shape_problems
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
@@ -105,7 +105,8 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
     the file stem); an architecture other than llama, or a Llama variant the model does not run
-    (experts, per-layer head counts, RoPE scaling other than Llama-3's), is a ``ModelConfigError``."""
+    (experts, per-layer head counts, RoPE scaling other than Llama-3's or linear), is a
+    ``ModelConfigError``."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -146,8 +147,12 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
             raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} "
                                    "(embedding_length / head_count) is not supported")
     scaling = get("rope.scaling.type", "none")
-    if scaling != "none":
-        raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3 or none)")
+    old_key = get("rope.scale_linear", 1.0)  # llama.cpp's older key for the same factor
+    if scaling == "linear" or (scaling == "none" and old_key != 1.0):
+        factor = get("rope.scaling.factor", 0.0) if scaling == "linear" else old_key
+        kwargs["rope_scaling"] = linear_scaling(float(factor), path)
+    elif scaling != "none":
+        raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear or none)")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],

@@ -35,6 +35,7 @@ from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
+from .rope import linear_factor
 from .separation import ACT_DTYPE, WEIGHTS, Role, attend_cache, attend_remote
 from .stages import Stage
 
@@ -318,8 +319,10 @@ def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_ba
         qk_head_dim=row_width(cfg.head_dim, kv_dtype),
         v_head_dim=row_width(cfg.head_dim, kv_dtype), mla_original_qk_head_dim=0,
         mla_original_v_head_dim=0,
-        rope_mode=RopeMode.NORMAL, rope_scale=1, rope_theta=cfg.rope_theta,
-        rope_scaling=dict(cfg.rope_scaling or {}), rope_ext_factors=relax.prim_value(0),
+        rope_mode=RopeMode.NORMAL, rope_scale=1 if linear_factor(cfg) == 1 else 1.0 / linear_factor(cfg),
+        rope_theta=cfg.rope_theta,
+        rope_scaling={} if linear_factor(cfg) != 1 else dict(cfg.rope_scaling or {}),
+        rope_ext_factors=relax.prim_value(0),
         rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=kv_dtype,
         target=host_target(),
     )

@@ -27,6 +27,10 @@ OTHER_CONFIGS = {
     "gqa-small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
                       tie_word_embeddings=False),
+    # linear RoPE scaling (DeepSeek-Coder's kind): positions divided by 4
+    "mha-linear-rope": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
+                            tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     # a draft model for mha-untied: its vocabulary, one narrower layer
     "mha-draft": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=301, max_position_embeddings=256,

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ...model.config import LlamaConfig
-from ...model.rope import inv_freq
+from ...model.rope import inv_freq, linear_factor
 
 
 def available() -> str | None:
@@ -105,7 +105,10 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     put("output_norm.weight", state["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         put("output.weight", state["lm_head.weight"])
-    if cfg.rope_scaling:
+    if cfg.rope_scaling and linear_factor(cfg) != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_factor(cfg))
+    elif cfg.rope_scaling:
         base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))
     for i in range(cfg.num_hidden_layers):

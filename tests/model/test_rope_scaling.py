@@ -1,0 +1,85 @@
+"""Linear RoPE scaling (positions divided by a factor: DeepSeek-Coder, LongChat) read from an HF
+config and from a GGUF's metadata (both of llama.cpp's keys), written back for llama.cpp, and
+compiled: our model and TVM's stock build against HF transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.model.config import LlamaConfig, ModelConfigError, load_config
+from sandwich_tvm.model.rope import inv_freq, linear_factor
+
+from .gguf_models import tiny_config, tiny_tokenizer, write_gguf
+from .hf_models import write_hf_model
+
+
+def _hf_dir(tmp_path, rope) -> str:
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "vocab_size": 100, "rope_scaling": rope}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_linear_scaling_from_an_hf_config(tmp_path):
+    cfg = load_config(_hf_dir(tmp_path, {"type": "linear", "factor": 4.0}))
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and linear_factor(cfg) == 4.0
+    plain = LlamaConfig("plain", 64, 1, 4, 4, 128, 100)
+    np.testing.assert_allclose(inv_freq(cfg), inv_freq(plain) / 4, rtol=1e-6)
+    assert load_config(_hf_dir(tmp_path, {"rope_type": "linear", "factor": 1.0})).rope_scaling is None
+    with pytest.raises(ModelConfigError, match="factor must be a positive number"):
+        load_config(_hf_dir(tmp_path, {"rope_type": "linear", "factor": 0}))
+    with pytest.raises(ModelConfigError, match="'yarn' is not supported \\(llama3, linear or none\\)"):
+        load_config(_hf_dir(tmp_path, {"rope_type": "yarn", "factor": 4.0}))
+
+
+@pytest.mark.parametrize("keys", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+                                  {"llama.rope.scale_linear": 4.0}], ids=["scaling-type", "scale-linear"])
+def test_linear_scaling_from_a_gguf(tmp_path, keys):
+    from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    path = write_gguf(tmp_path / "linear.gguf", cfg, random_checkpoint(cfg, 1), tokenizer=tok, meta=keys)
+    loaded = load_config(path)
+    assert loaded.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    # written for llama.cpp as its own keys, and read back the same
+    again = llamacpp_gguf(loaded, random_checkpoint(loaded, 1), tmp_path / "again.gguf", "float32")
+    assert load_config(again).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stock", [False, True], ids=["sandwich", "stock"])
+def test_linear_scaling_matches_hf(tmp_path, stock):
+    torch = pytest.importorskip("torch")
+    from sandwich_tvm.compiler.artifact import compile_model
+    from sandwich_tvm.model.weights import load_params
+    from sandwich_tvm.runtime.engine import Engine
+    from sandwich_tvm.spec import RunSpec
+    from sandwich_tvm.topology.plan import ExecPlan
+    from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
+
+    hf = write_hf_model("mha-linear-rope", tmp_path, seed=3)
+    cfg = load_config(tmp_path)
+    assert linear_factor(cfg) == 4.0
+    cpus = tuple(sorted(PROCESS_CPUS))
+    plan = ExecPlan(cpus, cpus, "test")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, stock=stock, kv_dtype="float32", max_batch=1))
+    params = load_params(tmp_path, cfg, compiled.params, host_isa(), layouts=compiled.layouts)
+    engine = Engine(compiled, params, plan)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 60)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, 24, logits_out=logits)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + gen.tokens[:-1]])).logits[0].numpy()[len(prompt) - 1:]
+        unscaled = type(hf)(type(hf.config)(**{**hf.config.to_dict(), "rope_scaling": None,
+                                               "rope_parameters": {"rope_type": "default",
+                                                                   "rope_theta": 10000.0}}))
+        unscaled.load_state_dict(hf.state_dict())
+        plain = unscaled.eval()(torch.tensor([prompt + gen.tokens[:-1]])).logits[0].numpy()[len(prompt) - 1:]
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * scale)
+    assert np.abs(plain - ref).max() > 1e-3 * scale  # 10x the tolerance: the scaling was applied
