@@ -3,10 +3,11 @@ metadata, with its BOS/EOS ids and ``tokenizer.chat_template``.
 
 Two vocabularies, as llama.cpp names them:
 
-- ``gpt2``: byte-level BPE (SmolLM2, Llama 3) from the vocabulary and merges, split before BPE
-  as the model's own ``tokenizer.json`` does (``tokenizer.ggml.pre``: ``smollm`` splits digits
-  first, the Llama-3 family by its regex, GPT-2's own by its; a split not known here is refused
-  rather than guessed);
+- ``gpt2``: byte-level BPE (SmolLM2, Llama 3, DeepSeek-Coder) from the vocabulary and merges,
+  split before BPE as the model's own ``tokenizer.json`` does (``tokenizer.ggml.pre``:
+  ``smollm`` splits digits first, the Llama-3 family by its regex, DeepSeek-Coder by its
+  sequence of regexes, GPT-2's own by its; a split not known here is refused rather than
+  guessed);
 - ``llama``: SentencePiece BPE with byte fallback (Llama 2, TinyLlama, Mistral), as llama.cpp
   runs it: a space is put before the text and before every piece of text that follows a special
   token (as Llama-2's own ``tokenizer.json`` does); the merges are recovered from the token
@@ -33,6 +34,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # tokenizer.ggml.pre values of the Llama-3 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 and kin)
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx", "pixtral", "lfm2")
 GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm")
+# DeepSeek-Coder's tokenizer.json (and llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER): each
+# regex in turn isolates its matches within the pieces the ones before it left
+DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+                         r"\p{N}")
+SEQUENCE_PRE = {"deepseek-coder": DEEPSEEK_CODER_SPLITS}
 # where llama.cpp adds BOS to a byte-level vocabulary whose file does not say
 BOS_PRE = (*LLAMA3_PRE, "tekken", "chameleon")
 # tokens llama.cpp ends generation at wherever a vocabulary has them (its end-of-generation set)
@@ -88,10 +94,11 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     """GPT-2-style byte-level BPE over ``tokens`` (ids by position) and ``merges`` ("a b")."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    if pre not in (*LLAMA3_PRE, *GPT2_PRE):
+    known = (*LLAMA3_PRE, *GPT2_PRE, *SEQUENCE_PRE)
+    if pre not in known:
         raise ModelLoadError(f"{where}: its pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: "
                              f"text would be split otherwise than the model was trained on; supported: "
-                             f"{', '.join((*LLAMA3_PRE, *GPT2_PRE))}")
+                             f"{', '.join(known)}")
     spelling = byte_chars()
     alphabet = set(spelling.values())
     added = {i for i, k in enumerate(types or ()) if k in (CONTROL, USER_DEFINED)}
@@ -102,8 +109,12 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     llama3 = pre in LLAMA3_PRE
     tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=llama3))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not llama3)
-    if llama3:
+    own_split = llama3 or pre in SEQUENCE_PRE  # else ByteLevel's GPT-2 regex splits
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_split)
+    if pre in SEQUENCE_PRE:
+        splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in SEQUENCE_PRE[pre]]
+        tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    elif llama3:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"),
                                                      byte_level])
     elif pre == "smollm":  # SmolLM's tokenizer.json: every digit its own word

@@ -381,6 +381,23 @@ def test_llama3_style_vocabularies_tokenize_as_llama_cpp(tmp_path, tok):
     _one_line(err)
 
 
+def test_deepseek_coder_split(tmp_path, tok):
+    """DeepSeek-Coder's split (``tokenizer.ggml.pre`` deepseek-coder): newlines alone, letters
+    and punctuation runs with at most one leading space, CJK runs, every digit alone, the rest
+    in between; and the ids llama.cpp gives, where it is installed."""
+    path, _ = _llama3_style_gguf(tmp_path / "dsc.gguf", tok, "deepseek-coder")
+    ours = load_model_tokenizer(path)
+    split = ours.tok.pre_tokenizer.pre_tokenize_str
+    g, nl = "\u0120", "\u010a"  # a space and a newline in the byte alphabet
+    assert [p for p, _ in split("def f(a, b):\n  return a+b # 12 \u4e1c\u4eac")] == [
+        "def", f"{g}f", "(", "a", ",", f"{g}b", "):", nl, g, f"{g}return", f"{g}a", "+", "b", f"{g}#", g, "1",
+        "2", g, "\u00e4\u00b8\u013e\u00e4\u00ba\u00ac"]
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["def f(a, b):\n  return a+b # 12", TEXTS[0], TEXTS[1], TEXTS[2]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
 def _llama_cpp_vocab(path):
     """llama.cpp's tokenizer for a GGUF (BOS as the file says, special tokens parsed), or None
     where llama-cpp-python is not installed."""
