@@ -1,7 +1,7 @@
 """RoPE for the KV cache's ``fused_rope`` step: one sin/cos per (token, frequency), shared by heads.
 
 TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and k. Here the
-inverse frequencies (Llama-3 scaling included, as HF computes them) are constants of the
+inverse frequencies (Llama-3 and linear scaling included, as HF computes them) are constants of the
 kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses them.
 Same signature as TVM's ``fused_rope``; swapped in by ``compiler.kv_cache``. ``freqs`` are the
 model's inverse frequencies (``model.rope.inv_freq``), ``dtype`` the KV cache's storage; int8

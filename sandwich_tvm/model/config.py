@@ -268,8 +268,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if kind not in ("llama3", "linear", "default"):
         raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear or none)")
     scaling = (_llama3_scaling(rope, where) if kind == "llama3" else
-               linear_scaling(_Fields(rope, f"{where} (rope_scaling)").float("factor", 1.0), where)
-               if kind == "linear" else None)
+               _linear_of(rope, where) if kind == "linear" else None)
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -287,6 +286,13 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if problems:
         raise f.fail("; ".join(problems))
     return LlamaConfig(name=name, **kwargs)
+
+
+def _linear_of(rope: dict, where: Path | str) -> dict | None:
+    f = _Fields(rope, f"{where} (rope_scaling)")
+    if rope.get("factor") is None:
+        raise f.fail("linear RoPE scaling needs factor")
+    return linear_scaling(f.float("factor", 1.0), where)
 
 
 def linear_scaling(factor: float, where: Path | str) -> dict | None:

@@ -146,12 +146,16 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         if get(key, head_dim) != head_dim:
             raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} "
                                    "(embedding_length / head_count) is not supported")
-    scaling = get("rope.scaling.type", "none")
-    old_key = get("rope.scale_linear", 1.0)  # llama.cpp's older key for the same factor
-    if scaling == "linear" or (scaling == "none" and old_key != 1.0):
-        factor = get("rope.scaling.factor", 0.0) if scaling == "linear" else old_key
-        kwargs["rope_scaling"] = linear_scaling(float(factor), path)
-    elif scaling != "none":
+    # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear
+    # key, and a factor of 0 (or 1), like the type none, scales nothing
+    scaling = get("rope.scaling.type", "linear")
+    factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)))
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        if "rope_freqs.weight" in names:
+            raise ModelConfigError(f"{path}: both linear RoPE scaling and per-frequency factors (rope_freqs) "
+                                   "are given; not supported")
+        kwargs["rope_scaling"] = linear_scaling(factor, path)
+    elif scaling not in ("linear", "none"):
         raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear or none)")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")

@@ -1,7 +1,7 @@
 """Llama 2/3/3.2 and TinyLlama on ``tvm.relax.frontend.nn`` with TVM's paged KV cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
-attention inside ``TIRPagedKVCache`` (Llama-3 frequency scaling included), and the exported
+attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included), and the exported
 functions ``prefill``, ``decode``, ``batch_prefill``, ``batch_decode`` and
 ``create_paged_kv_cache``. With a ``KernelSet`` every Linear calls Sandwich's dynamic-m
 kernels on prepacked weights (prefill and decode kernels on the same weight); without one it

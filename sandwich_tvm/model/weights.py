@@ -20,7 +20,7 @@ from ..host import cache_dir, file_mode
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.kquant import REGROUP_FORMAT
 from ..kernels.packing import WeightLayout, numpy_dtype
-from ..kernels.quant import QTYPES, WEIGHTED_FORMAT, QuantBlocks, head_dtype, row_mean_square
+from ..kernels.quant import QTYPES, WEIGHTED_FORMAT, QType, QuantBlocks, head_dtype, row_mean_square
 from ..memory import aligned_empty, collapse_huge_pages
 from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, random_checkpoint, read_checkpoint
 from .config import LlamaConfig, model_path
@@ -38,7 +38,10 @@ _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_
 
 
 def _hf_tensor(state: dict[str, np.ndarray], name: str, cfg: LlamaConfig,
-               where: str) -> np.ndarray | QuantBlocks:
+               where: str, want: QType | None = None) -> np.ndarray | QuantBlocks:
+    """The HF tensor (or fused q|k|v, gate|up) for one of our parameters. Packed as ``want``
+    blocks, the fused parts a GGUF holds in that type stay its blocks and only the others are
+    quantized (blocks are per row, so the fused rows are those of quantizing each part)."""
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         name = "model.embed_tokens.weight"
     for ours, parts in _FUSED.items():
@@ -47,6 +50,11 @@ def _hf_tensor(state: dict[str, np.ndarray], name: str, cfg: LlamaConfig,
             tensors = [_get(state, prefix + p, where) for p in parts]
             if all(isinstance(t, QuantBlocks) and t.qtype == tensors[0].qtype for t in tensors):
                 return QuantBlocks.concat(tensors)  # a GGUF's blocks stay blocks
+            if want is not None and any(isinstance(t, QuantBlocks) and t.qtype == want for t in tensors):
+                own = [t if isinstance(t, QuantBlocks) and t.qtype == want
+                       else QuantBlocks(want.quantize(np.asarray(t, np.float32)), want, t.shape[1],
+                                        lambda t=t: np.asarray(t, np.float32)) for t in tensors]
+                return QuantBlocks.concat(own)
             return np.concatenate([np.asarray(t) for t in tensors], axis=0)
     return _get(state, name, where)
 
@@ -74,8 +82,9 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
     check_checkpoint(cfg, state, where)
     out = []
     for i, (name, shape) in enumerate(params):
-        hf = _hf_tensor(state, name, cfg, where)
         imp, sigma2 = importance_of(importance, name), None
+        layout = _layout_of(name, shape, cfg, isa, dtype, layouts)
+        hf = _hf_tensor(state, name, cfg, where, layout.quant if layout is not None and imp is None else None)
         if tp > 1 and name in (shards or {}):
             shard = shards[name]
             # a GGUF's blocks stay blocks (a re-rounding would move values); else dequantized
@@ -84,12 +93,7 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
                 imp = shard.take(imp[None, :], rank, tp)[0]
                 sigma2 = row_mean_square(hf)  # rounded as one process rounds
             hf = part if part is not None else shard.take(np.asarray(hf), rank, tp)
-        if len(shape) == 3:  # packed panels of W[n, k]
-            layout = (layouts or {}).get(name)
-            if layout is None:  # gate_up is interleaved for the silu_mul epilogue
-                gate_up = name.endswith("mlp.gate_up_proj.weight")
-                own = head_dtype(dtype) if name in ("lm_head.weight", "model.embed_tokens.weight") else dtype
-                layout = WeightLayout(isa, own, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
+        if layout is not None:  # packed panels of W[n, k]
             if hf.ndim != 2 or layout.shape(*hf.shape) != tuple(shape):
                 raise ModelLoadError(f"{name}: the model was built for panels {list(shape)}, but "
                                      f"{list(hf.shape)} packs to {list(layout.shape(*hf.shape))} for "
@@ -107,6 +111,19 @@ def convert(cfg: LlamaConfig, state: dict[str, np.ndarray], params: list[tuple[s
         if progress:
             progress(i + 1, len(params))
     return out
+
+
+def _layout_of(name: str, shape: tuple[int, ...], cfg: LlamaConfig, isa: str, dtype: str,
+               layouts: dict[str, WeightLayout] | None) -> WeightLayout | None:
+    """How a 3-D (packed) parameter is stored: the model's own layout, else the ``dtype`` kernels'
+    of ``isa`` (gate_up interleaved for the silu_mul epilogue); None for a plain array."""
+    if len(shape) != 3:
+        return None
+    if (layouts or {}).get(name) is not None:
+        return layouts[name]
+    gate_up = name.endswith("mlp.gate_up_proj.weight")
+    own = head_dtype(dtype) if name in ("lm_head.weight", "model.embed_tokens.weight") else dtype
+    return WeightLayout(isa, own, gate_up and fuses_silu_mul(cfg.intermediate_size, isa))
 
 
 # --------------------------------------------------------------------------- the conversion cache

@@ -197,6 +197,31 @@ def test_q4_k_gguf_runs_as_q4_1_blocks(tmp_path, tok):
     assert resolve_run_spec(mixed, dtype="q4_1").wider_linears == ()  # asked for: every Linear in it
 
 
+def test_fused_parts_keep_their_blocks_beside_another_type(tmp_path, source, tok):
+    """A fused qkv whose q and k are Q5_0 (q8_0 blocks of the same values) and v another type
+    keeps q's and k's blocks when packed as q8_0, every value exact; only v is rounded."""
+    from sandwich_tvm.kernels.packing import WeightLayout
+    from sandwich_tvm.kernels.quant import QTYPES
+
+    cfg, state = source
+    path = write_gguf(tmp_path / "q5.gguf", cfg, state, qtype="Q5_0", tokenizer=tok,
+                      kinds={"blk.0.attn_v.weight": "Q4_1"})
+    got, q8 = read_checkpoint(path), QTYPES["q8_0"]
+    parts = [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
+    layout = WeightLayout("avx2", "q8_0")
+    n = sum(state[x].shape[0] for x in parts)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    params = [(name, layout.shape(n, cfg.hidden_size))]
+    packed = weights.convert(cfg, got, params, "avx2", where=str(path), dtype="q8_0",
+                             layouts={name: layout})[0]
+    runs = layout.unpack(packed, n, cfg.hidden_size)
+    exact = [np.asarray(got[x]) for x in parts]
+    qk = exact[0].shape[0] + exact[1].shape[0]
+    np.testing.assert_array_equal(runs[:qk], np.concatenate(exact[:2]))  # Q5_0's values, not re-rounded
+    np.testing.assert_array_equal(runs[qk:], q8.dequantize(q8.quantize(exact[2])))
+    assert not np.array_equal(q8.dequantize(q8.quantize(exact[0])), exact[0])  # re-rounding would move them
+
+
 def test_checkpoint_key_samples_large_ggufs(tmp_path, source, monkeypatch):
     cfg, state = source
     a = write_gguf(tmp_path / "a.gguf", cfg, state)

@@ -36,8 +36,11 @@ def test_linear_scaling_from_an_hf_config(tmp_path):
 
 
 @pytest.mark.parametrize("keys", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
-                                  {"llama.rope.scale_linear": 4.0}], ids=["scaling-type", "scale-linear"])
+                                  {"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}],
+                         ids=["scaling-type", "no-type", "scale-linear"])
 def test_linear_scaling_from_a_gguf(tmp_path, keys):
+    """As llama.cpp reads a GGUF: the type defaults to linear, the factor to the older
+    ``rope.scale_linear``."""
     from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
     from sandwich_tvm.model.checkpoint import random_checkpoint
 
@@ -83,3 +86,43 @@ def test_linear_scaling_matches_hf(tmp_path, stock):
     scale = float(np.abs(ref).max())
     np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * scale)
     assert np.abs(plain - ref).max() > 1e-3 * scale  # 10x the tolerance: the scaling was applied
+
+
+def test_gguf_keys_that_scale_nothing_or_conflict(tmp_path):
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    state = random_checkpoint(cfg, 1)
+    for i, keys in enumerate([{"llama.rope.scaling.type": "none", "llama.rope.scale_linear": 4.0},
+                              {"llama.rope.scaling.type": "linear"}, {"llama.rope.scaling.factor": 1.0}]):
+        path = write_gguf(tmp_path / f"plain{i}.gguf", cfg, state, tokenizer=tok, meta=keys)
+        assert load_config(path).rope_scaling is None, keys
+    both = write_gguf(tmp_path / "both.gguf", cfg, state, tokenizer=tok,
+                      meta={"llama.rope.scaling.factor": 4.0},
+                      extra={"rope_freqs.weight": np.full(cfg.head_dim // 2, 2.0, np.float32)})
+    with pytest.raises(ModelConfigError, match="both linear RoPE scaling and per-frequency factors"):
+        load_config(both)
+
+
+def test_hf_linear_scaling_needs_its_factor(tmp_path):
+    with pytest.raises(ModelConfigError, match="linear RoPE scaling needs factor"):
+        load_config(_hf_dir(tmp_path, {"rope_type": "linear"}))
+
+
+def test_the_transformers_reference_keeps_a_gguf_s_scaling(tmp_path):
+    """transformers' GGUF reader leaves Llama's RoPE scaling out; the benchmarks' reference puts
+    the file's back (``bench.baselines.torch_hf.hf_model``)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
+    from sandwich_tvm.bench.baselines.torch_hf import hf_model
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config(tok.get_vocab_size())
+    path = write_gguf(tmp_path / "linear.gguf", cfg, random_checkpoint(cfg, 1), tokenizer=tok,
+                      meta={"llama.rope.scaling.factor": 4.0})
+    cfg = load_config(path)
+    model = hf_model(str(path), cfg, 0)
+    np.testing.assert_allclose(model.model.rotary_emb.inv_freq.numpy(), inv_freq(cfg), rtol=1e-6)

@@ -13,6 +13,15 @@ import numpy as np
 from ...model.config import LlamaConfig
 
 
+def with_rope_scaling(model, cfg: LlamaConfig):
+    """``model`` with ``cfg``'s RoPE scaling: transformers' GGUF reader reads neither llama.cpp's
+    ``rope.scaling.*`` keys nor its ``rope_freqs`` for Llama, so a scaled GGUF loads unscaled."""
+    if cfg.rope_scaling:
+        model.config.rope_parameters = dict(cfg.rope_scaling) | {"rope_theta": cfg.rope_theta}
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
     import torch
@@ -24,8 +33,9 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     if spec not in PRESETS:
         path = model_path(spec)
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
-            return transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
+            model = transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+            return with_rope_scaling(model, cfg)
         return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
