@@ -252,20 +252,20 @@ class QuantBlocks:
     for (a regrouping rounds the blocks' scales to fp16)."""
 
     def __init__(self, raw: np.ndarray, qtype: QType, k: int, values: Callable[[], np.ndarray] | None = None):
-        self._raw, self._make, self._values = raw, None, values
-        self.qtype, self.k, self._rows = qtype, k, raw.shape[0]
+        self._raw: np.ndarray | Callable[[], np.ndarray] = raw
+        self.qtype, self.k, self._values, self._rows = qtype, k, values, raw.shape[0]
 
     @classmethod
     def later(cls, make: Callable[[], np.ndarray], rows: int, qtype: QType, k: int,
               values: Callable[[], np.ndarray] | None = None) -> QuantBlocks:
         """Blocks that ``make()`` builds whenever they are read, of ``rows`` rows."""
         blocks = cls(np.empty((rows, 0), np.uint8), qtype, k, values)
-        blocks._raw, blocks._make = None, make
+        blocks._raw = make
         return blocks
 
     @property
     def raw(self) -> np.ndarray:
-        return self._raw if self._make is None else self._make()
+        return self._raw() if callable(self._raw) else self._raw
 
     @property
     def shape(self) -> tuple[int, int]:
