@@ -88,8 +88,8 @@ REGROUPED_HOW = {"Q4_K": "every 4-bit value as it is, each block's scale and min
 def gguf_auto_dtype(model: str | Path) -> tuple[str, str] | None:
     """What ``--dtype auto`` runs a GGUF's layers as, and why, where that is not the CPU's 16-bit
     default: its own q8_0/q4_0/q4_1 blocks as they are, Q4_K's regrouped as q4_1 blocks and
-    Q5_0's as q8_0 ones (with
-    the Linears the file holds in 5 bits or more in q8_0: ``model.gguf.wider_linears``); a type
+    Q5_0's as q8_0 ones (with the Linears the file holds in 5 bits or more in q8_0:
+    ``model.gguf.wider_linears``); a type
     without kernels (Q5_1, the other K-quants) dequantized and re-rounded to q8_0, which keeps
     their values to within q8_0's rounding at about half the bytes of bf16."""
     from .model.config import model_path
@@ -224,7 +224,7 @@ def check_weights_fit(spec: RunSpec, available: int | None = None) -> None:
 
         available = psutil.virtual_memory().available
     dtype = "float32" if spec.stock else spec.weight_dtype
-    weights = weights_bytes(spec.config, dtype, () if spec.stock else spec.wider_linears)
+    weights = weights_bytes(spec.config, dtype, spec.built_wider)
     kv = kv_cache_bytes(spec.config, spec.kv_tokens, spec.kv_dtype)
     if weights + kv > available:
         smaller = "" if spec.stock or dtype in ("q4_0", "q4_1") else ", a smaller --dtype (q8_0, q4_0)"
@@ -260,6 +260,11 @@ class RunSpec:
     # (layer, Linear, dtype): Linears a GGUF holds wider than weight_dtype (a Q4_K_M's Q6_K attn_v
     # and ffn_down), run in that dtype under --dtype auto (``model.gguf.wider_linears``)
     wider_linears: tuple[tuple[int, str, str], ...] = ()
+
+    @property
+    def built_wider(self) -> tuple[tuple[int, str, str], ...]:
+        """The wider Linears the build runs: ``wider_linears``, none in TVM's stock build."""
+        return () if self.stock else self.wider_linears
 
     def describe(self) -> str:
         acts = ", int8 activations" if self.int8_activations else ""

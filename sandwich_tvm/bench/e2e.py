@@ -102,7 +102,7 @@ def tvm_runner(args, spec: RunSpec, prompts: list[int], log, probe=None, name: s
             probe.sample()
         decode_total = sum(gen.decode_ms)
         row = {"system": "tvm-stock" if stock else name, "prompt": p, "weights": dtype,
-               "wider_linears": 0 if stock else len(spec.wider_linears),
+               "wider_linears": len(spec.built_wider),
                "ttft_ms": gen.ttft_ms,
                "tpot_ms": gen.to_json()["tpot_ms"], "output_tokens": len(gen.tokens),
                "switch_ms": gen.switch_ms,
@@ -310,7 +310,7 @@ def bench_e2e(args, console: Console) -> dict:
     gc.collect()  # free those weights before the stock build's (Llama-3.2-1B is 5 GB in fp32)
     if "stock" in systems:
         stock_spec = dataclasses.replace(spec, stock=True, weight_dtype="float32", kv_dtype="float32",
-                                         plan=plan.one_process(), wider_linears=())
+                                         plan=plan.one_process())
         stock = tvm_runner(args, stock_spec, prompts, log)
         rows += [merge_rounds([row]) for p in prompts if (row := stock(p)) is not None]
     for r in rows:

@@ -34,8 +34,8 @@ def build_dtypes(run: RunSpec, meta: dict) -> dict[str, object]:
     and the Linears a GGUF held wider (``RunSpec.wider_linears``: layer, Linear, dtype)."""
     out = {"weight_dtype": meta.get("dtype", run.weight_dtype),
            "kv_dtype": meta.get("kv_dtype", run.kv_dtype), "act_dtype": run.act_dtype}
-    if run.wider_linears and not run.stock:
-        out["wider_linears"] = [list(w) for w in run.wider_linears]
+    if run.built_wider:
+        out["wider_linears"] = [list(w) for w in run.built_wider]
     return out
 
 

@@ -157,7 +157,7 @@ def build_key(spec: RunSpec, stage: Stage | Role | None = None) -> str:
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
     h = hashlib.sha256(json.dumps([FORMAT, cfg.to_dict(), spec.stock, spec.max_batch, spec.kv_dtype,
                                    spec.weight_dtype, spec.act_dtype, spec.int8_activations, plan.tp,
-                                   () if spec.stock else spec.wider_linears,
+                                   spec.built_wider,
                                    _part_json(stage), host_signature().to_json(),
                                    str(target), plan.prefill_threads, plan.decode_threads,
                                    tvm.__version__], sort_keys=True).encode())

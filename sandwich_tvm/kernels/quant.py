@@ -286,7 +286,7 @@ class QuantBlocks:
 
     @staticmethod
     def concat(parts: list[QuantBlocks]) -> QuantBlocks:
-        values = (None if all(p._values is None for p in parts)
+        values = (None if not any(p.exact for p in parts)
                   else (lambda: np.concatenate([np.asarray(p, np.float32) for p in parts], axis=0)))
         return QuantBlocks.later(lambda: np.concatenate([p.raw for p in parts], axis=0),
                                  sum(p.shape[0] for p in parts), parts[0].qtype, parts[0].k, values)

@@ -3,11 +3,11 @@ names as ``checkpoint.read_checkpoint`` returns them (the tokenizer is ``gguf_to
 
 F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 tensors are their own
 blocks (``QuantBlocks``), and Q4_K's and Q5_0's are regrouped as q4_1 and q8_0 blocks
-(``kernels.kquant``) when first read; the other types (with a printed note: Q5_1, the other
-K-quants, the i-quants) are
-dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a time. llama.cpp
-stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are permuted by its HF
-conversion, see ``bench.baselines.llamacpp``); they are put back in HF's rotate-half order here.
+(``kernels.kquant``) when read; the other types (with a printed note: Q5_1, the other K-quants,
+the i-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a
+time. llama.cpp stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are permuted by
+its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's rotate-half
+order here.
 """
 
 from __future__ import annotations
