@@ -57,6 +57,8 @@ setup(
             "accelerate>=1.0",
             "openai>=1.0",
             "jsonschema>=4.0",
+            # links the Arm kernels here, to run them on an emulated aarch64 (scripts/arm_env.py)
+            "ziglang>=0.13",
         ],
         # End-to-end baselines: HF transformers on torch, llama.cpp (built from source: minutes).
         "bench": ["torch==2.13.0", "transformers>=4.45"],

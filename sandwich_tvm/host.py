@@ -80,10 +80,37 @@ def max_isa() -> str | None:
     return cap or None
 
 
+# Linux's Arm hwcap bits (asm/hwcap.h) of the features above, by their cpuinfo names.
+_ARM_HWCAP = {"fp": 0, "asimd": 1, "fphp": 9, "asimdhp": 10, "asimddp": 20, "sve": 22}
+_ARM_HWCAP2 = {"sve2": 1, "i8mm": 13, "bf16": 14}
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+
+
+@lru_cache(maxsize=1)
+def arm_hwcaps() -> frozenset[str] | None:
+    """The Arm features the kernel gives this process (``getauxval(AT_HWCAP[2])``), by their
+    cpuinfo names; None off aarch64 Linux. These, not /proc/cpuinfo, are what the process may
+    execute: under user-mode emulation (qemu-aarch64) /proc/cpuinfo is the host's."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "aarch64":
+        return None
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return None
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    cap, cap2 = getauxval(_AT_HWCAP), getauxval(_AT_HWCAP2)
+    return frozenset([f for f, bit in _ARM_HWCAP.items() if cap >> bit & 1]
+                     + [f for f, bit in _ARM_HWCAP2.items() if cap2 >> bit & 1])
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags (x86 ``flags``, Arm ``Features``), less those above SANDWICH_MAX_ISA."""
+    """The CPU feature flags (x86 ``flags``, Arm hwcaps or ``Features``), less those above
+    SANDWICH_MAX_ISA."""
     info = cpuinfo()
-    flags = frozenset((info.get("flags") or info.get("Features") or "").split())
+    flags = arm_hwcaps() or frozenset((info.get("flags") or info.get("Features") or "").split())
     cap = max_isa()
     if cap:
         flags = frozenset(f for f in flags if not f.startswith(MAX_ISA_DROPS[cap]))

@@ -1,19 +1,22 @@
 """Check (and time) kernels on a CPU that has no TVM compiler: build here, run there.
 
 The micro-kernels of every ISA are built and inspected on any machine (the tests do), but an
-ISA this CPU lacks (AMX-INT8, AVX-VNNI on an AMD host) can only be *run* where it exists, and
-such a machine may hold no more than Python, numpy and TVM's runtime. So:
+ISA this CPU lacks (AMX-INT8, AVX-VNNI on an AMD host, every Arm ISA on x86) can only be *run*
+where it exists, and such a machine may hold no more than Python, numpy and TVM's runtime. So:
 
 - ``python -m sandwich_tvm.bench crosscheck build --isas amxint8,avxvnni --out DIR`` builds, for
-  each (ISA, quantized weight type), the kernels of the unit tests (every m from 1 to 300 over
+  each (ISA, weight type it computes), the kernels of the unit tests (every m from 1 to 300 over
   odd n and k, tails, split-K, the residual and silu_mul epilogues) and the default kernels of
   Llama-3.2-1B shapes, each as a shared library, with the packed weights and the inputs, into
-  ``DIR`` (a manifest, ``.so`` files and ``.npz`` data);
+  ``DIR`` (a manifest, ``.so`` files and ``.npz`` data). Kernels of another architecture (Arm
+  on an x86 host) are linked by ``zig cc`` (the ``ziglang`` wheel) where it is installed;
 - ``python -m sandwich_tvm.bench.crosscheck run DIR --json OUT`` on the target (numpy and TVM's
   runtime only: ``TVM_USE_RUNTIME_LIB=1`` works) runs each kernel against numpy, with A
   quantized the way the int8 kernels quantize it, times the Llama shapes' kernels of each ISA
   in interleaved rounds, and writes what it found, naming the CPU. It exits 1 if any check
-  fails; an ISA the CPU cannot run is reported as skipped, with the reason.
+  fails; an ISA the CPU cannot run is reported as skipped, with the reason. The target may be
+  emulated (``scripts/arm_env.py``'s ``.arm64/python`` on an x86 host): the report says so, and
+  such a bundle is built with ``--no-timing``.
 
 The run side imports nothing but numpy, TVM and ``sandwich_tvm.host``.
 """
@@ -21,15 +24,17 @@ The run side imports nothing but numpy, TVM and ``sandwich_tvm.host``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2
 CHECK_M = (1, 2, 3, 4, 5, 6, 7, 8, 17, 40, 41, 64, 127, 300)
 TIME_M = (1, 16, 64, 128, 256, 512)
 # Llama-3.2-1B's q/o projection and its up projection (n, k)
@@ -67,7 +72,7 @@ def operand_mode(isa: str) -> str:
     from ..kernels.microkernel import ISAS
 
     spec = ISAS[isa]
-    return "int8" if spec.int8_dot else "bf16" if spec.tile_rows else "float32"
+    return "int8" if spec.int8_dot else "bf16" if spec.tile_rows or spec.k_pack == 2 else "float32"
 
 
 def modes_by_m(buckets) -> list[tuple[int, str]]:
@@ -112,48 +117,102 @@ def check_buckets(isa: str, dtype: str):
             Bucket(40, mid), Bucket(1 << 62, big)]
 
 
-def _export(func, target, path: Path) -> None:
+# A triple's first part, as ``platform.machine()`` names the architecture.
+_MACHINES = {"aarch64": "aarch64", "x86_64": "x86_64"}
+
+
+def cross_linker(triple: str):
+    """A TVM ``fcompile`` that links objects for ``triple`` with ``zig cc`` (the ``ziglang``
+    wheel: a C toolchain for every target, its compiler-rt included), or None where it is not
+    installed."""
+    if importlib.util.find_spec("ziglang") is None:
+        return None
+
+    def link(output: str, objects: list[str], options=None) -> None:
+        subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", triple, "-shared", "-fPIC",
+                        "-o", output, *objects], check=True)
+
+    link.output_format = "so"  # type: ignore[attr-defined]
+    return link
+
+
+def _linker(target):
+    """How to link ``target``'s kernels here: None (this machine's compiler) or a cross linker;
+    a SystemExit naming what to install where there is none."""
+    triple = str(target.attrs.get("mtriple", ""))
+    arch = triple.split("-")[0]
+    if arch in ("", platform.machine()):
+        return None
+    linker = cross_linker(f"{_MACHINES.get(arch, arch)}-linux-gnu")
+    if linker is None:
+        raise SystemExit(f"error: kernels for {triple} need a linker for it, and this {platform.machine()} "
+                         "machine has none: pip install ziglang, or build the bundle there")
+    return linker
+
+
+def _storable(wp: np.ndarray) -> np.ndarray:
+    """A packed weight as ``np.savez`` keeps it: bf16 (ml_dtypes, which .npz loses) as its bits."""
+    return wp.view(np.uint16) if wp.dtype.name == "bfloat16" else wp
+
+
+def _packed(data, name: str, dtype: str) -> np.ndarray:
+    """The packed weight ``_storable`` kept, in the dtype the kernel reads."""
+    wp = data[name]
+    if dtype == "bfloat16" and wp.dtype == np.uint16:  # (bf16 pairs are packed as uint32)
+        import ml_dtypes  # TVM's own dependency
+
+        return wp.view(ml_dtypes.bfloat16)
+    return wp
+
+
+def _export(func, target, path: Path, linker=None) -> None:
     from ..tvm_compat import tvm
 
-    tvm.compile(tvm.IRModule({"linear": func}), target=target).export_library(str(path))
+    tvm.compile(tvm.IRModule({"linear": func}), target=target).export_library(str(path), fcompile=linker)
 
 
 def build(isas: list[str], out: Path, dtypes: list[str],
           time_shapes: tuple[tuple[int, int], ...] = TIME_SHAPES) -> dict:
     """Build every case (and the default kernels of ``time_shapes`` to time) into ``out``;
-    returns the manifest."""
+    returns the manifest. Each ISA builds the types of ``dtypes`` it computes."""
     from ..kernels.codegen import linear_primfunc
     from ..kernels.defaults import default_buckets
     from ..kernels.microkernel import ISAS
     from ..kernels.packing import WeightLayout
+    from ..kernels.quant import QTYPES
     from ..kernels.schedule import GemmShape
     from ..tvm_compat import isa_target
 
+    plan = []
+    for isa in isas:
+        if isa not in ISAS:
+            raise SystemExit(f"error: {isa!r} is not a micro-kernel ISA; one of {', '.join(ISAS)}")
+        own = [d for d in dtypes if d in ISAS[isa].dtypes]
+        if not own:
+            raise SystemExit(f"error: {isa} computes none of {', '.join(dtypes)}; it computes "
+                             f"{', '.join(ISAS[isa].dtypes)}")
+        target = isa_target(isa, 2)
+        plan.append((isa, own, target, _linker(target)))  # refused before anything is built
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    k, k_silu = 160, 96
-    data = {f"a{m}": rng.standard_normal((m, k)).astype(np.float32) for m in CHECK_M}
+    k_quant, k_float, k_silu = 160, 101, 96  # 5 blocks of 32 (a KC tail); odd (a half bf16 pair)
+    data = {f"a{k}_{m}": rng.standard_normal((m, k)).astype(np.float32)
+            for k in (k_quant, k_float) for m in CHECK_M}
     data.update({f"s{m}": rng.standard_normal((m, k_silu)).astype(np.float32) for m in (1, 3, 33, 200)})
     cases, timings = [], []
-    for isa in isas:
-        if isa not in ISAS or not ISAS[isa].quantized_unit:
-            raise SystemExit(f"error: {isa!r} is not a quantized-weight unit; one of "
-                             f"{', '.join(i for i in ISAS if ISAS[i].quantized_unit)}")
-        target, lanes = isa_target(isa, 2), ISAS[isa].lanes
-        if str(target.attrs.get("mtriple", "")).split("-")[0] not in ("", platform.machine()):
-            raise SystemExit(f"error: {isa} kernels are for {target.attrs['mtriple']}, and this "
-                             f"{platform.machine()} machine cannot link them; build the bundle there")
-        for dtype in dtypes:
-            n = 6 * lanes + 5
+    for isa, own, target, linker in plan:
+        lanes = ISAS[isa].lanes
+        for dtype in own:
+            n, k = 6 * lanes + 5, k_quant if dtype in QTYPES else k_float
             layout = WeightLayout(isa, dtype)
             wp = layout.pack(_weight(n, k, 1))
             name = f"{isa}_{dtype}"
-            data[f"{name}_wp"], data[f"{name}_w"] = wp, layout.unpack(wp, n, k)
+            data[f"{name}_wp"], data[f"{name}_w"] = _storable(wp), layout.unpack(wp, n, k)
             data[f"{name}_r"] = rng.standard_normal((max(CHECK_M), n)).astype(np.float32)
             for epilogue in ("none", "residual"):
                 buckets = check_buckets(isa, dtype)
                 func = linear_primfunc(GemmShape(n, k, dtype, epilogue), buckets)
-                _export(func, target, out / f"{name}_{epilogue}.so")
+                _export(func, target, out / f"{name}_{epilogue}.so", linker)
                 cases.append({"isa": isa, "dtype": dtype, "epilogue": epilogue, "n": n, "k": k,
                               "lib": f"{name}_{epilogue}.so", "weight": name,
                               "modes": modes_by_m(buckets)})
@@ -161,16 +220,17 @@ def build(isas: list[str], out: Path, dtypes: list[str],
             shape = GemmShape(n2, k_silu, dtype, "silu_mul")
             silu = WeightLayout(isa, dtype, interleave=True)
             wp2 = silu.pack(_weight(n2, k_silu, 3))
-            data[f"{name}_silu_wp"], data[f"{name}_silu_w"] = wp2, silu.unpack(wp2, n2, k_silu)
+            data[f"{name}_silu_wp"], data[f"{name}_silu_w"] = _storable(wp2), silu.unpack(wp2, n2, k_silu)
             buckets = default_buckets(shape, 2, None, isa)
-            _export(linear_primfunc(shape, buckets), target, out / f"{name}_silu_mul.so")
+            _export(linear_primfunc(shape, buckets), target, out / f"{name}_silu_mul.so", linker)
             cases.append({"isa": isa, "dtype": dtype, "epilogue": "silu_mul", "n": n2, "k": k_silu,
                           "lib": f"{name}_silu_mul.so", "weight": f"{name}_silu",
                           "modes": modes_by_m(buckets)})
-            for tn, tk in time_shapes:
+            for tn, tk in time_shapes if layout.quant is not None else ():
                 shape = GemmShape(tn, tk, dtype)
                 lib = f"time_{name}_{tn}x{tk}.so"
-                _export(linear_primfunc(shape, default_buckets(shape, 2, None, isa)), target, out / lib)
+                _export(linear_primfunc(shape, default_buckets(shape, 2, None, isa)), target, out / lib,
+                        linker)
                 timings.append({"isa": isa, "dtype": dtype, "n": tn, "k": tk, "lib": lib,
                                 "packed": list(WeightLayout(isa, dtype).shape(tn, tk)),
                                 "head": 2 * layout.quant.header * lanes})
@@ -186,7 +246,7 @@ def build(isas: list[str], out: Path, dtypes: list[str],
 
 def _check(fn, case: dict, data, tvm) -> dict:
     dev = tvm.cpu()
-    wp = tvm.runtime.tensor(data[case["weight"] + "_wp"])
+    wp = tvm.runtime.tensor(_packed(data, case["weight"] + "_wp", case["dtype"]))
     w = data[case["weight"] + "_w"]
     n, k, worst = case["n"], case["k"], 0.0
     if case["epilogue"] == "silu_mul":
@@ -200,7 +260,7 @@ def _check(fn, case: dict, data, tvm) -> dict:
             worst = max(worst, float(err.max()))
         return {"ok": worst <= 0, "excess": worst}
     for m in CHECK_M:
-        a = data[f"a{m}"]
+        a = data[f"a{k}_{m}"]
         want = product_as_seen(a, w, mode_at(case["modes"], m))
         y = tvm.runtime.empty((m, n), "float32", dev)
         args = [tvm.runtime.tensor(a), wp]
@@ -236,10 +296,17 @@ def run(bundle: Path, rounds: int, isas: set[str] | None = None) -> dict:
     host.enable_amx()
     data = np.load(bundle / "data.npz")
     info = host.cpuinfo()
+    # an aarch64 process reading an x86 /proc/cpuinfo runs under user-mode emulation (qemu)
+    emulated = host.arm_hwcaps() is not None and "flags" in info
     report = {"cpu": {"model": info.get("model name", "?"), "family": info.get("cpu family"),
                       "model_number": info.get("model"), "isa": host.host_isa(),
+                      "machine": platform.machine(),
+                      "emulated_on": info.get("model name", "?") if emulated else None,
                       "flags": sorted(f for f in host.cpu_flags() if f in host.LLVM_FEATURES)},
               "checks": [], "timings": []}
+    if emulated and manifest["timings"]:
+        raise SystemExit(f"error: this {platform.machine()} Python is emulated; its times would mean "
+                         "nothing: rebuild the bundle with --no-timing")
     for case in manifest["cases"]:
         if isas and case["isa"] not in isas:
             continue
@@ -289,8 +356,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     verbs = p.add_subparsers(dest="verb", required=True)
     b = verbs.add_parser("build", help="build the kernels, weights and inputs into a bundle")
     b.add_argument("--isas", default="amxdq,amxint8,avxvnni,avx512vnni",
-                   help="comma-separated quantized-weight units (default amxdq,amxint8,avxvnni,avx512vnni)")
-    b.add_argument("--dtypes", default="q8_0,q4_0,q4_1", help="comma-separated quantized weight types")
+                   help="comma-separated micro-kernel ISAs (default amxdq,amxint8,avxvnni,avx512vnni)")
+    b.add_argument("--dtypes", default="q8_0,q4_0,q4_1",
+                   help="comma-separated weight types; each ISA builds those it computes "
+                        "(default q8_0,q4_0,q4_1)")
     b.add_argument("--out", type=Path, required=True, help="the bundle directory")
     b.add_argument("--no-timing", action="store_true", help="build the checked kernels only")
     b.set_defaults(json=None)
@@ -313,7 +382,10 @@ def main_crosscheck(args: argparse.Namespace) -> int:
         save_atomic(args.json, json.dumps(report, indent=1))
     failed = [c for c in report["checks"] if c.get("ok") is False]
     ran = sum(c.get("ok") is not None for c in report["checks"])
-    print(f"{ran - len(failed)} of {ran} kernels agree with numpy on {report['cpu']['model']}"
+    cpu = report["cpu"]
+    where = (f"{cpu['machine']} ({cpu['isa']}) emulated on {cpu['emulated_on']}" if cpu["emulated_on"]
+             else cpu["model"])
+    print(f"{ran - len(failed)} of {ran} kernels agree with numpy on {where}"
           f" ({len(report['checks']) - ran} skipped)")
     return 1 if failed else 0
 

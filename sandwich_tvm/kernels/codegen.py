@@ -610,9 +610,12 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
     if tiles:  # give the tile state back (a thread without it saves and restores less)
         out += ["        " + amx("tilerelease")]
 
-    if p.pk > 1:
+    # split-K thread c >= 1 wrote its partial to P[c - 1] when it had a KC block (c x kchunk <
+    # kb: more threads than blocks leave the last ones none, and their P unwritten)
+    summed = [cc for cc in range(1, p.pk) if cc * kchunk < kb]
+    if summed:
         nch = cdiv(n, threads)
-        parts = " + ".join(f"{part}[{cc}, i, t * {nch} + j]" for cc in range(p.pk - 1))
+        parts = " + ".join(f"{part}[{cc - 1}, i, t * {nch} + j]" for cc in summed)
         out += [
             f"    for t in T.parallel({threads}):",
             "        for i in range(m):",

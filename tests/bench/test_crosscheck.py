@@ -5,10 +5,13 @@ and a kernel that disagrees fails the run."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from sandwich_tvm import host
 from sandwich_tvm.bench import crosscheck
 from sandwich_tvm.host import INT8_UNITS, can_run, host_isa
 
@@ -49,11 +52,63 @@ def test_bundle_checks_here_skips_what_this_cpu_lacks_and_fails_a_wrong_kernel(t
     assert [c["ok"] for c in report["checks"]][:2] == [False, False]
 
 
-def test_kernels_of_another_architecture_are_refused_before_building(tmp_path):
+def test_kernels_of_another_architecture_without_a_cross_linker_are_refused_before_building(
+        tmp_path, monkeypatch):
     other = "neondot" if host_isa() != "neon" else "avx512vnni"
-    with pytest.raises(SystemExit, match="cannot link them"):
-        crosscheck.build([other], tmp_path / "b", ["q8_0"], time_shapes=())
+    monkeypatch.setattr(crosscheck, "cross_linker", lambda triple: None)  # no ziglang
+    with pytest.raises(SystemExit, match="pip install ziglang"):
+        crosscheck.build([host_isa(), other], tmp_path / "b", ["q8_0"], time_shapes=())
     assert not list((tmp_path / "b").glob("*.so"))
+
+
+def test_an_isa_without_the_asked_types_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="neonbf16 computes none of q8_0"):
+        crosscheck.build(["neonbf16"], tmp_path / "b", ["q8_0"], time_shapes=())
+    with pytest.raises(SystemExit, match="not a micro-kernel ISA"):
+        crosscheck.build(["sve"], tmp_path / "b", ["q8_0"], time_shapes=())
+
+
+ARM_PYTHON = Path(__file__).resolve().parents[2] / ".arm64" / "python"
+ARM_ISAS = ["neon", "neondot", "neonbf16"]  # every Arm micro-kernel ISA
+
+
+def test_arm_kernels_agree_with_numpy_under_emulation(tmp_path):
+    """Every Arm (ISA, weight type) kernel, linked here by zig cc, runs on an emulated aarch64
+    (qemu-user ``-cpu max``: NEON, dotprod, BF16) against numpy: fp32, widened bf16/f16 and
+    dequantized q8_0/q4_0/q4_1 on NEON, int8 ``sdot`` on dotprod, ``bfdot`` pairs on BF16."""
+    from sandwich_tvm.kernels.microkernel import ISAS
+
+    if host_isa() == "neon":
+        pytest.skip("an Arm host runs these kernels in the kernel tests themselves")
+    if not ARM_PYTHON.exists():
+        pytest.skip(f"no emulated Arm Python at {ARM_PYTHON}: run `.venv/bin/python scripts/arm_env.py`")
+    if crosscheck.cross_linker("aarch64-linux-gnu") is None:
+        pytest.skip("no linker for aarch64 here: pip install ziglang")
+    dtypes = sorted({d for isa in ARM_ISAS for d in ISAS[isa].dtypes})
+    bundle = tmp_path / "arm"
+    manifest = crosscheck.build(ARM_ISAS, bundle, dtypes, time_shapes=())
+    pairs = {(c["isa"], c["dtype"]) for c in manifest["cases"]}
+    assert pairs == {(isa, d) for isa in ARM_ISAS for d in ISAS[isa].dtypes}
+    out = subprocess.run([str(ARM_PYTHON), "-m", "sandwich_tvm.bench.crosscheck", "run", str(bundle),
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["cpu"]["machine"] == "aarch64" and report["cpu"]["isa"] == "neon"
+    assert report["cpu"]["emulated_on"]  # said, so no one reads it as an Arm CPU's result
+    assert {"asimd", "asimddp", "bf16"} <= set(report["cpu"]["flags"])
+    assert len(report["checks"]) == 3 * len(pairs)
+    assert all(c["ok"] is True for c in report["checks"]), report["checks"]
+    assert f"{len(report['checks'])} of {len(report['checks'])} kernels agree" in out.stdout
+
+
+def test_an_emulated_run_refuses_to_time(tmp_path, monkeypatch):
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": crosscheck.FORMAT, "cases": [], "timings": [{"isa": "neondot"}]}))
+    np.savez(tmp_path / "data.npz", x=np.zeros(1))
+    monkeypatch.setattr(host, "arm_hwcaps", lambda: frozenset({"asimd"}))
+    monkeypatch.setattr(host, "cpuinfo", lambda: {"flags": "avx2", "model name": "x86"})
+    with pytest.raises(SystemExit, match="--no-timing"):
+        crosscheck.run(tmp_path, rounds=1)
 
 
 def test_a_bundle_of_another_format_is_refused(tmp_path):

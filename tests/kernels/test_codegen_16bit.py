@@ -115,6 +115,30 @@ def test_residual_and_silu_mul_epilogues(isa, dtype):
 
 
 @pytest.mark.parametrize(("isa", "dtype"), HALF_CASES + [(isa, "float32") for isa in ALL_ISAS])
+def test_split_k_threads_left_without_a_kc_block(isa, dtype):
+    """Split-K over more threads than KC blocks leaves the last threads none (KC counts bf16
+    pairs on the pair kernels: k = 200 is 100 of them): they add nothing. Their partial sums,
+    never written, were once added in (found running the Arm kernels under emulation)."""
+    require_runnable(isa)
+    if ISAS[isa].tile_rows:
+        pytest.skip("AMX grids are checked by the AMX buckets above")
+    shape = GemmShape(3 * ISAS[isa].lanes + 5, 200, dtype)
+    buckets = [Bucket(4, sch(isa, dtype, 2, 2, 4, 4, 256, pm=1, pn=1, pk=2)),  # one block, 2 threads
+               Bucket(1 << 62, sch(isa, dtype, 4, 2, 8, 4, 48, pm=1, pn=1, pk=4))]  # 3 or 5 blocks, 4 threads
+    fn = build(shape, buckets)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((shape.n, shape.k)).astype(np.float32)
+    wp = tvm.runtime.tensor(WeightLayout(isa, dtype).pack(w))
+    wq = quantized(w, dtype) if dtype != "float32" else w
+    for m in (1, 3, 4, 5, 9, 17):
+        a = rng.standard_normal((m, shape.k)).astype(np.float32)
+        y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), wp, y)
+        want = expected_a(a, isa).astype(np.float64) @ wq.T.astype(np.float64)
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4 * np.sqrt(shape.k), err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize(("isa", "dtype"), HALF_CASES + [(isa, "float32") for isa in ALL_ISAS])
 def test_packed_a_is_exact(isa, dtype):
     """With W = I the GEMM returns A as the kernel packed it: exactly A (fp32, widening kernels)
     or A rounded to bf16 to nearest even, ties included (pair kernels). k is even and has whole
