@@ -35,6 +35,10 @@ LLVM_FEATURES: dict[str, str] = {
     "asimd": "neon", "asimdhp": "fullfp16", "sve": "sve", "sve2": "sve2", "bf16": "bf16", "i8mm": "i8mm",
     "asimddp": "dotprod",
 }
+# Features the target leaves off though the CPU has them: TVM 0.27 lowers loops for SVE with
+# scalable vectors and emits LLVM that fails verification (``get.active.lane.mask`` with
+# mismatched types, seen building the model for an SVE Arm CPU); the kernels are NEON.
+_NOT_TARGETED = {"sve", "sve2"}
 _X86_FAMILIES = ("avx512f", "amx_tile", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
@@ -46,9 +50,51 @@ def _read(path: str) -> str:
         return ""
 
 
-@lru_cache(maxsize=1)
+# SANDWICH_CPU=FILE builds for another CPU (cross-compiling, as MLC-LLM's --host does): the
+# JSON ``python -m sandwich_tvm.host --describe`` printed on that CPU. Its machine, flags,
+# /proc/cpuinfo fields and cache sizes replace this one's wherever code is built or keyed
+# (ISA, LLVM target, kernels, CPU signature and records); ``can_run`` still answers for the
+# process itself, which runs none of it when the machines differ.
+_DESCRIPTION_KEYS = {"machine": str, "flags": list, "cpuinfo": dict, "caches_kib": list}
+
+
+@lru_cache(maxsize=4)
+def _description(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise HostError(f"SANDWICH_CPU={path} is not a CPU description ({err}); write one with "
+                        "`python -m sandwich_tvm.host --describe > FILE` on that CPU, or unset it") from err
+    bad = [k for k, kind in _DESCRIPTION_KEYS.items() if not isinstance(data.get(k) if isinstance(data, dict)
+                                                                       else None, kind)]
+    if bad or len(data["caches_kib"]) != 3:
+        raise HostError(f"SANDWICH_CPU={path} lacks {', '.join(bad) or 'three cache sizes'}; write it "
+                        "with `python -m sandwich_tvm.host --describe > FILE` on that CPU")
+    return data
+
+
+def described_cpu() -> dict | None:
+    """The CPU ``SANDWICH_CPU`` describes, or None (build for this one)."""
+    path = os.environ.get("SANDWICH_CPU", "").strip()
+    return _description(path) if path else None
+
+
+def machine() -> str:
+    """The architecture code is built for (``platform.machine()`` unless ``SANDWICH_CPU``)."""
+    import platform
+
+    desc = described_cpu()
+    return desc["machine"] if desc else platform.machine()
+
+
 def cpuinfo() -> dict[str, str]:
-    """The first processor block of /proc/cpuinfo (empty off Linux)."""
+    """The first processor block of /proc/cpuinfo (empty off Linux), or the described CPU's."""
+    desc = described_cpu()
+    return dict(desc["cpuinfo"]) if desc else _own_cpuinfo()
+
+
+@lru_cache(maxsize=1)
+def _own_cpuinfo() -> dict[str, str]:
     out: dict[str, str] = {}
     for line in _read("/proc/cpuinfo").splitlines():
         if not line.strip():
@@ -107,10 +153,27 @@ def arm_hwcaps() -> frozenset[str] | None:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags (x86 ``flags``, Arm hwcaps or ``Features``), less those above
-    SANDWICH_MAX_ISA."""
-    info = cpuinfo()
-    flags = arm_hwcaps() or frozenset((info.get("flags") or info.get("Features") or "").split())
+    """The CPU feature flags (x86 ``flags``, Arm hwcaps or ``Features``; the described CPU's),
+    less those above SANDWICH_MAX_ISA."""
+    desc = described_cpu()
+    return _capped(frozenset(desc["flags"])) if desc else _flags_of(cpuinfo())
+
+
+def _own_flags() -> frozenset[str]:
+    """The flags of the CPU this process runs on, less those above SANDWICH_MAX_ISA."""
+    return _flags_of(_own_cpuinfo())
+
+
+def _flags_of(info: dict[str, str]) -> frozenset[str]:
+    return _capped(arm_hwcaps() or frozenset((info.get("flags") or info.get("Features") or "").split()))
+
+
+def emulated() -> bool:
+    """An aarch64 process that reads an x86 /proc/cpuinfo runs under user-mode emulation (qemu)."""
+    return arm_hwcaps() is not None and "flags" in _own_cpuinfo()
+
+
+def _capped(flags: frozenset[str]) -> frozenset[str]:
     cap = max_isa()
     if cap:
         flags = frozenset(f for f in flags if not f.startswith(MAX_ISA_DROPS[cap]))
@@ -164,7 +227,7 @@ def enable_amx() -> bool:
     import ctypes
     import platform
 
-    if platform.machine() != "x86_64" or "amx_tile" not in cpu_flags():
+    if platform.machine() != "x86_64" or "amx_tile" not in _own_flags():
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
@@ -173,14 +236,22 @@ def enable_amx() -> bool:
 def can_run(isa: str) -> bool:
     """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code); AMX
     also needs the kernel's permission, which this asks for."""
+    import platform
+
     if isa in TILE_ISAS and not enable_amx():
         return False
-    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
+    return machine() == platform.machine() and isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= _own_flags()
+
+
+def _cache_sizes_kib() -> tuple[int, int, int]:
+    """Per-instance L1d, L2 and L3 sizes in KiB of CPU 0 (0 where sysfs does not say), or the
+    described CPU's."""
+    desc = described_cpu()
+    return tuple(int(v) for v in desc["caches_kib"]) if desc else _own_cache_sizes_kib()  # type: ignore[return-value]
 
 
 @lru_cache(maxsize=1)
-def _cache_sizes_kib() -> tuple[int, int, int]:
-    """Per-instance L1d, L2 and L3 sizes in KiB of CPU 0 (0 where sysfs does not say)."""
+def _own_cache_sizes_kib() -> tuple[int, int, int]:
     sizes = {1: 0, 2: 0, 3: 0}
     root = Path("/sys/devices/system/cpu/cpu0/cache")
     for index in sorted(root.glob("index*")) if root.is_dir() else []:
@@ -266,8 +337,13 @@ class CpuSignature:
         return f"{name} (family/model/stepping {fms}, {self.isa}, L1d/L2/L3 {caches})"
 
 
-@lru_cache(maxsize=1)
 def host_signature() -> CpuSignature:
+    """The signature of the CPU code is built for (this one, or ``SANDWICH_CPU``'s)."""
+    return _signature(os.environ.get("SANDWICH_CPU", "").strip(), os.environ.get("SANDWICH_MAX_ISA", ""))
+
+
+@lru_cache(maxsize=4)
+def _signature(_described: str, _cap: str) -> CpuSignature:
     info, flags = cpuinfo(), cpu_flags()
     l1, l2, l3 = _cache_sizes_kib()
     return CpuSignature(
@@ -286,7 +362,7 @@ def llvm_mattr(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     """``-mattr`` for LLVM from the CPU flags: every known feature the CPU has, and on x86 the
     wide families it lacks switched off, so a mis-guessed ``mcpu`` cannot emit them."""
     flags = cpu_flags() if flags is None else flags
-    on = [f"+{LLVM_FEATURES[f]}" for f in sorted(flags) if f in LLVM_FEATURES]
+    on = [f"+{LLVM_FEATURES[f]}" for f in sorted(flags) if f in LLVM_FEATURES and f not in _NOT_TARGETED]
     if "asimd" in flags or not flags:
         return on
     return on + [f"-{LLVM_FEATURES[f]}" for f in _X86_FAMILIES if f not in flags]
@@ -406,3 +482,31 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def describe_cpu() -> dict:
+    """This CPU as ``SANDWICH_CPU`` reads it, to build for it elsewhere. Under user-mode
+    emulation /proc/cpuinfo and the caches are the host's: the description says so instead."""
+    import platform
+
+    info, caches = _own_cpuinfo(), list(_own_cache_sizes_kib())
+    if emulated():
+        info = {"CPU implementer": "qemu", "model name": f"{platform.machine()} emulated on "
+                                                         f"{info.get('model name', '?')}"}
+    return {"machine": platform.machine(), "flags": sorted(_own_flags()), "cpuinfo": info,
+            "caches_kib": caches}
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m sandwich_tvm.host", description=__doc__)
+    parser.add_argument("--describe", action="store_true",
+                        help="print this CPU as JSON (SANDWICH_CPU=FILE builds for it elsewhere)")
+    args = parser.parse_args()
+    if not args.describe:
+        parser.print_help()
+        sys.exit(2)
+    print(json.dumps(describe_cpu(), indent=1))
+

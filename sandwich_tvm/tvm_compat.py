@@ -9,6 +9,7 @@ raises ``HostError`` before TVM reads it.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 from functools import lru_cache
 
@@ -16,11 +17,13 @@ from .host import (
     BF16_UNITS,
     INT8_UNITS,
     PROCESS_CPUS,
+    HostError,
     can_run,
     cpu_flags,
     enable_amx,
     host_isa,
     llvm_mattr,
+    machine,
     tvm_num_threads,
 )
 
@@ -116,6 +119,10 @@ def host_target(num_cores: int | None = None) -> tvm.target.Target:
     switches off the wide ones it lacks (LLVM calls some AVX2-only Zen VMs "znver4").
     """
     cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
+    if machine() != platform.machine():  # SANDWICH_CPU describes another architecture
+        return tvm.target.Target({"kind": "llvm", "mtriple": f"{machine()}-linux-gnu",
+                                  "mcpu": "generic" if machine() == "aarch64" else "x86-64",
+                                  "mattr": llvm_mattr(), "num-cores": cores})
     target = {"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores}
     mattr = llvm_mattr()
     if mattr:
@@ -140,6 +147,38 @@ _ISA_TARGETS = {
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
     "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},
 }
+
+
+def cross_linker(triple: str):
+    """A TVM ``fcompile`` linking objects for ``triple`` with ``zig cc`` (the ``ziglang`` wheel:
+    a C toolchain for every target, its compiler-rt included), or None where it is not installed."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ziglang") is None:
+        return None
+
+    def link(output: str, objects: list[str], options=None) -> None:
+        subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", triple, "-shared", "-fPIC",
+                        "-o", output, *objects], check=True)
+
+    link.output_format = "so"  # type: ignore[attr-defined]
+    return link
+
+
+def linker_for(target: tvm.target.Target):
+    """``export_library``'s ``fcompile`` for ``target``: None (this machine's compiler) or a
+    cross linker; a ``HostError`` naming what to install where there is none."""
+    triple = str(target.attrs.get("mtriple", ""))
+    arch = triple.split("-")[0]
+    if arch in ("", platform.machine()):
+        return None
+    linker = cross_linker(f"{arch}-linux-gnu")
+    if linker is None:
+        raise HostError(f"code built for {triple} needs a linker for it, and this {platform.machine()} "
+                        "machine has none: pip install ziglang, or build there")
+    return linker
 
 
 def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:

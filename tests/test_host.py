@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -157,3 +158,61 @@ def test_max_isa_gives_a_distinct_signature_and_rejects_unknown_caps(monkeypatch
     monkeypatch.setenv("SANDWICH_MAX_ISA", "avx1024")
     with pytest.raises(HostError, match="not a known cap.*avx2"):
         host.cpu_flags()
+
+
+ARM_CPU = {"machine": "aarch64",
+           "flags": ["fp", "asimd", "asimddp", "asimdhp", "bf16", "i8mm", "sve", "sve2"],
+           "cpuinfo": {"CPU implementer": "0x41", "CPU part": "0xd4f", "model name": "Neoverse V2"},
+           "caches_kib": [64, 2048, 117760]}
+
+
+def test_a_described_cpu_is_what_code_is_built_for_and_this_one_what_runs(monkeypatch, tmp_path):
+    """SANDWICH_CPU (cross-compiling): the ISA, flags, LLVM target and signature are the
+    described CPU's; can_run still answers for this process, which cannot run Arm code."""
+    import platform
+
+    from sandwich_tvm.tvm_compat import host_target, linker_for
+
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(ARM_CPU))
+    own = host.host_signature()
+    monkeypatch.setenv("SANDWICH_CPU", str(path))
+    assert host.machine() == "aarch64" and host.host_isa() == "neon"
+    assert {"asimddp", "bf16"} <= host.cpu_flags()
+    sig = host.host_signature()
+    assert sig.isa == "neon" and sig.l3_kib == 117760 and sig.slug != own.slug  # its own records
+    mattr = host.llvm_mattr()
+    assert "+dotprod" in mattr and "+bf16" in mattr and "+sve" not in mattr  # NEON kernels only
+    target = host_target(2)
+    assert str(target.attrs["mtriple"]) == "aarch64-linux-gnu"
+    if platform.machine() != "aarch64":
+        assert not host.can_run("neon") and not host.can_run(host.isa_of(host._own_flags()))
+        monkeypatch.setattr("sandwich_tvm.tvm_compat.cross_linker", lambda triple: None)
+        with pytest.raises(HostError, match="pip install ziglang"):
+            linker_for(target)
+
+
+def test_a_description_of_this_cpu_gives_its_own_signature(monkeypatch, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sandwich_tvm.host", "--describe"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    (tmp_path / "me.json").write_text(proc.stdout)
+    own = host.host_signature()
+    monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "me.json"))
+    assert host.host_signature() == own
+
+
+ONE_CACHE = '{"machine": "x86_64", "flags": [], "cpuinfo": {}, "caches_kib": [1]}'
+
+
+@pytest.mark.parametrize("text,message", [("{", "not a CPU description"),
+                                          ('{"machine": "x86_64"}', "lacks flags, cpuinfo, caches_kib"),
+                                          (ONE_CACHE, "three cache sizes")])
+def test_a_bad_cpu_description_is_refused_with_what_to_do(monkeypatch, tmp_path, text, message):
+    (tmp_path / "bad.json").write_text(text)
+    monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "bad.json"))
+    with pytest.raises(HostError, match=message) as err:
+        host.cpu_flags()
+    assert "--describe" in str(err.value)
+    monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "missing.json"))
+    with pytest.raises(HostError, match="not a CPU description"):
+        host.host_isa()

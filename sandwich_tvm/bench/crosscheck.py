@@ -24,10 +24,8 @@ The run side imports nothing but numpy, TVM and ``sandwich_tvm.host``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,37 +115,15 @@ def check_buckets(isa: str, dtype: str):
             Bucket(40, mid), Bucket(1 << 62, big)]
 
 
-# A triple's first part, as ``platform.machine()`` names the architecture.
-_MACHINES = {"aarch64": "aarch64", "x86_64": "x86_64"}
-
-
-def cross_linker(triple: str):
-    """A TVM ``fcompile`` that links objects for ``triple`` with ``zig cc`` (the ``ziglang``
-    wheel: a C toolchain for every target, its compiler-rt included), or None where it is not
-    installed."""
-    if importlib.util.find_spec("ziglang") is None:
-        return None
-
-    def link(output: str, objects: list[str], options=None) -> None:
-        subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", triple, "-shared", "-fPIC",
-                        "-o", output, *objects], check=True)
-
-    link.output_format = "so"  # type: ignore[attr-defined]
-    return link
-
-
 def _linker(target):
-    """How to link ``target``'s kernels here: None (this machine's compiler) or a cross linker;
-    a SystemExit naming what to install where there is none."""
-    triple = str(target.attrs.get("mtriple", ""))
-    arch = triple.split("-")[0]
-    if arch in ("", platform.machine()):
-        return None
-    linker = cross_linker(f"{_MACHINES.get(arch, arch)}-linux-gnu")
-    if linker is None:
-        raise SystemExit(f"error: kernels for {triple} need a linker for it, and this {platform.machine()} "
-                         "machine has none: pip install ziglang, or build the bundle there")
-    return linker
+    """``tvm_compat.linker_for``, its error a one-line exit."""
+    from ..host import HostError
+    from ..tvm_compat import linker_for
+
+    try:
+        return linker_for(target)
+    except HostError as err:
+        raise SystemExit(f"error: {err}") from err
 
 
 def _storable(wp: np.ndarray) -> np.ndarray:
@@ -296,8 +272,7 @@ def run(bundle: Path, rounds: int, isas: set[str] | None = None) -> dict:
     host.enable_amx()
     data = np.load(bundle / "data.npz")
     info = host.cpuinfo()
-    # an aarch64 process reading an x86 /proc/cpuinfo runs under user-mode emulation (qemu)
-    emulated = host.arm_hwcaps() is not None and "flags" in info
+    emulated = host.emulated()
     report = {"cpu": {"model": info.get("model name", "?"), "family": info.get("cpu family"),
                       "model_number": info.get("model"), "isa": host.host_isa(),
                       "machine": platform.machine(),

@@ -32,7 +32,7 @@ from ..model.separation import ATTENTION, WEIGHTS, AttentionRank, Role
 from ..model.shapes import linear_shapes
 from ..model.stages import Stage, split_layers
 from ..spec import RunSpec
-from ..tvm_compat import host_isa, host_target, tvm
+from ..tvm_compat import host_isa, host_target, linker_for, tvm
 from .kv_cache import replace_cache_kernels
 from .phases import select_phase_kernels
 from .pipeline import lowering_passes, schedule_passes, unscheduled
@@ -264,7 +264,7 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
             exe = tvm.compile(lowered, target, relax_pipeline=None)
     except Exception as err:  # TVM raises many types; report where it happened
         raise CompileError(f"compiling {cfg.name} failed: {err}") from err
-    lib = _export_atomic(exe, out)
+    lib = _export_atomic(exe, out, target)
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
@@ -293,12 +293,17 @@ def _check_out_dir(out: Path) -> None:
                            "choose another --out directory")
 
 
-def _export_atomic(exe, out: Path) -> Path:
-    """Write ``out/model.so`` via a temporary file in ``out`` and a rename; nothing else is touched."""
+def _export_atomic(exe, out: Path, target) -> Path:
+    """Write ``out/model.so`` via a temporary file in ``out`` and a rename; nothing else is
+    touched. Linked for ``target`` (another architecture's by ``zig cc``, ``SANDWICH_CPU``)."""
+    try:
+        linker = linker_for(target)
+    except HostError as err:
+        raise CompileError(str(err)) from err
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".so")
     os.close(fd)
     try:
-        exe.export_library(tmp)
+        exe.export_library(tmp, fcompile=linker)
         os.replace(tmp, out / "model.so")
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandwich_tvm import host
+from sandwich_tvm import host, tvm_compat
 from sandwich_tvm.bench import crosscheck
 from sandwich_tvm.host import INT8_UNITS, can_run, host_isa
 
@@ -55,7 +55,7 @@ def test_bundle_checks_here_skips_what_this_cpu_lacks_and_fails_a_wrong_kernel(t
 def test_kernels_of_another_architecture_without_a_cross_linker_are_refused_before_building(
         tmp_path, monkeypatch):
     other = "neondot" if host_isa() != "neon" else "avx512vnni"
-    monkeypatch.setattr(crosscheck, "cross_linker", lambda triple: None)  # no ziglang
+    monkeypatch.setattr(tvm_compat, "cross_linker", lambda triple: None)  # no ziglang
     with pytest.raises(SystemExit, match="pip install ziglang"):
         crosscheck.build([host_isa(), other], tmp_path / "b", ["q8_0"], time_shapes=())
     assert not list((tmp_path / "b").glob("*.so"))
@@ -82,7 +82,7 @@ def test_arm_kernels_agree_with_numpy_under_emulation(tmp_path):
         pytest.skip("an Arm host runs these kernels in the kernel tests themselves")
     if not ARM_PYTHON.exists():
         pytest.skip(f"no emulated Arm Python at {ARM_PYTHON}: run `.venv/bin/python scripts/arm_env.py`")
-    if crosscheck.cross_linker("aarch64-linux-gnu") is None:
+    if tvm_compat.cross_linker("aarch64-linux-gnu") is None:
         pytest.skip("no linker for aarch64 here: pip install ziglang")
     dtypes = sorted({d for isa in ARM_ISAS for d in ISAS[isa].dtypes})
     bundle = tmp_path / "arm"
@@ -106,7 +106,7 @@ def test_an_emulated_run_refuses_to_time(tmp_path, monkeypatch):
         {"format": crosscheck.FORMAT, "cases": [], "timings": [{"isa": "neondot"}]}))
     np.savez(tmp_path / "data.npz", x=np.zeros(1))
     monkeypatch.setattr(host, "arm_hwcaps", lambda: frozenset({"asimd"}))
-    monkeypatch.setattr(host, "cpuinfo", lambda: {"flags": "avx2", "model name": "x86"})
+    monkeypatch.setattr(host, "_own_cpuinfo", lambda: {"flags": "avx2", "model name": "x86"})
     with pytest.raises(SystemExit, match="--no-timing"):
         crosscheck.run(tmp_path, rounds=1)
 
