@@ -35,7 +35,7 @@ LLVM_FEATURES: dict[str, str] = {
     "asimd": "neon", "asimdhp": "fullfp16", "sve": "sve", "sve2": "sve2", "bf16": "bf16", "i8mm": "i8mm",
     "asimddp": "dotprod",
 }
-# Features the target leaves off though the CPU has them: TVM 0.27 lowers loops for SVE with
+# Features the target switches off though the CPU has them: TVM 0.27 lowers loops for SVE with
 # scalable vectors and emits LLVM that fails verification (``get.active.lane.mask`` with
 # mismatched types, seen building the model for an SVE Arm CPU); the kernels are NEON.
 _NOT_TARGETED = {"sve", "sve2"}
@@ -52,31 +52,61 @@ def _read(path: str) -> str:
 
 # SANDWICH_CPU=FILE builds for another CPU (cross-compiling, as MLC-LLM's --host does): the
 # JSON ``python -m sandwich_tvm.host --describe`` printed on that CPU. Its machine, flags,
-# /proc/cpuinfo fields and cache sizes replace this one's wherever code is built or keyed
-# (ISA, LLVM target, kernels, CPU signature and records); ``can_run`` still answers for the
-# process itself, which runs none of it when the machines differ.
+# /proc/cpuinfo fields and cache sizes replace this one's where code is built or keyed (ISA,
+# LLVM target, kernels, CPU signature and records); the core count and topology stay this
+# machine's. Code this process runs itself (thread-pool warm-up, probes) is built for this
+# CPU (``tvm_compat.local_target``), and what would run the described CPU's code here (serving,
+# generating, tuning, probing) refuses to start (``require_own_cpu``).
 _DESCRIPTION_KEYS = {"machine": str, "flags": list, "cpuinfo": dict, "caches_kib": list}
+MACHINES = ("x86_64", "aarch64")  # the architectures the kernels know
+
+
+def _description_error(path: str, what: str) -> HostError:
+    return HostError(f"SANDWICH_CPU={path} {what}; write it with `python -m sandwich_tvm.host --describe "
+                     "> FILE` on that CPU, or unset it")
 
 
 @lru_cache(maxsize=4)
-def _description(path: str) -> dict:
+def _description(path: str, _mtime_ns: int) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise HostError(f"SANDWICH_CPU={path} is not a CPU description ({err}); write one with "
-                        "`python -m sandwich_tvm.host --describe > FILE` on that CPU, or unset it") from err
-    bad = [k for k, kind in _DESCRIPTION_KEYS.items() if not isinstance(data.get(k) if isinstance(data, dict)
-                                                                       else None, kind)]
-    if bad or len(data["caches_kib"]) != 3:
-        raise HostError(f"SANDWICH_CPU={path} lacks {', '.join(bad) or 'three cache sizes'}; write it "
-                        "with `python -m sandwich_tvm.host --describe > FILE` on that CPU")
+        raise _description_error(path, f"is not a CPU description ({err})") from err
+    if not isinstance(data, dict):
+        raise _description_error(path, "is not a CPU description (not a JSON object)")
+    bad = [k for k, kind in _DESCRIPTION_KEYS.items() if not isinstance(data.get(k), kind)]
+    if bad:
+        raise _description_error(path, f"lacks {', '.join(bad)}")
+    if data["machine"] not in MACHINES:
+        raise _description_error(path, f"describes a {data['machine']} CPU; the kernels know "
+                                       f"{', '.join(MACHINES)}")
+    if len(data["caches_kib"]) != 3 or not all(isinstance(v, int) and v >= 0 for v in data["caches_kib"]):
+        raise _description_error(path, "lacks three cache sizes (KiB, whole numbers)")
+    if not all(isinstance(f, str) for f in data["flags"]):
+        raise _description_error(path, "has flags that are not names")
     return data
 
 
 def described_cpu() -> dict | None:
     """The CPU ``SANDWICH_CPU`` describes, or None (build for this one)."""
     path = os.environ.get("SANDWICH_CPU", "").strip()
-    return _description(path) if path else None
+    if not path:
+        return None
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError as err:
+        raise _description_error(path, f"is not a CPU description ({err})") from err
+    return _description(path, mtime)
+
+
+def require_own_cpu(what: str) -> None:
+    """Raise ``HostError`` when ``SANDWICH_CPU`` is set: ``what`` runs code on this CPU, and
+    code built for a described one may not run here (another architecture, or flags it lacks)."""
+    desc = described_cpu()
+    if desc is not None:
+        name = desc["cpuinfo"].get("model name") or desc["machine"]
+        raise HostError(f"SANDWICH_CPU is set (building for {name}), and {what} runs code on this CPU; "
+                        "unset SANDWICH_CPU to run here, or run it on that CPU")
 
 
 def machine() -> str:
@@ -88,13 +118,26 @@ def machine() -> str:
 
 
 def cpuinfo() -> dict[str, str]:
-    """The first processor block of /proc/cpuinfo (empty off Linux), or the described CPU's."""
+    """The first processor block of /proc/cpuinfo (empty off Linux), or the described CPU's.
+    Under user-mode emulation (qemu-aarch64 on x86) /proc/cpuinfo is the host's: this names the
+    emulated CPU instead."""
     desc = described_cpu()
     return dict(desc["cpuinfo"]) if desc else _own_cpuinfo()
 
 
 @lru_cache(maxsize=1)
 def _own_cpuinfo() -> dict[str, str]:
+    import platform
+
+    info = _raw_cpuinfo()
+    if emulated():
+        return {"CPU implementer": "qemu", "model name": f"{platform.machine()} emulated on "
+                                                         f"{info.get('model name', '?')}"}
+    return info
+
+
+@lru_cache(maxsize=1)
+def _raw_cpuinfo() -> dict[str, str]:
     out: dict[str, str] = {}
     for line in _read("/proc/cpuinfo").splitlines():
         if not line.strip():
@@ -104,6 +147,15 @@ def _own_cpuinfo() -> dict[str, str]:
         key, _, value = line.partition(":")
         out.setdefault(key.strip(), value.strip())
     return out
+
+
+def emulated() -> bool:
+    """Whether this process runs under user-mode emulation: ``scripts/arm_env.py``'s wrapper
+    says so (``SANDWICH_EMULATED``), or an aarch64 process reads an x86 /proc/cpuinfo (qemu
+    before 8.1 passes the host's through)."""
+    if os.environ.get("SANDWICH_EMULATED"):
+        return True
+    return arm_hwcaps() is not None and "flags" in _raw_cpuinfo()
 
 
 # SANDWICH_MAX_ISA caps the features every layer sees, as oneDNN's ONEDNN_MAX_CPU_ISA does: the
@@ -156,21 +208,15 @@ def cpu_flags() -> frozenset[str]:
     """The CPU feature flags (x86 ``flags``, Arm hwcaps or ``Features``; the described CPU's),
     less those above SANDWICH_MAX_ISA."""
     desc = described_cpu()
-    return _capped(frozenset(desc["flags"])) if desc else _flags_of(cpuinfo())
+    return _capped(frozenset(desc["flags"])) if desc else _own_flags()
 
 
-def _own_flags() -> frozenset[str]:
-    """The flags of the CPU this process runs on, less those above SANDWICH_MAX_ISA."""
-    return _flags_of(_own_cpuinfo())
-
-
-def _flags_of(info: dict[str, str]) -> frozenset[str]:
-    return _capped(arm_hwcaps() or frozenset((info.get("flags") or info.get("Features") or "").split()))
-
-
-def emulated() -> bool:
-    """An aarch64 process that reads an x86 /proc/cpuinfo runs under user-mode emulation (qemu)."""
-    return arm_hwcaps() is not None and "flags" in _own_cpuinfo()
+def _own_flags(capped: bool = True) -> frozenset[str]:
+    """The flags of the CPU this process runs on (Arm: the hwcaps the kernel gives it, else
+    /proc/cpuinfo's), less those above SANDWICH_MAX_ISA when ``capped``."""
+    info = _own_cpuinfo()
+    flags = arm_hwcaps() or frozenset((info.get("flags") or info.get("Features") or "").split())
+    return _capped(flags) if capped else flags
 
 
 def _capped(flags: frozenset[str]) -> frozenset[str]:
@@ -231,6 +277,16 @@ def enable_amx() -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
+def own_cpu_flags() -> frozenset[str]:
+    """The flags of the CPU this process runs on, whatever ``SANDWICH_CPU`` says (capped)."""
+    return _own_flags()
+
+
+def cpu_has(isa: str) -> bool:
+    """Whether the CPU code is built for (this one, or ``SANDWICH_CPU``'s) has ``isa``."""
+    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
 
 
 def can_run(isa: str) -> bool:
@@ -363,7 +419,9 @@ def llvm_mattr(flags: frozenset[str] | set[str] | None = None) -> list[str]:
     wide families it lacks switched off, so a mis-guessed ``mcpu`` cannot emit them."""
     flags = cpu_flags() if flags is None else flags
     on = [f"+{LLVM_FEATURES[f]}" for f in sorted(flags) if f in LLVM_FEATURES and f not in _NOT_TARGETED]
-    if "asimd" in flags or not flags:
+    if "asimd" in flags:  # off even where the CPU name (neoverse-v1, ...) would turn them on
+        return on + [f"-{LLVM_FEATURES[f]}" for f in sorted(_NOT_TARGETED)]
+    if not flags:
         return on
     return on + [f"-{LLVM_FEATURES[f]}" for f in _X86_FAMILIES if f not in flags]
 
@@ -485,16 +543,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def describe_cpu() -> dict:
-    """This CPU as ``SANDWICH_CPU`` reads it, to build for it elsewhere. Under user-mode
-    emulation /proc/cpuinfo and the caches are the host's: the description says so instead."""
+    """This CPU as ``SANDWICH_CPU`` reads it, to build for it elsewhere: every flag (a cap,
+    SANDWICH_MAX_ISA, applies where it is read). Under user-mode emulation the cpuinfo names
+    the emulated CPU, and the caches are the host's, which runs it."""
     import platform
 
-    info, caches = _own_cpuinfo(), list(_own_cache_sizes_kib())
-    if emulated():
-        info = {"CPU implementer": "qemu", "model name": f"{platform.machine()} emulated on "
-                                                         f"{info.get('model name', '?')}"}
-    return {"machine": platform.machine(), "flags": sorted(_own_flags()), "cpuinfo": info,
-            "caches_kib": caches}
+    return {"machine": platform.machine(), "flags": sorted(_own_flags(capped=False)),
+            "cpuinfo": _own_cpuinfo(), "caches_kib": list(_own_cache_sizes_kib())}
 
 
 if __name__ == "__main__":

@@ -18,12 +18,15 @@ from .host import (
     INT8_UNITS,
     PROCESS_CPUS,
     HostError,
-    can_run,
     cpu_flags,
+    cpu_has,
+    described_cpu,
     enable_amx,
     host_isa,
+    isa_of,
     llvm_mattr,
     machine,
+    own_cpu_flags,
     tvm_num_threads,
 )
 
@@ -99,11 +102,10 @@ def parse_tvmscript(src: str, check_well_formed: bool = True):
                                   check_well_formed=check_well_formed)
 
 
-def _mcpu() -> str:
+def _mcpu(isa: str) -> str:
     # LLVM names this Zen3 VM "znver4" and would emit AVX-512 it does not have, so the
     # CPU name is trusted only when its ISA matches the flags the kernel reports.
     system = tvm.target.codegen.llvm_get_system_cpu()
-    isa = host_isa()
     if isa == "avx512" or isa == "neon":
         return system
     if isa == "avx2":
@@ -112,19 +114,30 @@ def _mcpu() -> str:
 
 
 def host_target(num_cores: int | None = None) -> tvm.target.Target:
-    """An llvm target for this machine (dict form; MetaSchedule needs num-cores).
+    """An llvm target for the CPU code is built for (dict form; MetaSchedule needs num-cores):
+    this one (``local_target``), or the one ``SANDWICH_CPU`` describes, by its architecture,
+    a generic CPU name of its ISA and its flags."""
+    if described_cpu() is None:
+        return local_target(num_cores)
+    cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
+    arch, isa = machine(), host_isa()
+    mcpu = "generic" if arch == "aarch64" else {"avx512": "x86-64-v4", "avx2": "x86-64-v3"}.get(isa, "x86-64")
+    return tvm.target.Target({"kind": "llvm", "mtriple": f"{arch}-linux-gnu", "mcpu": mcpu,
+                              "mattr": llvm_mattr(), "num-cores": cores})
+
+
+def local_target(num_cores: int | None = None) -> tvm.target.Target:
+    """An llvm target for this machine, whatever ``SANDWICH_CPU`` says: for code this process
+    runs itself (the thread pool's warm-up, bandwidth and FMA probes).
 
     ``mattr`` lists the features the CPU flags report (AMX, AVX512-BF16, ...), which LLVM's
     name for a masked or virtual CPU may lack ("rocketlake" for a Sapphire Rapids VM), and
     switches off the wide ones it lacks (LLVM calls some AVX2-only Zen VMs "znver4").
     """
     cores = num_cores or int(os.environ["TVM_NUM_THREADS"])
-    if machine() != platform.machine():  # SANDWICH_CPU describes another architecture
-        return tvm.target.Target({"kind": "llvm", "mtriple": f"{machine()}-linux-gnu",
-                                  "mcpu": "generic" if machine() == "aarch64" else "x86-64",
-                                  "mattr": llvm_mattr(), "num-cores": cores})
-    target = {"kind": "llvm", "mcpu": _mcpu(), "num-cores": cores}
-    mattr = llvm_mattr()
+    flags = own_cpu_flags()
+    target = {"kind": "llvm", "mcpu": _mcpu(isa_of(flags)), "num-cores": cores}
+    mattr = llvm_mattr(flags)
     if mattr:
         target["mattr"] = mattr
     return tvm.target.Target(target)
@@ -185,7 +198,7 @@ def isa_target(isa: str, num_cores: int = 2) -> tvm.target.Target:
     """The host target when ``isa`` is this CPU's (or its bf16 dot-product extension and this
     CPU has it), else a generic target of that ISA."""
     units = BF16_UNITS.get(host_isa(), ()) + INT8_UNITS.get(host_isa(), ())
-    if isa == host_isa() or (isa in units and can_run(isa)):
+    if isa == host_isa() or (isa in units and cpu_has(isa)):
         return host_target(num_cores)
     if isa not in _ISA_TARGETS:
         raise ValueError(f"no target for ISA {isa!r}; known: {sorted(_ISA_TARGETS)}")
@@ -230,7 +243,7 @@ def _warm_pool_kernel():
         for i in T.parallel(64):
             a[i] = T.float32(0)
 
-    return tvm.compile(tvm.IRModule({"warm": warm}), target=host_target())["warm"]
+    return tvm.compile(tvm.IRModule({"warm": warm}), target=local_target())["warm"]
 
 
 def tensor_from_numpy(a):

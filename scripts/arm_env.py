@@ -113,13 +113,16 @@ def extract_debs(index: dict[str, dict[str, str]], names: list[str], into: Path,
 
 
 def install_wheels(site: Path, cache: Path) -> None:
-    """The aarch64 wheels of ``WHEELS`` at .venv's versions, unpacked into ``site``."""
-    if site.exists():
-        return
+    """The aarch64 wheels of ``WHEELS`` at .venv's versions, unpacked into ``site`` (again when
+    .venv's versions changed: ``site/PINS`` names those it holds)."""
     pins = [f"{w}=={importlib.metadata.version(w)}" for w in WHEELS]
+    stamp = site / "PINS"
+    if stamp.is_file() and stamp.read_text().split() == pins:
+        return
     say(f"downloading aarch64 wheels: {' '.join(pins)}")
     platforms = [a for p in ("manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64")
                  for a in ("--platform", p)]
+    shutil.rmtree(cache, ignore_errors=True)  # only these pins' wheels
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", PYTHON_VERSION, *platforms, "-d", str(cache), *pins], check=True)
     part = site.with_name(site.name + ".part")
@@ -131,6 +134,8 @@ def install_wheels(site: Path, cache: Path) -> None:
             mode = info.external_attr >> 16
             if mode & 0o111:
                 os.chmod(part / info.filename, mode & 0o777)
+    (part / "PINS").write_text("\n".join(pins) + "\n")
+    shutil.rmtree(site, ignore_errors=True)
     part.rename(site)
 
 
@@ -138,7 +143,7 @@ WRAPPER = """#!/bin/sh
 # The emulated aarch64 Python of scripts/arm_env.py, with the checkout importable.
 here=$(dirname "$(readlink -f "$0")")
 exec "$here/qemu/usr/bin/qemu-aarch64-static" -cpu max -L "$here/root" \\
-  -E PYTHONPATH="$here/site:$(dirname "$here")" -E PYTHONDONTWRITEBYTECODE=1 \\
+  -E PYTHONPATH="$here/site:$(dirname "$here")" -E PYTHONDONTWRITEBYTECODE=1 -E SANDWICH_EMULATED=1 \\
   "$here/root/usr/bin/python{version}" "$@"
 """
 
@@ -164,16 +169,18 @@ def main() -> int:
         say(f"Debian arm64 Python {PYTHON_VERSION}: {len(names)} packages")
         extract_debs(arm64, names, env / "root", cache / "debs")
     install_wheels(env / "site", cache / "wheels")
-    wrapper = env / "python"
-    wrapper.write_text(WRAPPER.format(version=PYTHON_VERSION))
-    wrapper.chmod(0o755)
-    probe = subprocess.run([str(wrapper), "-c", "import platform, numpy, tvm; "
+    wrapper, part = env / "python", env / "python.part"  # named python only once it has run
+    wrapper.unlink(missing_ok=True)
+    part.write_text(WRAPPER.format(version=PYTHON_VERSION))
+    part.chmod(0o755)
+    probe = subprocess.run([str(part), "-c", "import platform, numpy, tvm; "
                             "from sandwich_tvm.host import cpu_flags, host_isa; "
                             "print(platform.machine(), host_isa(), numpy.__version__, tvm.__version__, "
                             "' '.join(sorted(cpu_flags())))"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
         raise SystemExit(f"error: the emulated Python does not start:\n{probe.stderr[-2000:]}")
+    part.rename(wrapper)
     shutil.rmtree(cache, ignore_errors=True)  # all of it is unpacked
     say(f"ready: {wrapper} ({probe.stdout.strip()})")
     return 0

@@ -133,7 +133,8 @@ XEON_FLAGS = ZEN5_FLAGS + " avx_vnni avx512_fp16 amx_tile amx_bf16 amx_int8"
     ("amx", "avx512", {"amx_tile", "avx512_bf16"}, set()),
 ])
 def test_max_isa_caps_what_every_layer_sees(monkeypatch, cap, isa, kept, dropped):
-    monkeypatch.setattr(host, "cpuinfo", lambda: {"vendor_id": "GenuineIntel", "flags": XEON_FLAGS})
+    monkeypatch.setattr(host, "_own_cpuinfo", lambda: {"vendor_id": "GenuineIntel", "flags": XEON_FLAGS})
+    monkeypatch.setattr(host, "arm_hwcaps", lambda: None)  # (an Arm host reads its hwcaps first)
     monkeypatch.setenv("SANDWICH_MAX_ISA", cap.upper())
     flags = host.cpu_flags()
     assert kept <= flags and not dropped & flags
@@ -216,3 +217,37 @@ def test_a_bad_cpu_description_is_refused_with_what_to_do(monkeypatch, tmp_path,
     monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "missing.json"))
     with pytest.raises(HostError, match="not a CPU description"):
         host.host_isa()
+
+
+ZEN3_CPU = {"machine": "x86_64", "flags": ["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"],
+            "cpuinfo": {"vendor_id": "AuthenticAMD", "cpu family": "25", "model": "1",
+                        "model name": "AMD EPYC"},
+            "caches_kib": [32, 512, 32768]}
+
+
+def test_a_described_cpu_of_this_architecture_gets_a_generic_name_and_only_its_flags(monkeypatch, tmp_path):
+    """Not this machine's LLVM CPU name, which would add the features this CPU has beyond it."""
+    from sandwich_tvm.tvm_compat import host_target, isa_target, local_target
+
+    (tmp_path / "zen3.json").write_text(json.dumps(ZEN3_CPU))
+    own = local_target(2)
+    monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "zen3.json"))
+    target = host_target(2)
+    assert str(target.attrs["mcpu"]) == "x86-64-v3" and str(target.attrs["mtriple"]) == "x86_64-linux-gnu"
+    mattr = [str(a) for a in target.attrs["mattr"]]
+    assert "+avx2" in mattr and "-avx512f" in mattr and "+avx512vnni" not in mattr
+    assert str(isa_target("avxvnni").attrs["mcpu"]) == "x86-64-v3"  # a unit it lacks: the generic target
+    assert str(local_target(2)) == str(own)  # what this process runs is still built for itself
+
+
+def test_what_runs_code_here_refuses_to_start_under_a_described_cpu(monkeypatch, tmp_path):
+    (tmp_path / "arm.json").write_text(json.dumps(ARM_CPU))
+    env = {**os.environ, "SANDWICH_CPU": str(tmp_path / "arm.json")}
+    for argv in (["-m", "sandwich_tvm.generate", "--prompt-len", "4"],
+                 ["-m", "sandwich_tvm.bench", "gemm", "--n", "8", "--k", "32"]):
+        proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "SANDWICH_CPU is set (building for Neoverse V2)" in proc.stderr + proc.stdout
+    monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "arm.json"))
+    with pytest.raises(HostError, match="unset SANDWICH_CPU to run here"):
+        host.require_own_cpu("tuning")

@@ -39,6 +39,7 @@ from rich.table import Table
 
 from ..cli.args import positive_int, positive_ints, threads_beyond_cpus
 from ..cli.common import print_error
+from ..host import require_own_cpu
 from ..kernels.schedule import EPILOGUES
 from .agreement_cmd import add_agreement_parser, main_agreement
 from .allreduce import add_allreduce_parser, main_allreduce
@@ -359,6 +360,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=args.json)
+    if args.what != "crosscheck":  # builds for any CPU; the rest time and run code here
+        require_own_cpu(f"bench {args.what}")
     if args.what == "e2e":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_e2e(args, console)

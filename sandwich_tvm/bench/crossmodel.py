@@ -38,14 +38,18 @@ def build(model: str, out: Path, dtype: str = "float32", kv_dtype: str = "float3
     from ..host import cpu_flags, described_cpu, host_isa, machine
     from ..model.config import load_config
     from ..model.weights import load_params
-    from ..spec import RunSpec, resolve_weight_dtype
+    from ..spec import RunSpec, SpecError, resolve_activations, resolve_weight_dtype
     from ..topology.plan import ExecPlan
 
     if described_cpu() is None:
         raise SystemExit("error: set SANDWICH_CPU to the target's description "
                          "(`python -m sandwich_tvm.host --describe > FILE` on it)")
     cfg = load_config(model)
-    weight_dtype = resolve_weight_dtype(dtype, cpu_flags())[0] if dtype == "auto" else dtype
+    try:
+        weight_dtype = resolve_weight_dtype(dtype, cpu_flags())[0]
+        resolve_activations("int8" if int8_activations else "float32", weight_dtype, cpu_flags())
+    except SpecError as err:
+        raise SystemExit(f"error: {err}") from err
     spec = RunSpec(str(model), cfg, ExecPlan((0,), (0,), f"one thread on {machine()}"),
                    weight_dtype=weight_dtype, kv_dtype=kv_dtype, context=context, kv_tokens=context,
                    max_batch=1, prefill_chunk=context, int8_activations=int8_activations)
@@ -73,7 +77,7 @@ def run(bundle: Path, prompt: list[int], steps: int) -> dict:
     """Prefill ``prompt`` and decode ``steps`` greedy tokens with the bundle's model; the logits
     of the prompt's last position and of each step (numpy and TVM's runtime only)."""
     import tvm
-    from tvm import relax
+    from tvm.runtime.vm import VirtualMachine  # (tvm.relax needs the compiler)
 
     from .. import host
 
@@ -89,7 +93,10 @@ def run(bundle: Path, prompt: list[int], steps: int) -> dict:
 
             a = a.view(ml_dtypes.bfloat16)
         params.append(tvm.runtime.tensor(a))
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(bundle / "model" / "model.so")), tvm.cpu())
+    if len(prompt) + steps > manifest["context"]:
+        raise SystemExit(f"error: a prompt of {len(prompt)} tokens and {steps} steps exceed the bundle's "
+                         f"context of {manifest['context']} tokens; rebuild it with a larger --context")
+    vm = VirtualMachine(tvm.runtime.load_module(str(bundle / "model" / "model.so")), tvm.cpu())
     g, shape = tvm.get_global_func, tvm.runtime.ShapeTuple
     kv = vm["create_paged_kv_cache"](shape([1]), shape([manifest["context"]]), shape([manifest["context"]]),
                                      shape([PAGE]), shape([0]))

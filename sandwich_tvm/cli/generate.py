@@ -10,6 +10,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.markup import escape
 
+from ..host import require_own_cpu
 from ..model.tokenizer import load_model_tokenizer
 from ..runtime.engine import EngineError, check_length
 from ..runtime.loader import open_engine
@@ -68,6 +69,7 @@ def _summary(gen) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_own_cpu("generate")  # it runs code here, not for the CPU SANDWICH_CPU describes
     err = Console(stderr=True)
     log = (lambda _m: None) if args.json else (lambda m: err.print(f"[dim]{m}[/]"))
     try:

@@ -12,6 +12,7 @@ import sys
 
 from rich.console import Console
 
+from ..host import require_own_cpu
 from ..model.tokenizer import load_model_tokenizer
 from ..runtime.engine import EngineError
 from ..runtime.scheduler import SchedulerPolicy
@@ -102,6 +103,7 @@ def speculative_tokens(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_own_cpu("serve")  # it runs code here, not for the CPU SANDWICH_CPU describes
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..host import HostError, cache_dir, ensure_writable
+from ..host import HostError, cache_dir, ensure_writable, require_own_cpu
 from ..kernels.attention import DEFAULT_KV_DTYPE
 from ..kernels.quant import head_dtype
 from ..model.config import ModelConfigError
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_own_cpu("tune")  # it runs code here, not for the CPU SANDWICH_CPU describes
     console = Console(width=max(Console().width, 150))
     if args.threads is not None and (too_many := threads_beyond_cpus(args.threads)):
         print_error(console, too_many)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 
+from ..host import require_own_cpu
 from ..runtime.hosts import TOKEN_ENV, HostError, parse_hosts
 
 NODE_MODULE = "sandwich_tvm.runtime.hosts"
@@ -113,6 +114,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    require_own_cpu("worker")  # it runs code here, not for the CPU SANDWICH_CPU describes
     try:
         (listen,) = parse_hosts(args.listen)
         worker = Worker(listen.host, listen.port, args.rank_module, os.environ.get(TOKEN_ENV, ""))

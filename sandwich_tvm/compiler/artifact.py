@@ -239,6 +239,10 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
                                            dtype=dtype, int8_activations=spec.int8_activations,
                                            wider={(layer, name): d for layer, name, d in spec.wider_linears})
     target = host_target(max(plan.prefill_threads, plan.decode_threads))
+    try:
+        linker = linker_for(target)  # another architecture's (SANDWICH_CPU): zig cc, before compiling
+    except HostError as err:
+        raise CompileError(str(err)) from err
     t0 = time.perf_counter()
     log("exporting the Relax model" + (" (stock nn.Linear)" if stock else " with Sandwich kernels")
         + (f", the {part.name} side of weight-attention separation" if isinstance(part, Role) else
@@ -264,7 +268,7 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
             exe = tvm.compile(lowered, target, relax_pipeline=None)
     except Exception as err:  # TVM raises many types; report where it happened
         raise CompileError(f"compiling {cfg.name} failed: {err}") from err
-    lib = _export_atomic(exe, out, target)
+    lib = _export_atomic(exe, out, linker)
     meta = {
         "format": FORMAT, "key": key, "config": cfg.to_dict(), "stock": stock,
         "params": [[n, list(s)] for n, s in params], "isa": host_isa(), "max_batch": max_batch,
@@ -293,13 +297,9 @@ def _check_out_dir(out: Path) -> None:
                            "choose another --out directory")
 
 
-def _export_atomic(exe, out: Path, target) -> Path:
+def _export_atomic(exe, out: Path, linker=None) -> Path:
     """Write ``out/model.so`` via a temporary file in ``out`` and a rename; nothing else is
-    touched. Linked for ``target`` (another architecture's by ``zig cc``, ``SANDWICH_CPU``)."""
-    try:
-        linker = linker_for(target)
-    except HostError as err:
-        raise CompileError(str(err)) from err
+    touched. ``linker``: ``export_library``'s ``fcompile`` (None: this machine's compiler)."""
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".so")
     os.close(fd)
     try:

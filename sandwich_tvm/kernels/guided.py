@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..host import cpu_flags, host_signature
+from ..host import cpu_flags, host_signature, require_own_cpu
 from ..tvm_compat import host_isa, host_target
 from .costmodel import CostModel, training_roots
 from .database import KernelRecord, record_path, save_record
@@ -82,6 +82,7 @@ def tune_gemm_guided(
     guesses come from the records under ``transfer_roots`` (default: ``root`` or the user's
     records directory, and the shipped records). ``refine``: then search the tuned m again with the
     model's next candidates, until ``deadline`` (the module's docstring)."""
+    require_own_cpu("tuning")  # it measures kernels here
     shape, here = GemmShape(n, k, dtype, epilogue), host_signature()
     isa = kernel_isa(host_isa(), dtype, cpu_flags())
     mks = microkernels(isa, dtype)

@@ -14,8 +14,8 @@ from functools import cache
 
 import numpy as np
 
-from ..host import host_isa
-from ..tvm_compat import PROCESS_CPUS, host_target, parse_tvmscript, pin_thread_pool, tvm
+from ..host import isa_of, own_cpu_flags
+from ..tvm_compat import PROCESS_CPUS, local_target, parse_tvmscript, pin_thread_pool, tvm
 from .microkernel import ISAS
 
 CHAINS = 12
@@ -44,7 +44,7 @@ def fma_loop(x: T.Buffer(({lanes},), "float32"), out: T.Buffer(({threads}, {lane
                     out[t, l] = {total}
 '''
     mod = tvm.IRModule({"fma_loop": parse_tvmscript(src)})
-    return tvm.compile(mod, target=host_target(threads)).mod["fma_loop"]
+    return tvm.compile(mod, target=local_target(threads)).mod["fma_loop"]
 
 
 def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5,
@@ -58,7 +58,7 @@ def fma_peak_gflops(threads: int, seconds: float = 0.3, repeats: int = 5,
     threads = len(cpus)
     os.sched_setaffinity(0, PROCESS_CPUS)
     pin_thread_pool(cpus)
-    lanes = ISAS.get(host_isa(), ISAS["neon"]).lanes
+    lanes = ISAS.get(isa_of(own_cpu_flags()), ISAS["neon"]).lanes  # this CPU's: the probe runs here
     fn = _fma_loop(threads, lanes)
     x = tvm.runtime.tensor(np.full(lanes, 0.999, np.float32))
     out = tvm.runtime.empty((threads, lanes), "float32", tvm.cpu())

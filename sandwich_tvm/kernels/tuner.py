@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
-from ..host import cpu_flags, file_lock, host_signature
+from ..host import cpu_flags, file_lock, host_signature, require_own_cpu
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import (
     LOCK_NAME,
@@ -139,6 +139,7 @@ def tune_gemm(
 
     The result is saved (atomically, after every m) under ``schedules/`` or ``root``.
     """
+    require_own_cpu("tuning")  # it measures kernels here
     if n < 1 or k < 1 or threads < 1 or max_m < 1 or window < 1:
         raise ValueError(f"n={n}, k={k}, threads={threads}, max_m={max_m} and window={window} "
                          "must all be positive")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compiler.artifact import CompiledModel
+from ..host import require_own_cpu
 from ..memory import huge_page_share
 from ..model.config import LlamaConfig
 from ..spec import DEFAULT_CONTEXT
@@ -84,6 +85,7 @@ class EngineBase(ABC):
     def _limits(self, compiled: CompiledModel, plan: ExecPlan, context: int | None, prefill_chunk: int,
                 page_size: int, max_batch: int, kv_tokens: int | None) -> None:
         """The run's sizes (a ``RunSpec``'s, checked when it was resolved)."""
+        require_own_cpu("running a model")  # not one built for the CPU SANDWICH_CPU describes
         cfg = compiled.config
         self.cfg, self.plan, self.compiled = cfg, plan, compiled
         # the run spec checked these against the model and the memory (spec.check_context)

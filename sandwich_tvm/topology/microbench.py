@@ -81,12 +81,12 @@ class BandwidthProbe:
 
     def __init__(self, cpus: list[int], nbytes: int | None = None, repeats: int = 5) -> None:
         from ..memory import aligned_empty
-        from ..tvm_compat import host_target, tvm
+        from ..tvm_compat import local_target, tvm
 
         nbytes = cold_weight_bytes(256 << 20) if nbytes is None else nbytes
         k = max(64, min(2048, nbytes // (64 * 32 * 4)))  # 64 rows at least: one per thread and more
         rows = max(nbytes // (k * 32 * 4), 64)
-        exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=host_target())
+        exe = tvm.compile(tvm.IRModule({"read_sum": _read_kernel(rows, k)}), target=local_target())
         # Huge pages, as the runtime's weights use (a 4 KiB-page read runs ~1.4x slower).
         host = aligned_empty((rows, k, 4, 8))
         host[...] = 1.0  # touched: real pages
@@ -129,9 +129,9 @@ def fma_gflops(cpu: int) -> float:
 def attention_gflops(cpu: int, tokens: int = 512, heads: int = 8, head_dim: int = 64) -> float:
     """GFLOPS of the model's causal prefill attention kernel on one core (``cpu``)."""
     from ..kernels.attention import prefill_ragged_primfunc
-    from ..tvm_compat import host_target, pin_thread_pool, tvm
+    from ..tvm_compat import local_target, pin_thread_pool, tvm
 
-    run = tvm.compile(prefill_ragged_primfunc(heads, heads, head_dim), target=host_target(1))
+    run = tvm.compile(prefill_ragged_primfunc(heads, heads, head_dim), target=local_target(1))
     rng = np.random.default_rng(0)
     q, k, v = (tvm.runtime.tensor(rng.standard_normal((tokens, heads, head_dim), np.float32))
                for _ in range(3))
@@ -163,7 +163,10 @@ def profile_key(tree: TopoTree, cpu_model: str) -> str:
 def measure_profile(tree: TopoTree, cpu_model: str, *, refresh: bool = False,
                     log: Callable[[str], None] = lambda msg: None) -> MachineProfile:
     """Microbenchmark this machine (or reuse the cached result for this CPU and tree)."""
+    from ..host import require_own_cpu
     from ..tvm_compat import host_isa
+
+    require_own_cpu("profiling the machine")
 
     path = cache_dir() / "profiles" / f"{profile_key(tree, cpu_model)}.json"
     if path.is_file() and not refresh:

@@ -127,6 +127,30 @@ def test_every_m_with_tails_epilogues_and_split_k(isa, dtype):
 
 
 @quant_cases
+def test_split_k_threads_left_without_a_kc_block(isa, dtype):
+    """Split-K over more threads than KC blocks (k = 160 within one KC block; 5 blocks of 32
+    over 4 threads with KC = 64): the threads left without one add nothing."""
+    require_runnable(isa)
+    if ISAS[isa].tile_rows:
+        pytest.skip("these are vector tiles; AMX grids share the split-K store and sum they test")
+    n, k = 3 * ISAS[isa].lanes + 5, 160
+    buckets = [Bucket(4, _sch(isa, dtype, 2, 2, 4, 4, 256, pm=1, pn=1, pk=2)),
+               Bucket(1 << 62, _sch(isa, dtype, 4, 2, 8, 4, 64, pm=1, pn=1, pk=4))]
+    modes = modes_by_m(buckets)
+    fn = _build(GemmShape(n, k, dtype), buckets)
+    layout = WeightLayout(isa, dtype)
+    wp = layout.pack(_weight(n, k, 6))
+    w = layout.unpack(wp, n, k)
+    rng = np.random.default_rng(7)
+    for m in (1, 3, 4, 5, 17):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        y = tvm.runtime.empty((m, n), "float32", tvm.cpu())
+        fn(tvm.runtime.tensor(a), tvm.runtime.tensor(wp), y)
+        np.testing.assert_allclose(y.numpy(), product_as_seen(a, w, mode_at(modes, m)), rtol=1e-4,
+                                   atol=1e-4 * np.sqrt(k), err_msg=f"m={m}")
+
+
+@quant_cases
 def test_silu_mul_on_an_interleaved_quantized_gate_up(isa, dtype):
     require_runnable(isa)
     lanes, k = ISAS[isa].lanes, 96
