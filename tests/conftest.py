@@ -56,6 +56,16 @@ def _restore_affinity():
     os.sched_setaffinity(0, cpus)
 
 
+@pytest.fixture(scope="session")
+def arm_runs(tmp_path_factory):
+    """The Arm kernels and models built here and run on the emulated aarch64 (``tests/arm.py``)."""
+    from .arm import build_and_run, skip_reason
+
+    if why := skip_reason():
+        pytest.skip(why)
+    return build_and_run(tmp_path_factory.mktemp("arm"), tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture
 def trace() -> Trace:
     return Trace(prompt=np.array([32.0, 256.0, 900.0]), output=np.array([64.0, 128.0, 16.0]))

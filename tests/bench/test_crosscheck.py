@@ -5,8 +5,6 @@ and a kernel that disagrees fails the run."""
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,37 +66,25 @@ def test_an_isa_without_the_asked_types_is_refused(tmp_path):
         crosscheck.build(["sve"], tmp_path / "b", ["q8_0"], time_shapes=())
 
 
-ARM_PYTHON = Path(__file__).resolve().parents[2] / ".arm64" / "python"
-ARM_ISAS = ["neon", "neondot", "neonbf16"]  # every Arm micro-kernel ISA
-
-
-def test_arm_kernels_agree_with_numpy_under_emulation(tmp_path):
+@pytest.mark.compile
+def test_arm_kernels_agree_with_numpy_under_emulation(arm_runs):
     """Every Arm (ISA, weight type) kernel, linked here by zig cc, runs on an emulated aarch64
     (qemu-user ``-cpu max``: NEON, dotprod, BF16) against numpy: fp32, widened bf16/f16 and
     dequantized q8_0/q4_0/q4_1 on NEON, int8 ``sdot`` on dotprod, ``bfdot`` pairs on BF16."""
     from sandwich_tvm.kernels.microkernel import ISAS
 
-    if host_isa() == "neon":
-        pytest.skip("an Arm host runs these kernels in the kernel tests themselves")
-    if not ARM_PYTHON.exists():
-        pytest.skip(f"no emulated Arm Python at {ARM_PYTHON}: run `.venv/bin/python scripts/arm_env.py`")
-    if tvm_compat.cross_linker("aarch64-linux-gnu") is None:
-        pytest.skip("no linker for aarch64 here: pip install ziglang")
-    dtypes = sorted({d for isa in ARM_ISAS for d in ISAS[isa].dtypes})
-    bundle = tmp_path / "arm"
-    manifest = crosscheck.build(ARM_ISAS, bundle, dtypes, time_shapes=())
+    from ..arm import ARM_ISAS
+
+    manifest = json.loads((arm_runs.kernels / "manifest.json").read_text())
     pairs = {(c["isa"], c["dtype"]) for c in manifest["cases"]}
     assert pairs == {(isa, d) for isa in ARM_ISAS for d in ISAS[isa].dtypes}
-    out = subprocess.run([str(ARM_PYTHON), "-m", "sandwich_tvm.bench.crosscheck", "run", str(bundle),
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = arm_runs.kernel_report
     assert report["cpu"]["machine"] == "aarch64" and report["cpu"]["isa"] == "neon"
     assert report["cpu"]["emulated"] and "emulated on" in report["cpu"]["model"]  # never an Arm CPU's result
     assert {"asimd", "asimddp", "bf16"} <= set(report["cpu"]["flags"])
     assert len(report["checks"]) == 3 * len(pairs)
     assert all(c["ok"] is True for c in report["checks"]), report["checks"]
-    assert f"{len(report['checks'])} of {len(report['checks'])} kernels agree" in out.stdout
+    assert f"{len(report['checks'])} of {len(report['checks'])} kernels agree" in arm_runs.kernel_stdout
 
 
 def test_an_emulated_run_refuses_to_time(tmp_path, monkeypatch):

@@ -7,33 +7,18 @@ the tied head)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sandwich_tvm.host import host_isa
 from sandwich_tvm.kernels.quant import QTYPES
-from sandwich_tvm.tvm_compat import cross_linker
 
+from ..arm import MODEL_CASES, PROMPT, STEPS
 from .hf_models import hf_checkpoint
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.compile
-
-REPO = Path(__file__).resolve().parents[2]
-ARM_PYTHON = REPO / ".arm64" / "python"
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 1, 8, 13, 21, 60, 2, 77, 31, 90, 4, 11, 64, 35]  # 20 tokens
-STEPS = 8
-# name: (checkpoint, weight dtype, KV cache dtype, int8 activations)
-CASES = {
-    "fp32": ("gqa-tied-llama3", "float32", "float32", False),
-    "bf16-bfdot": ("gqa-tied-llama3", "bfloat16", "float16", False),
-    "q4_1-sdot": ("gqa-small", "q4_1", "int8", True),  # whole blocks of 32
-}
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -72,50 +57,17 @@ def _reference(model_dir: Path, dtype: str, int8: bool, tokens: list[int]) -> np
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
-@pytest.fixture(scope="module")
-def arm_runs(tmp_path_factory):
-    """Every case built here for the emulated CPU, then run in one emulated process."""
-    if host_isa() == "neon":
-        pytest.skip("an Arm host runs the model in the model tests themselves")
-    if not ARM_PYTHON.exists():
-        pytest.skip(f"no emulated Arm Python at {ARM_PYTHON}: run `.venv/bin/python scripts/arm_env.py`")
-    if cross_linker("aarch64-linux-gnu") is None:
-        pytest.skip("no linker for aarch64 here: pip install ziglang")
-    base = tmp_path_factory.mktemp("arm")
-    describe = subprocess.run([str(ARM_PYTHON), "-m", "sandwich_tvm.host", "--describe"], capture_output=True,
-                              text=True, timeout=300, check=True)
-    cpu = json.loads(describe.stdout)
-    assert cpu["machine"] == "aarch64" and {"asimd", "asimddp", "bf16"} <= set(cpu["flags"])
-    assert "emulated" in cpu["cpuinfo"]["model name"]  # never mistaken for an Arm CPU's own
-    (base / "cpu.json").write_text(describe.stdout)
-    env = {**os.environ, "SANDWICH_CPU": str(base / "cpu.json"), "SANDWICH_CACHE": str(base / "cache")}
-    bundles = []
-    for name, (ckpt, dtype, kv, int8) in CASES.items():
-        model_dir = hf_checkpoint(tmp_path_factory.getbasetemp(), ckpt)
-        cmd = [sys.executable, "-m", "sandwich_tvm.bench.crossmodel", "build", "--model", str(model_dir),
-               "--out", str(base / name), "--dtype", dtype, "--kv-dtype", kv, *["--int8-activations"] * int8]
-        built = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]
-        bundles.append(str(base / name))
-    prompt = ",".join(map(str, PROMPT))
-    ran = subprocess.run([str(ARM_PYTHON), "-m", "sandwich_tvm.bench.crossmodel", "run", *bundles, "--prompt",
-                          prompt, "--steps", str(STEPS), "--out", str(base / "out")],
-                         capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-    return base
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_arm_build_matches_hf_under_emulation(arm_runs, case):
-    ckpt, dtype, kv, int8 = CASES[case]
-    manifest = json.loads((arm_runs / case / "manifest.json").read_text())
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_arm_build_matches_hf_under_emulation(arm_runs, case, tmp_path_factory):
+    ckpt, dtype, kv, int8 = MODEL_CASES[case]
+    manifest = json.loads((arm_runs.models / case / "manifest.json").read_text())
     unit = {"float32": "neon", "bfloat16": "neonbf16", "q4_1": "neondot"}[dtype]
     assert (manifest["machine"], manifest["isa"], manifest["kernel_isa"]) == ("aarch64", "neon", unit)
-    out = np.load(arm_runs / "out" / f"{case}.npz")
+    out = np.load(arm_runs.models / "out" / f"{case}.npz")
     info = json.loads(str(out["info"]))
     assert info["machine"] == "aarch64" and info["emulated"]
     tokens, ours = [int(t) for t in out["tokens"]], out["logits"]
-    model_dir = arm_runs.parent / "hf" / ckpt
+    model_dir = hf_checkpoint(tmp_path_factory.getbasetemp(), ckpt)
     ref = _reference(model_dir, dtype, int8, PROMPT + tokens[:-1])[len(PROMPT) - 1:]
     assert ours.shape == ref.shape == (STEPS + 1, manifest["vocab"])
     scale = float(np.abs(ref).max())
