@@ -284,6 +284,12 @@ def own_cpu_flags() -> frozenset[str]:
     return _own_flags()
 
 
+def own_cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's first block for the CPU this process runs on, whatever ``SANDWICH_CPU``
+    says (under emulation: naming the emulated CPU)."""
+    return dict(_own_cpuinfo())
+
+
 def cpu_has(isa: str) -> bool:
     """Whether the CPU code is built for (this one, or ``SANDWICH_CPU``'s) has ``isa``."""
     return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= cpu_flags()
@@ -292,11 +298,9 @@ def cpu_has(isa: str) -> bool:
 def can_run(isa: str) -> bool:
     """Whether this CPU executes code built for ``isa`` (AVX-512 hosts also run AVX2 code); AMX
     also needs the kernel's permission, which this asks for."""
-    import platform
-
     if isa in TILE_ISAS and not enable_amx():
         return False
-    return machine() == platform.machine() and isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= _own_flags()
+    return isa in _ISA_NEEDS and _ISA_NEEDS[isa] <= _own_flags()
 
 
 def _cache_sizes_kib() -> tuple[int, int, int]:
@@ -395,7 +399,9 @@ class CpuSignature:
 
 def host_signature() -> CpuSignature:
     """The signature of the CPU code is built for (this one, or ``SANDWICH_CPU``'s)."""
-    return _signature(os.environ.get("SANDWICH_CPU", "").strip(), os.environ.get("SANDWICH_MAX_ISA", ""))
+    desc = described_cpu()
+    key = json.dumps(desc, sort_keys=True) if desc else ""
+    return _signature(key, os.environ.get("SANDWICH_MAX_ISA", ""))
 
 
 @lru_cache(maxsize=4)

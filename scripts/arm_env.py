@@ -46,7 +46,7 @@ PYTHON_VERSION = "3.11"
 
 
 def say(msg: str) -> None:
-    print(f"[arm_env] {msg}", flush=True)
+    print(f"[arm_env] {msg}", file=sys.stderr, flush=True)
 
 
 def package_index(arch: str) -> dict[str, dict[str, str]]:
@@ -170,17 +170,19 @@ def main() -> int:
         extract_debs(arm64, names, env / "root", cache / "debs")
     install_wheels(env / "site", cache / "wheels")
     wrapper, part = env / "python", env / "python.part"  # named python only once it has run
-    wrapper.unlink(missing_ok=True)
     part.write_text(WRAPPER.format(version=PYTHON_VERSION))
     part.chmod(0o755)
-    probe = subprocess.run([str(part), "-c", "import platform, numpy, tvm; "
-                            "from sandwich_tvm.host import cpu_flags, host_isa; "
-                            "print(platform.machine(), host_isa(), numpy.__version__, tvm.__version__, "
-                            "' '.join(sorted(cpu_flags())))"],
-                           capture_output=True, text=True)
+    try:
+        probe = subprocess.run([str(part), "-c", "import platform, numpy, tvm; "
+                                "from sandwich_tvm.host import cpu_flags, host_isa; "
+                                "print(platform.machine(), host_isa(), numpy.__version__, tvm.__version__, "
+                                "' '.join(sorted(cpu_flags())))"],
+                               capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as err:
+        raise SystemExit("error: the emulated Python did not start within 300 s") from err
     if probe.returncode != 0:
         raise SystemExit(f"error: the emulated Python does not start:\n{probe.stderr[-2000:]}")
-    part.rename(wrapper)
+    part.replace(wrapper)
     shutil.rmtree(cache, ignore_errors=True)  # all of it is unpacked
     say(f"ready: {wrapper} ({probe.stdout.strip()})")
     return 0

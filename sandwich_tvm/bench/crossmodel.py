@@ -76,6 +76,8 @@ def _storable(a: np.ndarray) -> np.ndarray:
 def run(bundle: Path, prompt: list[int], steps: int) -> dict:
     """Prefill ``prompt`` and decode ``steps`` greedy tokens with the bundle's model; the logits
     of the prompt's last position and of each step (numpy and TVM's runtime only)."""
+    import platform
+
     import tvm
     from tvm.runtime.vm import VirtualMachine  # (tvm.relax needs the compiler)
 
@@ -84,6 +86,8 @@ def run(bundle: Path, prompt: list[int], steps: int) -> dict:
     manifest = json.loads((bundle / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
         raise SystemExit(f"error: {bundle} is not a crossmodel bundle of format {FORMAT}; rebuild it")
+    if manifest["machine"] != platform.machine():
+        raise SystemExit(f"error: {bundle} was built for {manifest['machine']}; this is {platform.machine()}")
     data = np.load(bundle / "params.npz")
     params = []
     for i, kind in enumerate(manifest["param_dtypes"]):
@@ -115,9 +119,9 @@ def run(bundle: Path, prompt: list[int], steps: int) -> dict:
     for _ in range(steps):
         rows.append(step(vm["decode"], tokens[-1:]))
         tokens.append(int(rows[-1].argmax()))
-    info = host.cpuinfo()
-    return {"machine": host.machine(), "isa": host.host_isa(), "emulated": host.emulated(),
-            "cpu": info.get("model name", "?"), "flags": sorted(host.cpu_flags()),
+    flags = host.own_cpu_flags()  # the CPU this ran on
+    return {"machine": platform.machine(), "isa": host.isa_of(flags), "emulated": host.emulated(),
+            "cpu": host.own_cpuinfo().get("model name", "?"), "flags": sorted(flags),
             "tokens": tokens, "logits": np.stack(rows)}
 
 
@@ -141,7 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="a directory: each bundle's tokens and logits to NAME.npz (NAME: the bundle's)")
     args = parser.parse_args(argv)
     if args.verb == "build":
-        build(args.model, args.out, args.dtype, args.kv_dtype, args.context, args.int8_activations)
+        from ..compiler.artifact import CompileError
+        from ..host import HostError
+        from ..model.config import ModelConfigError
+
+        try:
+            build(args.model, args.out, args.dtype, args.kv_dtype, args.context, args.int8_activations)
+        except (CompileError, HostError, ModelConfigError) as err:  # a one-line error, not a traceback
+            raise SystemExit(f"error: {err}") from err
         return 0
     for bundle in args.bundles:  # one process: TVM's import is the slow part under emulation
         result = run(bundle, [int(t) for t in args.prompt.split(",")], args.steps)
