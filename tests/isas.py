@@ -17,6 +17,11 @@ HALF_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dty
 # Every (vector ISA, block-quantized weight type): dequantized in registers.
 QUANT_CASES = [(isa, dt) for isa, spec in sorted(ISAS.items()) for dt in spec.dtypes if dt in QTYPES]
 
+# The m a kernel's tails are checked at, from 1 to 300: every m up to 48 and from 76 to 110 (every
+# remainder of the tests' row tiles and blocks, MR <= 8 and MC <= 16 split over pm = 2 threads,
+# below and above the last bucket's edge at 80), then larger m.
+TAIL_MS = [*range(1, 49), *range(76, 111), 127, 128, 200, 255, 256, 299, 300]
+
 # What a vector register looks like in each ISA's assembly.
 VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "avx512vnni": "%zmm",
                    "avxvnni": "%ymm", "neon": ".4s", "neonbf16": ".4s", "neondot": ".4s", "amx": "%tmm",

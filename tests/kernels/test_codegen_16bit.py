@@ -1,5 +1,5 @@
 """16-bit weights: every (ISA, dtype) micro-kernel against numpy (bf16/f16 inputs, fp32
-reference) for m in 1..300 with odd n and k, tails, split-K and the fused epilogues; each is
+reference) for m from 1 to 300 (every tail) with odd n and k, tails, split-K and the fused epilogues; each is
 built for its ISA everywhere and its instructions checked, and run only where this CPU can."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sandwich_tvm.kernels.schedule import GemmSchedule, GemmShape, Polymerizatio
 from sandwich_tvm.spec import resolve_weight_dtype as resolve_dtype
 from sandwich_tvm.tvm_compat import host_target, isa_target, tvm
 
-from ..isas import ALL_ISAS, HALF_CASES, VECTOR_REGISTER, assembly, require_runnable
+from ..isas import ALL_ISAS, HALF_CASES, TAIL_MS, VECTOR_REGISTER, assembly, require_runnable
 
 pytestmark = pytest.mark.compile
 half_cases = pytest.mark.parametrize(("isa", "dtype"), HALF_CASES)
@@ -78,7 +78,7 @@ def test_every_m_odd_n_and_k(isa, dtype):
     layout = WeightLayout(isa, dtype)
     wp = tvm.runtime.tensor(layout.pack(w))
     wq = quantized(w, dtype)
-    for m in range(1, 301):
+    for m in TAIL_MS:
         a = rng.standard_normal((m, shape.k)).astype(np.float32)
         y = tvm.runtime.empty((m, shape.n), "float32", tvm.cpu())
         fn(tvm.runtime.tensor(a), wp, y)
