@@ -570,4 +570,3 @@ if __name__ == "__main__":
         parser.print_help()
         sys.exit(2)
     print(json.dumps(describe_cpu(), indent=1))
-

@@ -128,13 +128,13 @@ def _linker(target):
         raise SystemExit(f"error: {err}") from err
 
 
-def _storable(wp: np.ndarray) -> np.ndarray:
-    """A packed weight as ``np.savez`` keeps it: bf16 (ml_dtypes, which .npz loses) as its bits."""
+def storable(wp: np.ndarray) -> np.ndarray:
+    """An array as ``np.savez`` keeps it: bf16 (ml_dtypes, which .npz loses) as its bits."""
     return wp.view(np.uint16) if wp.dtype.name == "bfloat16" else wp
 
 
-def _packed(data, name: str, dtype: str) -> np.ndarray:
-    """The packed weight ``_storable`` kept, in the dtype the kernel reads."""
+def restored(data, name: str, dtype: str) -> np.ndarray:
+    """The array ``storable`` kept, in the dtype the kernel reads."""
     wp = data[name]
     if dtype == "bfloat16" and wp.dtype == np.uint16:  # (bf16 pairs are packed as uint32)
         import ml_dtypes  # TVM's own dependency
@@ -185,7 +185,7 @@ def build(isas: list[str], out: Path, dtypes: list[str],
             layout = WeightLayout(isa, dtype)
             wp = layout.pack(_weight(n, k, 1))
             name = f"{isa}_{dtype}"
-            data[f"{name}_wp"], data[f"{name}_w"] = _storable(wp), layout.unpack(wp, n, k)
+            data[f"{name}_wp"], data[f"{name}_w"] = storable(wp), layout.unpack(wp, n, k)
             data[f"{name}_r"] = rng.standard_normal((max(CHECK_M), n)).astype(np.float32)
             for epilogue in ("none", "residual"):
                 buckets = check_buckets(isa, dtype)  # (the generator's tests check well-formedness)
@@ -198,7 +198,7 @@ def build(isas: list[str], out: Path, dtypes: list[str],
             shape = GemmShape(n2, k_silu, dtype, "silu_mul")
             silu = WeightLayout(isa, dtype, interleave=True)
             wp2 = silu.pack(_weight(n2, k_silu, 3))
-            data[f"{name}_silu_wp"], data[f"{name}_silu_w"] = _storable(wp2), silu.unpack(wp2, n2, k_silu)
+            data[f"{name}_silu_wp"], data[f"{name}_silu_w"] = storable(wp2), silu.unpack(wp2, n2, k_silu)
             buckets = default_buckets(shape, 2, None, isa)
             func = linear_primfunc(shape, buckets, check_well_formed=False)
             _export(func, target, out / f"{name}_silu_mul.so", linker)
@@ -225,7 +225,7 @@ def build(isas: list[str], out: Path, dtypes: list[str],
 
 def _check(fn, case: dict, data, tvm) -> dict:
     dev = tvm.cpu()
-    wp = tvm.runtime.tensor(_packed(data, case["weight"] + "_wp", case["dtype"]))
+    wp = tvm.runtime.tensor(restored(data, case["weight"] + "_wp", case["dtype"]))
     w = data[case["weight"] + "_w"]
     n, k, worst = case["n"], case["k"], 0.0
     if case["epilogue"] == "silu_mul":

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .crosscheck import restored, storable
+
 FORMAT = 1
 PAGE = 16
 
@@ -57,7 +59,7 @@ def build(model: str, out: Path, dtype: str = "float32", kv_dtype: str = "float3
     compiled = compile_model(spec, out=out / "model", log=log)
     isa, layout_dtype = compiled.weight_layout
     params = load_params(model, cfg, compiled.params, isa, dtype=layout_dtype, layouts=compiled.layouts)
-    np.savez(out / "params.npz", **{f"p{i}": _storable(a) for i, a in enumerate(params)})
+    np.savez(out / "params.npz", **{f"p{i}": storable(a) for i, a in enumerate(params)})
     manifest = {"format": FORMAT, "model": str(model), "machine": machine(), "isa": host_isa(),
                 "kernel_isa": compiled.meta["kernel_isa"], "dtype": weight_dtype, "kv_dtype": kv_dtype,
                 "int8_activations": int8_activations,
@@ -66,11 +68,6 @@ def build(model: str, out: Path, dtype: str = "float32", kv_dtype: str = "float3
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     log(f"built {cfg.name} for {machine()} ({manifest['kernel_isa']}, {weight_dtype}) -> {out}")
     return manifest
-
-
-def _storable(a: np.ndarray) -> np.ndarray:
-    """An array as ``np.savez`` keeps it: bf16 (ml_dtypes, which .npz loses) as its bits."""
-    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
 
 
 def run(bundle: Path, prompt: list[int], steps: int) -> dict:
@@ -89,14 +86,8 @@ def run(bundle: Path, prompt: list[int], steps: int) -> dict:
     if manifest["machine"] != platform.machine():
         raise SystemExit(f"error: {bundle} was built for {manifest['machine']}; this is {platform.machine()}")
     data = np.load(bundle / "params.npz")
-    params = []
-    for i, kind in enumerate(manifest["param_dtypes"]):
-        a = data[f"p{i}"]
-        if kind == "bfloat16":
-            import ml_dtypes  # TVM's own dependency
-
-            a = a.view(ml_dtypes.bfloat16)
-        params.append(tvm.runtime.tensor(a))
+    params = [tvm.runtime.tensor(restored(data, f"p{i}", kind))
+              for i, kind in enumerate(manifest["param_dtypes"])]
     if len(prompt) + steps > manifest["context"]:
         raise SystemExit(f"error: a prompt of {len(prompt)} tokens and {steps} steps exceed the bundle's "
                          f"context of {manifest['context']} tokens; rebuild it with a larger --context")

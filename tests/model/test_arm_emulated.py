@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sandwich_tvm.bench.crosscheck import bf16_rounded, quantized_a
 from sandwich_tvm.kernels.quant import QTYPES
 
 from ..arm import MODEL_CASES, PROMPT, STEPS
@@ -19,18 +20,6 @@ from .hf_models import hf_checkpoint
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.compile
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).float()
-
-
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x quantized per row and block of 32 as the int8 kernels quantize their A, dequantized."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
-    return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
 
 
 def _reference(model_dir: Path, dtype: str, int8: bool, tokens: list[int]) -> np.ndarray:
@@ -46,14 +35,14 @@ def _reference(model_dir: Path, dtype: str, int8: bool, tokens: list[int]) -> np
             if isinstance(mod, torch.nn.Embedding | torch.nn.Linear):
                 kind = head_dtype(dtype) if name in ("lm_head", "model.embed_tokens") else dtype
                 if kind == "bfloat16":
-                    mod.weight.copy_(_bf16(mod.weight))
+                    mod.weight.copy_(torch.from_numpy(bf16_rounded(mod.weight.numpy())))
                 elif kind in QTYPES:
                     q = QTYPES[kind]
                     w = mod.weight.numpy()
                     mod.weight.copy_(torch.from_numpy(q.dequantize(q.quantize(w)).reshape(w.shape)))
             if isinstance(mod, torch.nn.Linear) and (dtype == "bfloat16" or int8):
-                rounding = _int8_rows if int8 else _bf16
-                mod.register_forward_pre_hook(lambda _m, args, r=rounding: (r(args[0]),))
+                rounding = quantized_a if int8 else bf16_rounded  # as the kernels see their inputs
+                mod.register_forward_pre_hook(lambda _m, a, r=rounding: (torch.from_numpy(r(a[0].numpy())),))
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
