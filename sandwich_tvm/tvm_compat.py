@@ -8,9 +8,11 @@ raises ``HostError`` before TVM reads it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 from .host import (
@@ -94,12 +96,36 @@ def preload_tensor_intrinsics() -> None:
         inspect.stack = real
 
 
-def parse_tvmscript(src: str, check_well_formed: bool = True):
+# Parsed kernels by their source, most recently used last: a model's build parses the same
+# generated kernels as the build before it (another stage, rank or plan of the same model, its
+# rebuild once a record lands, the tests' many small builds). TVM's IR is immutable, so one
+# PrimFunc serves every module it goes into. Kept up to PARSED_SOURCE_BYTES of source text
+# (a parsed kernel holds about 18 bytes of IR per byte of its source).
+PARSED_SOURCE_BYTES = 2 << 20
+_parsed: OrderedDict[bytes, tuple[object, bool, int]] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
+def parse_tvmscript(src: str, check_well_formed: bool = True, reuse: bool = True):
     """Parse generated TVMScript whose function is decorated ``@D.prim_func(s_tir=True)``.
     The tuner skips the well-formedness check (a third of the parse time) for candidates of a
-    generator the tests check; compiling still validates the lowered code."""
-    return tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators},
+    generator the tests check, and keeps nothing it parses (``reuse=False``: each candidate is
+    parsed once); compiling still validates the lowered code. A source parsed before (and
+    checked, if asked) is not parsed again: its PrimFunc is returned."""
+    key = hashlib.sha256(src.encode()).digest()
+    with _parsed_lock:
+        hit = _parsed.get(key)
+        if hit is not None and (hit[1] or not check_well_formed):
+            _parsed.move_to_end(key)
+            return hit[0]
+    func = tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators},
                                   check_well_formed=check_well_formed)
+    if reuse and len(src) <= PARSED_SOURCE_BYTES:
+        with _parsed_lock:
+            _parsed[key] = (func, check_well_formed, len(src))
+            while sum(size for _, _, size in _parsed.values()) > PARSED_SOURCE_BYTES:
+                _parsed.popitem(last=False)
+    return func
 
 
 def _mcpu(isa: str) -> str:

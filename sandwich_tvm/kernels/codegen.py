@@ -806,11 +806,13 @@ def _pack_a_tiles(ap: str, k: int, blocks: int) -> list[str]:
 
 
 def linear_primfunc(shape: GemmShape, buckets: Sequence[Bucket], name: str = "linear",
-                    epilogue: str | None = None, check_well_formed: bool = True) -> tvm.tirx.PrimFunc:
-    """Parse the generated kernel into a PrimFunc."""
+                    epilogue: str | None = None, check_well_formed: bool = True,
+                    reuse: bool = True) -> tvm.tirx.PrimFunc:
+    """Parse the generated kernel into a PrimFunc (the one parsed before from the same source,
+    unless ``reuse`` is off: ``parse_tvmscript``)."""
     src = linear_source(shape, buckets, name, epilogue)
     try:
-        return parse_tvmscript(src, check_well_formed)
+        return parse_tvmscript(src, check_well_formed, reuse)
     except Exception as err:  # the generator's bug, not the user's: keep the source for the report
         raise KernelError(f"generated TVMScript for {shape.name} does not parse: {err}\n{src}") from err
 

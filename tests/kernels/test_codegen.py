@@ -168,3 +168,44 @@ def test_silu_mul_epilogue_on_the_interleaved_gate_up(isa):
         np.testing.assert_allclose(y.numpy(), want, rtol=2e-4, atol=2e-3, err_msg=f"m={m}")
     with pytest.raises(KernelError, match=rf"multiple of {2 * lanes}"):
         linear_primfunc(GemmShape(200, k), buckets, epilogue="silu_mul")
+
+
+def test_a_kernel_parsed_once_serves_every_module_it_goes_into(monkeypatch):
+    """The same generated source is parsed once (``tvm_compat.parse_tvmscript``): later builds
+    get the same PrimFunc, which compiles into two modules and computes the product in each;
+    another source, a checked request of an unchecked parse, the tuner's unkept candidates and
+    a kernel pushed out of the bounded store are parsed again."""
+    from collections import OrderedDict
+
+    from sandwich_tvm import tvm_compat
+
+    parsed = []
+    real = tvm.script.from_source
+    monkeypatch.setattr(tvm.script, "from_source",
+                        lambda src, **kw: parsed.append(kw["check_well_formed"]) or real(src, **kw))
+    monkeypatch.setattr(tvm_compat, "_parsed", OrderedDict())
+    shape = GemmShape(40, 72)
+    buckets = default_buckets(shape, 2)
+    first = linear_primfunc(shape, buckets)
+    assert linear_primfunc(shape, buckets) is first and parsed == [True]
+    other = linear_primfunc(shape, buckets, name="other")
+    assert other is not first and parsed == [True, True]
+    rng, isa = np.random.default_rng(3), tvm_compat.host_isa()
+    alone = tvm.compile(tvm.IRModule({"linear": first}), target=host_target(2)).mod
+    both = tvm.compile(tvm.IRModule({"linear": first, "other": other}), target=host_target(2)).mod
+    for fn in (alone["linear"], both["linear"], both["other"]):
+        check(fn, shape, [1, 3, 37], rng, isa)
+
+    unchecked = GemmShape(48, 72)
+    linear_primfunc(unchecked, buckets, check_well_formed=False)
+    assert linear_primfunc(unchecked, buckets, check_well_formed=False) is not None
+    linear_primfunc(unchecked, buckets)  # now asked with the check: parsed again, checked
+    assert parsed == [True, True, False, True]
+    for _ in range(2):  # the tuner's candidates: parsed every time, never kept
+        linear_primfunc(GemmShape(56, 72), buckets, check_well_formed=False, reuse=False)
+    assert parsed[4:] == [False, False] and len(tvm_compat._parsed) == 3
+
+    monkeypatch.setattr(tvm_compat, "PARSED_SOURCE_BYTES", max(s for _, _, s in tvm_compat._parsed.values()))
+    linear_primfunc(shape, buckets, name="last")  # the store now holds one kernel: this one
+    assert len(tvm_compat._parsed) == 1
+    assert linear_primfunc(shape, buckets) is not first and parsed[-1] is True
