@@ -483,7 +483,7 @@ def tvm_num_threads() -> int:
 # --- files -----------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    """Where profiles, converted weights and compiled models go (``SANDWICH_CACHE``)."""
+    """Where profiles, converted weights, parsed kernels and compiled models go (``SANDWICH_CACHE``)."""
     return Path(os.environ.get("SANDWICH_CACHE", Path.home() / ".cache" / "sandwich_tvm"))
 
 

@@ -8,18 +8,22 @@ raises ``HostError`` before TVM reads it.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import hashlib
 import os
 import platform
 import threading
 from collections import OrderedDict
 from functools import lru_cache
+from pathlib import Path
 
 from .host import (
     BF16_UNITS,
     INT8_UNITS,
     PROCESS_CPUS,
     HostError,
+    cache_dir,
     cpu_flags,
     cpu_has,
     described_cpu,
@@ -29,6 +33,7 @@ from .host import (
     llvm_mattr,
     machine,
     own_cpu_flags,
+    save_atomic,
     tvm_num_threads,
 )
 
@@ -100,10 +105,36 @@ def preload_tensor_intrinsics() -> None:
 # generated kernels as the build before it (another stage, rank or plan of the same model, its
 # rebuild once a record lands, the tests' many small builds). TVM's IR is immutable, so one
 # PrimFunc serves every module it goes into. Kept up to PARSED_SOURCE_BYTES of source text
-# (a parsed kernel holds about 18 bytes of IR per byte of its source).
+# (a parsed kernel holds about 18 bytes of IR per byte of its source), and on disk in the
+# cache (``parsed_path``) for the next process.
 PARSED_SOURCE_BYTES = 2 << 20
 _parsed: OrderedDict[bytes, tuple[object, bool, int]] = OrderedDict()
 _parsed_lock = threading.Lock()
+
+
+def parsed_path(src: str) -> Path:
+    """Where the kernel parsed from ``src`` is kept between processes: TVM's JSON form of the
+    PrimFunc, gzipped, named by the source's hash, under the TVM (and its FFI's) version that
+    parsed it."""
+    import tvm_ffi
+
+    return (cache_dir() / "kernels" / f"tvm-{tvm.__version__}-ffi-{tvm_ffi.__version__}"
+            / f"{hashlib.sha256(src.encode()).hexdigest()}.json.gz")
+
+
+def _load_parsed(path: Path):
+    """The PrimFunc kept at ``path``, or None: missing, unreadable or damaged (gzip's checksum,
+    a cut file, not a PrimFunc), in which case it is parsed again and the file replaced."""
+    try:
+        func = tvm.ir.load_json(gzip.decompress(path.read_bytes()).decode())
+    except Exception:  # noqa: BLE001 (any damage means: parse the source again)
+        return None
+    return func if isinstance(func, tvm.tirx.PrimFunc) else None
+
+
+def _store_parsed(path: Path, func) -> None:
+    with contextlib.suppress(OSError):  # a read-only or full cache: the next process parses it again
+        save_atomic(path, gzip.compress(tvm.ir.save_json(func).encode(), compresslevel=1))
 
 
 def parse_tvmscript(src: str, check_well_formed: bool = True, reuse: bool = True):
@@ -111,18 +142,24 @@ def parse_tvmscript(src: str, check_well_formed: bool = True, reuse: bool = True
     The tuner skips the well-formedness check (a third of the parse time) for candidates of a
     generator the tests check, and keeps nothing it parses (``reuse=False``: each candidate is
     parsed once); compiling still validates the lowered code. A source parsed before (and
-    checked, if asked) is not parsed again: its PrimFunc is returned."""
+    checked, if asked), in this process or, checked, in another, is not parsed again."""
     key = hashlib.sha256(src.encode()).digest()
     with _parsed_lock:
         hit = _parsed.get(key)
         if hit is not None and (hit[1] or not check_well_formed):
             _parsed.move_to_end(key)
             return hit[0]
-    func = tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators},
-                                  check_well_formed=check_well_formed)
+    path = parsed_path(src) if reuse else None
+    func = _load_parsed(path) if path is not None else None
+    checked = func is not None or check_well_formed  # only checked parses are kept on disk
+    if func is None:
+        func = tvm.script.from_source(src, extra_vars={"T": T, "D": _Decorators},
+                                      check_well_formed=check_well_formed)
+        if path is not None and check_well_formed:
+            _store_parsed(path, func)
     if reuse and len(src) <= PARSED_SOURCE_BYTES:
         with _parsed_lock:
-            _parsed[key] = (func, check_well_formed, len(src))
+            _parsed[key] = (func, checked, len(src))
             while sum(size for _, _, size in _parsed.values()) > PARSED_SOURCE_BYTES:
                 _parsed.popitem(last=False)
     return func

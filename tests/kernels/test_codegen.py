@@ -170,15 +170,18 @@ def test_silu_mul_epilogue_on_the_interleaved_gate_up(isa):
         linear_primfunc(GemmShape(200, k), buckets, epilogue="silu_mul")
 
 
-def test_a_kernel_parsed_once_serves_every_module_it_goes_into(monkeypatch):
+def test_a_kernel_parsed_once_serves_every_module_it_goes_into(monkeypatch, tmp_path):
     """The same generated source is parsed once (``tvm_compat.parse_tvmscript``): later builds
     get the same PrimFunc, which compiles into two modules and computes the product in each;
-    another source, a checked request of an unchecked parse, the tuner's unkept candidates and
-    a kernel pushed out of the bounded store are parsed again."""
+    another process loads it from the cache instead of parsing it. Another source, a checked
+    request of an unchecked parse, the tuner's unkept candidates, a kernel pushed out of the
+    bounded store and a damaged cache file are parsed again."""
     from collections import OrderedDict
 
     from sandwich_tvm import tvm_compat
+    from sandwich_tvm.kernels.codegen import linear_source
 
+    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path))
     parsed = []
     real = tvm.script.from_source
     monkeypatch.setattr(tvm.script, "from_source",
@@ -196,16 +199,34 @@ def test_a_kernel_parsed_once_serves_every_module_it_goes_into(monkeypatch):
     for fn in (alone["linear"], both["linear"], both["other"]):
         check(fn, shape, [1, 3, 37], rng, isa)
 
+    # another process: nothing parsed in memory, the cache holds the checked kernel
+    stored = tvm_compat.parsed_path(linear_source(shape, buckets, "linear", None))
+    assert stored.is_file()
+    monkeypatch.setattr(tvm_compat, "_parsed", OrderedDict())
+    loaded = linear_primfunc(shape, buckets)
+    assert len(parsed) == 2 and loaded is not first
+    tvm.ir.assert_structural_equal(loaded, first)
+    check(tvm.compile(tvm.IRModule({"linear": loaded}), target=host_target(2)).mod["linear"], shape, [5],
+          rng, isa)
+    stored.write_bytes(stored.read_bytes()[:100])  # damaged: parsed again, and the file replaced
+    monkeypatch.setattr(tvm_compat, "_parsed", OrderedDict())
+    tvm.ir.assert_structural_equal(linear_primfunc(shape, buckets), first)
+    assert len(parsed) == 3 and tvm_compat._load_parsed(stored) is not None
+
     unchecked = GemmShape(48, 72)
     linear_primfunc(unchecked, buckets, check_well_formed=False)
     assert linear_primfunc(unchecked, buckets, check_well_formed=False) is not None
+    assert not tvm_compat.parsed_path(linear_source(unchecked, buckets, "linear", None)).exists()
     linear_primfunc(unchecked, buckets)  # now asked with the check: parsed again, checked
-    assert parsed == [True, True, False, True]
+    assert parsed[3:] == [False, True]
+    tuned = GemmShape(56, 72)
     for _ in range(2):  # the tuner's candidates: parsed every time, never kept
-        linear_primfunc(GemmShape(56, 72), buckets, check_well_formed=False, reuse=False)
-    assert parsed[4:] == [False, False] and len(tvm_compat._parsed) == 3
+        linear_primfunc(tuned, buckets, check_well_formed=False, reuse=False)
+    assert parsed[5:] == [False, False] and len(tvm_compat._parsed) == 2
+    assert not tvm_compat.parsed_path(linear_source(tuned, buckets, "linear", None)).exists()
 
     monkeypatch.setattr(tvm_compat, "PARSED_SOURCE_BYTES", max(s for _, _, s in tvm_compat._parsed.values()))
     linear_primfunc(shape, buckets, name="last")  # the store now holds one kernel: this one
     assert len(tvm_compat._parsed) == 1
+    stored.unlink()
     assert linear_primfunc(shape, buckets) is not first and parsed[-1] is True
