@@ -484,7 +484,8 @@ def tvm_num_threads() -> int:
 
 def cache_dir() -> Path:
     """Where profiles, converted weights, parsed kernels and compiled models go (``SANDWICH_CACHE``)."""
-    return Path(os.environ.get("SANDWICH_CACHE", Path.home() / ".cache" / "sandwich_tvm"))
+    own = os.environ.get("SANDWICH_CACHE")  # the home directory only when it is not set
+    return Path(own) if own is not None else Path.home() / ".cache" / "sandwich_tvm"
 
 
 def ensure_writable(path: Path, what: str = "directory") -> Path:

@@ -112,14 +112,27 @@ _parsed: OrderedDict[bytes, tuple[object, bool, int]] = OrderedDict()
 _parsed_lock = threading.Lock()
 
 
-def parsed_path(src: str) -> Path:
-    """Where the kernel parsed from ``src`` is kept between processes: TVM's JSON form of the
-    PrimFunc, gzipped, named by the source's hash, under the TVM (and its FFI's) version that
-    parsed it."""
+@lru_cache(maxsize=1)
+def _parser_build() -> str:
+    """The TVM build whose parser made a kept kernel: its JSON holds LLVM's intrinsic ids,
+    which change between LLVM versions and builds, so the versions, LLVM's, and the compiler
+    library's size and time name the folder."""
     import tvm_ffi
 
-    return (cache_dir() / "kernels" / f"tvm-{tvm.__version__}-ffi-{tvm_ffi.__version__}"
-            / f"{hashlib.sha256(src.encode()).hexdigest()}.json.gz")
+    lib = Path(tvm.__file__).parent / "lib" / "libtvm_compiler.so"
+    try:
+        stamp = f"{lib.stat().st_size}-{lib.stat().st_mtime_ns}"
+    except OSError:
+        stamp = "no-lib"
+    llvm = tvm.target.codegen.llvm_version_major()
+    build = f"{tvm.__version__}|{tvm_ffi.__version__}|{llvm}|{stamp}"
+    return f"tvm-{tvm.__version__}-llvm{llvm}-{hashlib.sha256(build.encode()).hexdigest()[:12]}"
+
+
+def parsed_path(src: str) -> Path:
+    """Where the kernel parsed from ``src`` is kept between processes: TVM's JSON form of the
+    PrimFunc, gzipped, named by the source's hash, under the TVM build that parsed it."""
+    return cache_dir() / "kernels" / _parser_build() / f"{hashlib.sha256(src.encode()).hexdigest()}.json.gz"
 
 
 def _load_parsed(path: Path):
@@ -133,7 +146,8 @@ def _load_parsed(path: Path):
 
 
 def _store_parsed(path: Path, func) -> None:
-    with contextlib.suppress(OSError):  # a read-only or full cache: the next process parses it again
+    # best effort (a read-only or full cache, a kernel TVM cannot save): the next process parses it
+    with contextlib.suppress(Exception):
         save_atomic(path, gzip.compress(tvm.ir.save_json(func).encode(), compresslevel=1))
 
 

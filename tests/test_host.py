@@ -251,3 +251,21 @@ def test_what_runs_code_here_refuses_to_start_under_a_described_cpu(monkeypatch,
     monkeypatch.setenv("SANDWICH_CPU", str(tmp_path / "arm.json"))
     with pytest.raises(HostError, match="unset SANDWICH_CPU to run here"):
         host.require_own_cpu("tuning")
+
+
+def test_the_cache_set_by_the_environment_needs_no_home_directory(monkeypatch, tmp_path):
+    """``SANDWICH_CACHE`` alone names the cache (every kernel parse reads it): a container with
+    no home directory does not fail."""
+    from pathlib import Path
+
+    from sandwich_tvm.host import cache_dir
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("SANDWICH_CACHE")
+    with pytest.raises(RuntimeError, match="home"):
+        cache_dir()

@@ -102,4 +102,5 @@ def materialize(mod: tvm.IRModule) -> tvm.IRModule:
     if schedule is None:
         return mod
     _, shape = workload_shape(mod)
-    return tvm.IRModule({"main": linear_primfunc(shape, [Bucket(1 << 62, schedule)], name="main")})
+    func = linear_primfunc(shape, [Bucket(1 << 62, schedule)], name="main", reuse=False)
+    return tvm.IRModule({"main": func})
