@@ -121,7 +121,8 @@ def _parser_build() -> str:
 
     lib = Path(tvm.__file__).parent / "lib" / "libtvm_compiler.so"
     try:
-        stamp = f"{lib.stat().st_size}-{lib.stat().st_mtime_ns}"
+        st = lib.stat()
+        stamp = f"{st.st_size}-{st.st_mtime_ns}"
     except OSError:
         stamp = "no-lib"
     llvm = tvm.target.codegen.llvm_version_major()
@@ -132,7 +133,11 @@ def _parser_build() -> str:
 def parsed_path(src: str) -> Path:
     """Where the kernel parsed from ``src`` is kept between processes: TVM's JSON form of the
     PrimFunc, gzipped, named by the source's hash, under the TVM build that parsed it."""
-    return cache_dir() / "kernels" / _parser_build() / f"{hashlib.sha256(src.encode()).hexdigest()}.json.gz"
+    return _kept_path(hashlib.sha256(src.encode()).digest())
+
+
+def _kept_path(key: bytes) -> Path:
+    return cache_dir() / "kernels" / _parser_build() / f"{key.hex()}.json.gz"
 
 
 def _load_parsed(path: Path):
@@ -163,7 +168,7 @@ def parse_tvmscript(src: str, check_well_formed: bool = True, reuse: bool = True
         if hit is not None and (hit[1] or not check_well_formed):
             _parsed.move_to_end(key)
             return hit[0]
-    path = parsed_path(src) if reuse else None
+    path = _kept_path(key) if reuse else None
     func = _load_parsed(path) if path is not None else None
     checked = func is not None or check_well_formed  # only checked parses are kept on disk
     if func is None:
