@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = ("llama", "mistral")
 
 
 class ModelConfigError(ValueError):
@@ -36,15 +38,17 @@ class LlamaConfig:
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # the width of one attention head; None: hidden_size / num_attention_heads (set explicitly where a
+    # model's attention is wider or narrower than its hidden states, as Mistral-Nemo's and Mistral
+    # Small 3's are: heads x head_dim != hidden_size)
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
         if problems:
             raise ModelConfigError(f"model {self.name!r}: " + "; ".join(problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's Linear layers (qkv, o, gate_up, down)."""
@@ -63,8 +67,18 @@ class LlamaConfig:
         return (tp >= 1 and self.num_attention_heads % tp == 0
                 and self.num_key_value_heads % tp == 0 and self.intermediate_size % tp == 0)
 
+    @property
+    def explicit_head_dim(self) -> bool:
+        """Whether ``head_dim`` is other than hidden_size / num_attention_heads (so must be written)."""
+        return self.head_dim * self.num_attention_heads != self.hidden_size
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, ``head_dim`` only where explicit (so that the cache keys of models that do
+        not set it stay as they were)."""
+        out = asdict(self)
+        if not self.explicit_head_dim:
+            del out["head_dim"]
+        return out
 
 
 _POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -79,10 +93,14 @@ def shape_problems(cfg: dict) -> list[str]:
     if bad:
         return bad
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    if h % heads:
+    d = cfg.get("head_dim")
+    if d is not None and (not _is_int(d) or d < 1):
+        bad.append(f"head_dim must be a positive integer, got {d!r}")
+    elif d is None and h % heads:
         bad.append(f"hidden_size {h} is not a multiple of num_attention_heads {heads}")
-    elif (h // heads) % 2:
-        bad.append(f"head_dim {h // heads} (hidden_size / num_attention_heads) is odd; RoPE rotates pairs")
+    elif (d or h // heads) % 2:
+        how = "" if d is not None else " (hidden_size / num_attention_heads)"
+        bad.append(f"head_dim {d or h // heads}{how} is odd; RoPE rotates pairs")
     if heads % kv:
         bad.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (grouped-query "
                    "attention shares each KV head among a whole number of query heads)")
@@ -235,7 +253,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         archs = [archs]
     if not isinstance(archs, list):
         raise f.fail(f"architectures must be a list of names, got {_json_type(archs)}")
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llama":
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in MODEL_TYPES:
         raise ModelConfigError(
             f"{where}: architecture {archs or raw.get('model_type')} is not supported; "
             f"sandwich-tvm serves {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -248,11 +266,10 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ModelConfigError(f"{where}: dtype {dtype!r} is not supported")
     hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
-    if hidden % heads:
-        raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-    if raw.get("head_dim") is not None and f.int("head_dim") != hidden // heads:
-        raise ModelConfigError(f"{where}: head_dim {raw['head_dim']} != hidden_size / num_attention_heads "
-                               f"({hidden // heads}) is not supported")
+    head_dim = f.int("head_dim") if raw.get("head_dim") is not None else None
+    if head_dim is None and hidden % heads:
+        raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                     "(and head_dim is not given)")
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
@@ -276,16 +293,25 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         num_key_value_heads=f.int("num_key_value_heads", heads),
         intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"),
-        max_position_embeddings=f.int("max_position_embeddings", 2048),
+        max_position_embeddings=_attended_context(f),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        head_dim=head_dim,
     )
     problems = shape_problems(kwargs)
     if problems:
         raise f.fail("; ".join(problems))
     return LlamaConfig(name=name, **kwargs)
+
+
+def _attended_context(f: _Fields) -> int:
+    """The context the model attends over whole: ``max_position_embeddings``, capped at a Mistral
+    ``sliding_window`` (within it, sliding-window attention is full attention, so capping the
+    context keeps every run exact)."""
+    most = f.int("max_position_embeddings", 2048)
+    return most if f.raw.get("sliding_window") is None else min(most, f.int("sliding_window"))
 
 
 def _linear_of(rope: dict, where: Path | str) -> dict | None:

@@ -138,14 +138,18 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   rope_theta=_f32(get("rope.freq_base", 10000.0)),
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
                   tie_word_embeddings="output.weight" not in names)
+    # an attention head's width: key_length where the converter wrote it (Mistral-Nemo, Mistral
+    # Small 3: heads x head_dim != embedding_length), else embedding_length / head_count
+    head_dim = get("attention.key_length", 0) or None
+    kwargs["head_dim"] = head_dim
     problems = shape_problems(kwargs)
     if problems:
         raise ModelConfigError(f"{path}: " + "; ".join(problems))
-    head_dim = hidden // heads
-    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+    head_dim = head_dim or hidden // heads
+    for key in ("rope.dimension_count", "attention.value_length"):
         if get(key, head_dim) != head_dim:
-            raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} "
-                                   "(embedding_length / head_count) is not supported")
+            raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} (attention."
+                                   "key_length, else embedding_length / head_count) is not supported")
     # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear
     # key, and a factor of 0 (or 1), like the type none, scales nothing
     scaling = get("rope.scaling.type", "linear")

@@ -38,7 +38,35 @@ GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm")
 # regex in turn isolates its matches within the pieces the ones before it left
 DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
                          r"\p{N}")
-SEQUENCE_PRE = {"deepseek-coder": DEEPSEEK_CODER_SPLITS}
+# DeepSeek-LLM's (LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_LLM): newlines alone, runs of cased letters and of
+# ASCII/fullwidth punctuation with at most one leading space, trailing spaces, CJK runs, digit runs
+DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    "\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
+    "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
+    "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}+",
+)
+# Mistral's tekken (Mistral-Nemo, Mistral Small 3, Pixtral), the regex of its tokenizer.json: case
+# runs split (CamelCase in two), each digit alone, no contractions
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SEQUENCE_PRE = {"deepseek-coder": DEEPSEEK_CODER_SPLITS, "deepseek-llm": DEEPSEEK_LLM_SPLITS,
+                "tekken": (TEKKEN_SPLIT,)}
+# whose merges llama.cpp ignores where a whole word is a token (tiktoken's rule)
+WHOLE_WORD_PRE = (*LLAMA3_PRE, "tekken")
 # where llama.cpp adds BOS to a byte-level vocabulary whose file does not say
 BOS_PRE = (*LLAMA3_PRE, "tekken", "chameleon")
 # tokens llama.cpp ends generation at wherever a vocabulary has them (its end-of-generation set)
@@ -108,7 +136,7 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
              for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     llama3 = pre in LLAMA3_PRE
-    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=llama3))
+    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in WHOLE_WORD_PRE))
     own_split = llama3 or pre in SEQUENCE_PRE  # else ByteLevel's GPT-2 regex splits
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_split)
     if pre in SEQUENCE_PRE:

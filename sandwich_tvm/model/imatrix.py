@@ -74,7 +74,11 @@ def read_imatrix(path: Path | str, cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 
 def _input_size(cfg: LlamaConfig, hf: str) -> int:
-    return cfg.intermediate_size if hf.endswith("mlp.down_proj.weight") else cfg.hidden_size
+    if hf.endswith("mlp.down_proj.weight"):
+        return cfg.intermediate_size
+    if hf.endswith("self_attn.o_proj.weight"):
+        return cfg.num_attention_heads * cfg.head_dim
+    return cfg.hidden_size
 
 
 def importance_of(table: dict[str, np.ndarray] | None, name: str) -> np.ndarray | None:

@@ -73,7 +73,10 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
               f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
               f"{arch}.rope.dimension_count": cfg.head_dim, f"{arch}.rope.freq_base": cfg.rope_theta,
               f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-              f"{arch}.vocab_size": cfg.vocab_size} | (meta or {})
+              f"{arch}.vocab_size": cfg.vocab_size}
+    if cfg.explicit_head_dim:  # as llama.cpp's converter writes an explicit head_dim
+        fields |= {f"{arch}.attention.{k}_length": cfg.head_dim for k in ("key", "value")}
+    fields |= meta or {}
     for key, value in fields.items():
         if value is None:
             continue

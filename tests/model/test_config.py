@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_hf_directory(tmp_path):
 @pytest.mark.parametrize(("content", "message"), [
     (None, "no config.json"),
     ("{broken", "not valid JSON"),
-    (json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}), "not supported"),
+    (json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}), "not supported"),
     (json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}), "missing fields"),
 ])
 def test_bad_model_directories(tmp_path, content, message):
@@ -62,7 +63,9 @@ GOOD = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_la
     ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
     ({"hidden_size": 62}, "hidden_size 62 is not a multiple of num_attention_heads 4"),
     ({"hidden_size": 20}, "head_dim 5 .* is odd"),
-    ({"head_dim": 32}, "head_dim 32 != hidden_size / num_attention_heads"),
+    ({"head_dim": 15}, "head_dim 15 is odd"),
+    ({"head_dim": 0}, "head_dim must be >= 1, got 0"),
+    ({"hidden_size": 62, "head_dim": "16"}, "head_dim must be an integer, got a string"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be >= 1"),
     ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number"),
     ({"rope_theta": "big"}, "rope_theta must be a positive number, got a string"),
@@ -100,3 +103,22 @@ def test_presets_are_validated_too():
 
     with pytest.raises(ModelConfigError, match="num_key_value_heads 5 does not divide"):
         replace(PRESETS["llama-160m"], num_key_value_heads=5)
+
+
+def test_an_explicit_head_dim_and_mistral(tmp_path):
+    """Heads wider than the hidden states (Mistral-Nemo: 32 x 128 != 5120) are read, kept in the
+    config's dict only where explicit, and a Mistral's sliding window caps the context (within
+    it, its attention is full attention)."""
+    mistral = GOOD | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 40,
+                      "head_dim": 16, "sliding_window": 96}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    cfg = load_config(tmp_path)
+    assert (cfg.head_dim, cfg.explicit_head_dim, cfg.max_position_embeddings) == (16, True, 96)
+    assert cfg.layer_params() == 40 * 16 * (4 + 2 * 2) + 4 * 16 * 40 + 3 * 40 * 128
+    assert type(cfg)(**cfg.to_dict()) == cfg and cfg.to_dict()["head_dim"] == 16
+    (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": None, "head_dim": 10,
+                                                                "hidden_size": 40}))
+    assert load_config(tmp_path).max_position_embeddings == 128
+    derived = load_config("llama-160m")
+    assert derived.head_dim == 64 and not derived.explicit_head_dim and "head_dim" not in derived.to_dict()
+    assert replace(derived, head_dim=64) == derived

@@ -400,9 +400,9 @@ def test_llama3_style_vocabularies_tokenize_as_llama_cpp(tmp_path, tok):
     assert load_model_tokenizer(unsaid).prompt_ids("hi") == [bos, *load_model_tokenizer(unsaid).encode("hi")]
     plain, _ = _llama3_style_gguf(tmp_path / "plain.gguf", tok, "gpt-2")  # GPT-2's split: no BOS unless said
     assert load_model_tokenizer(plain).prompt_ids("hi") == load_model_tokenizer(plain).encode("hi")
-    tekken, _ = _llama3_style_gguf(tmp_path / "tekken.gguf", tok, "tekken")
-    with pytest.raises(ModelLoadError, match="pre-tokenizer 'tekken'.*supported: llama3") as err:
-        load_model_tokenizer(tekken)
+    qwen2, _ = _llama3_style_gguf(tmp_path / "qwen2.gguf", tok, "qwen2")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'qwen2'.*supported: llama3") as err:
+        load_model_tokenizer(qwen2)
     _one_line(err)
 
 
@@ -417,6 +417,42 @@ def test_deepseek_coder_split(tmp_path, tok):
     assert [p for p, _ in split("def f(a, b):\n  return a+b # 12 \u4e1c\u4eac")] == [
         "def", f"{g}f", "(", "a", ",", f"{g}b", "):", nl, g, f"{g}return", f"{g}a", "+", "b", f"{g}#", g, "1",
         "2", g, "\u00e4\u00b8\u013e\u00e4\u00ba\u00ac"]
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["def f(a, b):\n  return a+b # 12", TEXTS[0], TEXTS[1], TEXTS[2]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
+def test_tekken_split(tmp_path, tok):
+    """Mistral's tekken split (Mistral-Nemo, Mistral Small 3): case runs apart (CamelCase in two),
+    each digit alone, punctuation with the newlines after it, a letter run with one symbol before
+    it, no contractions; a
+    whole word in the vocabulary is one token whatever the merges say (tiktoken's rule, as
+    llama.cpp's ``ignore_merges``); BOS added; and the ids llama.cpp gives, where installed."""
+    path, ids = _llama3_style_gguf(tmp_path / "tekken.gguf", tok, "tekken")
+    ours = load_model_tokenizer(path)
+    g, nl = "\u0120", "\u010a"
+    split = [p for p, _ in ours.tok.pre_tokenizer.pre_tokenize_str("HelloWorld it's 2024!\n\nx/y ABCdef")]
+    assert split == ["Hello", "World", f"{g}it", "'s", g, "2", "0", "2", "4", f"!{nl}{nl}", "x", "/y",
+                     f"{g}ABCdef"]
+    assert ours.tok.model.ignore_merges and ours.prompt_ids("hi")[0] == ids["<|begin_of_text|>"]
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["HelloWorld it's 2024!\n\nx/y ABCdef", TEXTS[0], TEXTS[1], TEXTS[2]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
+def test_deepseek_llm_split(tmp_path, tok):
+    """DeepSeek-LLM's split: newlines alone, runs of cased letters (Greek, Cyrillic too) and of
+    punctuation with at most one leading space, trailing spaces, CJK runs, digit runs; and the
+    ids llama.cpp gives, where it is installed."""
+    path, _ = _llama3_style_gguf(tmp_path / "dsl.gguf", tok, "deepseek-llm")
+    ours = load_model_tokenizer(path)
+    split = ours.tok.pre_tokenizer.pre_tokenize_str
+    g, nl = "\u0120", "\u010a"
+    assert [p for p, _ in split("Hi \u0391\u03b8\u03ae\u03bd\u03b1,\n 12 ab  ")] == [
+        "Hi", f"{g}\u00ce\u0133\u00ce\u00b8\u00ce\u00ae\u00ce\u00bd\u00ce\u00b1", ",", nl, g, "12",
+        f"{g}ab", g + g]
     llama_cpp = _llama_cpp_vocab(path)
     if llama_cpp is not None:
         for text in ["def f(a, b):\n  return a+b # 12", TEXTS[0], TEXTS[1], TEXTS[2]]:

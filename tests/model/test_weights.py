@@ -71,6 +71,29 @@ def test_packed_params_and_cache(ckpt, isa):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_mistral_checkpoint_loads_as_a_llama(tmp_path):
+    """transformers' MistralForCausalLM (Mistral-Nemo's kind: heads wider than the hidden states,
+    a sliding window) loads as the Llama it is, its context capped at the window."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=64, max_position_embeddings=256, sliding_window=128))
+    hf.save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    assert (cfg.head_dim, cfg.max_position_embeddings, cfg.num_key_value_heads) == (16, 128, 2)
+    params = params_for(cfg, ISA)
+    names = [n for n, _ in params]
+    loaded = load_params(tmp_path, cfg, params, ISA)
+    attn = hf.model.layers[0].self_attn
+    fused = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().numpy()
+    assert fused.shape == (4 * 16 + 2 * 2 * 16, 48)
+    np.testing.assert_array_equal(loaded[names.index("model.layers.0.self_attn.qkv_proj.weight")],
+                                  pack_weight(fused, ISA))
+
+
 def test_conversion_cache_is_per_isa(ckpt, monkeypatch, tmp_path):
     model_dir, cfg, _ = ckpt
     monkeypatch.setenv("SANDWICH_CACHE", str(tmp_path / "cache"))
@@ -163,7 +186,7 @@ def test_bad_model_directories(tmp_path):
         load_config(tmp_path / "nope")
     with pytest.raises(ModelConfigError, match="has no config.json"):
         load_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ModelConfigError, match="not supported"):
         load_config(tmp_path)
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):

@@ -36,7 +36,8 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
             model = transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        return transformers.LlamaForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+        # Llama or Mistral, as its config.json says
+        return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
     hf_cfg = transformers.LlamaConfig(
@@ -44,7 +45,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, head_dim=cfg.head_dim)
     model = transformers.LlamaForCausalLM(hf_cfg)
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
     model.load_state_dict(state, strict=False)
