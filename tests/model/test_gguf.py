@@ -15,7 +15,7 @@ from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
 from sandwich_tvm.model import weights
 from sandwich_tvm.model.checkpoint import ModelLoadError, random_checkpoint, read_checkpoint
 from sandwich_tvm.model.config import NAMED_MODELS, LlamaConfig, ModelConfigError, load_config
-from sandwich_tvm.model.gguf import LazyTensor, llama3_scaling, metadata
+from sandwich_tvm.model.gguf import LazyTensor, llama3_scaling, metadata, open_gguf
 from sandwich_tvm.model.rope import inv_freq
 from sandwich_tvm.model.tokenizer import load_model_tokenizer
 
@@ -520,6 +520,29 @@ def test_unsupported_architecture_and_variants(tmp_path, source):
     with pytest.raises(ModelConfigError, match="RoPE scaling 'yarn' is not supported") as err:
         load_config(yarn)
     _one_line(err)
+
+
+def test_an_explicit_head_dim_is_read_from_key_length(tmp_path, source):
+    """attention.key_length sets head_dim where heads x head_dim != embedding_length (Mistral-Nemo);
+    the weights' q/k rows come back in HF's order per head of that width; a value_length or a
+    rope.dimension_count that differs (partial rotary) is refused."""
+    from dataclasses import replace
+
+    cfg, _ = source
+    wide = replace(cfg, head_dim=24)  # 4 heads x 24 = 96 != 64
+    state = random_checkpoint(wide, seed=5)
+    path = write_gguf(tmp_path / "wide.gguf", wide, state)
+    assert metadata(open_gguf(path), "llama.attention.key_length") == 24
+    assert load_config(path) == replace(wide, name=load_config(path).name)
+    back = read_checkpoint(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.self_attn.o_proj.weight"):
+        np.testing.assert_array_equal(np.asarray(back[name]), state[name])
+    for key, value in (("llama.attention.value_length", 16), ("llama.rope.dimension_count", 12)):
+        bad = write_gguf(tmp_path / f"{key}.gguf", wide, state, meta={key: value})
+        with pytest.raises(ModelConfigError, match=f"{key} {value} != head_dim 24") as err:
+            load_config(bad)
+        _one_line(err)
 
 
 def test_gguf_without_tokenizer(tmp_path, source):
