@@ -46,6 +46,7 @@ from .allreduce import add_allreduce_parser, main_allreduce
 from .attention import add_attention_parser, main_attention
 from .cache_resident import add_cache_resident_parser, main_cache_resident
 from .cold import cold_rotation, llc_bytes_of
+from .compile_time import add_compile_parser, main_compile_time
 from .costmodel import add_costmodel_parser, main_costmodel
 from .crosscheck import add_crosscheck_parser, main_crosscheck
 from .e2e import add_e2e_parser, main_e2e
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hop_parser(sub)
     add_cache_resident_parser(sub)
     add_pool_parser(sub)
+    add_compile_parser(sub)
     return parser
 
 
@@ -407,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         except (DiscoError, HostError) as exc:
             print_error(console, exc)
             return 2
+    if args.what == "compile":
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return main_compile_time(args, console)
     if args.what == "tuning-curve":
         args.argv = list(argv) if argv is not None else sys.argv[1:]
         return main_tuning_curve(args, console)
