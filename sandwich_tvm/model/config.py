@@ -38,9 +38,10 @@ class LlamaConfig:
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    # the width of one attention head; None: hidden_size / num_attention_heads (set explicitly where a
-    # model's attention is wider or narrower than its hidden states, as Mistral-Nemo's and Mistral
-    # Small 3's are: heads x head_dim != hidden_size)
+    # the width of one attention head; None: hidden_size / num_attention_heads (explicit where a
+    # model's attention is narrower or wider than its hidden states, as Mistral-Nemo's and Mistral
+    # Small 3's is: 32 x 128 != 5120). Set in __post_init__, so dataclasses.replace keeps it: pass
+    # head_dim=None with a new hidden_size or head count to derive it again.
     head_dim: int | None = None
 
     def __post_init__(self) -> None:

@@ -146,8 +146,9 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     if problems:
         raise ModelConfigError(f"{path}: " + "; ".join(problems))
     head_dim = head_dim or hidden // heads
-    for key in ("rope.dimension_count", "attention.value_length"):
-        if get(key, head_dim) != head_dim:
+    # defaults as llama.cpp's: value_length embedding_length / head_count, the RoPE width head_dim
+    for key, default in (("rope.dimension_count", head_dim), ("attention.value_length", hidden // heads)):
+        if get(key, default) != head_dim:
             raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} (attention."
                                    "key_length, else embedding_length / head_count) is not supported")
     # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear

@@ -31,8 +31,10 @@ CONTROL, USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre values of the Llama-3 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 and kin)
-LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx", "pixtral", "lfm2")
+# tokenizer.ggml.pre values of the Llama-3 split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3, and its
+# DBRX and SMAUG, which split alike); of them llama.cpp ignores merges and adds BOS for LLAMA3's
+LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "lfm2")
+LLAMA3_SPLIT_PRE = (*LLAMA3_PRE, "smaug-bpe", "dbrx")
 GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm")
 # DeepSeek-Coder's tokenizer.json (and llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER): each
 # regex in turn isolates its matches within the pieces the ones before it left
@@ -59,13 +61,16 @@ DEEPSEEK_LLM_SPLITS = (
     r"\p{N}+",
 )
 # Mistral's tekken (Mistral-Nemo, Mistral Small 3, Pixtral), the regex of its tokenizer.json: case
-# runs split (CamelCase in two), each digit alone, no contractions
+# runs split (CamelCase in two), each digit alone, no contractions. As HF's tokenizer splits, which
+# llama.cpp's adaptation of it does not quite (it takes every non-ASCII letter for both cases and
+# combining marks for non-letters: "helloÉcole" stays one piece there)
 TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SEQUENCE_PRE = {"deepseek-coder": DEEPSEEK_CODER_SPLITS, "deepseek-llm": DEEPSEEK_LLM_SPLITS,
                 "tekken": (TEKKEN_SPLIT,)}
-# whose merges llama.cpp ignores where a whole word is a token (tiktoken's rule)
+# where a whole word that is a token is that token whatever the merges (tiktoken's rule; llama.cpp's
+# ignore_merges)
 WHOLE_WORD_PRE = (*LLAMA3_PRE, "tekken")
 # where llama.cpp adds BOS to a byte-level vocabulary whose file does not say
 BOS_PRE = (*LLAMA3_PRE, "tekken", "chameleon")
@@ -122,7 +127,7 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     """GPT-2-style byte-level BPE over ``tokens`` (ids by position) and ``merges`` ("a b")."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    known = (*LLAMA3_PRE, *GPT2_PRE, *SEQUENCE_PRE)
+    known = (*LLAMA3_SPLIT_PRE, *GPT2_PRE, *SEQUENCE_PRE)
     if pre not in known:
         raise ModelLoadError(f"{where}: its pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: "
                              f"text would be split otherwise than the model was trained on; supported: "
@@ -135,7 +140,7 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     vocab = {t if set(t) <= alphabet or i in added else "".join(spelling[b] for b in t.encode()): i
              for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    llama3 = pre in LLAMA3_PRE
+    llama3 = pre in LLAMA3_SPLIT_PRE
     tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in WHOLE_WORD_PRE))
     own_split = llama3 or pre in SEQUENCE_PRE  # else ByteLevel's GPT-2 regex splits
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_split)

@@ -436,6 +436,9 @@ def test_tekken_split(tmp_path, tok):
     assert split == ["Hello", "World", f"{g}it", "'s", g, "2", "0", "2", "4", f"!{nl}{nl}", "x", "/y",
                      f"{g}ABCdef"]
     assert ours.tok.model.ignore_merges and ours.prompt_ids("hi")[0] == ids["<|begin_of_text|>"]
+    # tokenizer.json's regex (HF's split), which llama.cpp's adaptation keeps as one piece
+    assert [p for p, _ in ours.tok.pre_tokenizer.pre_tokenize_str("hello\u00c9cole")] == [
+        "hello", "\u00c3\u012bcole"]
     llama_cpp = _llama_cpp_vocab(path)
     if llama_cpp is not None:
         for text in ["HelloWorld it's 2024!\n\nx/y ABCdef", TEXTS[0], TEXTS[1], TEXTS[2]]:
