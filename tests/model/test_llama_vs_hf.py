@@ -122,26 +122,3 @@ def test_chunked_prefill_matches_hf(hf_case, kv_dtype, precompiler):
     assert agree >= (1.0 if kv_dtype == "float32" else 0.95)  # greedy tokens (near-ties may part)
     os.sched_setaffinity(0, CPUS)
 
-
-@pytest.mark.compile
-def test_a_mistral_with_narrower_attention_matches_hf(tmp_path):
-    """Mistral-Nemo's and Mistral Small 3's kind: heads narrower than the hidden states (4 x 32 =
-    0.8 x 160, as their 32 x 128 = 0.8 x 5120), from transformers' MistralForCausalLM with a
-    sliding window (which caps the context at 128)."""
-    import transformers
-
-    torch.manual_seed(4)
-    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
-        hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=256,
-        sliding_window=128, rope_theta=1e6)).eval()
-    hf.save_pretrained(tmp_path)
-    cfg = load_config(tmp_path)
-    assert (cfg.num_attention_heads * cfg.head_dim, cfg.max_position_embeddings) == (128, 128)
-    compiled = compile_model(_spec(cfg))
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, 40)]
-    _, _, gen, ours = _run(tmp_path, compiled, prompt)
-    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
-    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
-    os.sched_setaffinity(0, CPUS)

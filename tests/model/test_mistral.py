@@ -1,0 +1,47 @@
+"""A Mistral (transformers' MistralForCausalLM) compiled and run against transformers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import compile_model
+from sandwich_tvm.model.config import load_config
+from sandwich_tvm.model.weights import load_params
+from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.spec import RunSpec
+from sandwich_tvm.topology.plan import ExecPlan
+from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
+
+torch = pytest.importorskip("torch")
+CPUS = tuple(sorted(PROCESS_CPUS))
+
+
+@pytest.mark.compile
+def test_a_mistral_with_narrower_attention_matches_hf(tmp_path):
+    """Mistral-Nemo's and Mistral Small 3's kind: heads narrower than the hidden states (4 x 32 =
+    0.8 x 160, as their 32 x 128 = 0.8 x 5120), from transformers' MistralForCausalLM with a
+    sliding window (which caps the context at 128)."""
+    import transformers
+
+    torch.manual_seed(4)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=256,
+        sliding_window=128, rope_theta=1e6)).eval()
+    hf.save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    assert (cfg.num_attention_heads * cfg.head_dim, cfg.max_position_embeddings) == (128, 128)
+    plan = ExecPlan(CPUS, CPUS, "test")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32"))
+    engine = Engine(compiled, load_params(tmp_path, cfg, compiled.params, host_isa()), plan)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, 40)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, 33, logits_out=logits)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + gen.tokens[:-1]])).logits[0, len(prompt) - 1:].numpy()
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
+    os.sched_setaffinity(0, CPUS)
