@@ -86,10 +86,15 @@ class ModelTokenizer:
 
     @cached_property
     def _template(self):
+        from datetime import datetime
+
         from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # as transformers' apply_chat_template: {% break %}/{% continue %}, raise_exception and
+        # strftime_now (Llama 3.1+'s templates date their system prompt with it)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
         def raise_exception(message: str):
             raise ChatTemplateError(message)
@@ -100,6 +105,7 @@ class ModelTokenizer:
                               sort_keys=sort_keys)
 
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = tojson
         try:
             return env.from_string(self.chat_template)

