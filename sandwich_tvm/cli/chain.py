@@ -47,7 +47,12 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
     prompt = synthetic_prompt(args.prompt_len, cfg.vocab_size) if prompt is None else prompt
     stop = set(tok.eos_ids) if tok is not None else set()
     results = {}
-    for stock in ([False] if args.no_stock else [False, True]):
+    no_stock = args.no_stock
+    if not no_stock and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+        console.print("[yellow]note:[/] TVM's stock build does not scale RoPE by YaRN as the model does; "
+                      "skipping it")
+        no_stock = True
+    for stock in ([False] if no_stock else [False, True]):
         name = "tvm-stock" if stock else "sandwich"
         run = (replace(spec, stock=True, weight_dtype="float32", kv_dtype="float32", plan=plan.one_process())
                if stock else spec)

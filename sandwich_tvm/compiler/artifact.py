@@ -211,6 +211,9 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     baseline."""
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
+    if stock and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+        raise CompileError(f"{cfg.name} scales RoPE by YaRN, which TVM's stock build does not do as "
+                           "transformers and llama.cpp do (no attention factor); run it without --stock")
     part = model_part(spec, stage)
     try:
         key = build_key(spec, part)

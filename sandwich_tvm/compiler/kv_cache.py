@@ -15,7 +15,7 @@ from ..kernels.attention_amx import prefill_paged_amx_primfunc, prefill_ragged_a
 from ..kernels.kv_int8 import merge_state_primfunc
 from ..kernels.rope import rope_primfunc
 from ..model.config import LlamaConfig
-from ..model.rope import inv_freq
+from ..model.rope import attention_factor, inv_freq
 from ..tvm_compat import tvm
 
 
@@ -37,7 +37,8 @@ def replace_cache_kernels(mod: tvm.IRModule, cfg: LlamaConfig, decode_threads: i
     ours = {"batch_prefill_ragged_kv": ragged, "batch_prefill_paged_kv_cpu": paged,
             "batch_decode_paged_kv_cpu": decode_paged_primfunc(h_kv, h_q, d, split=2 * decode_threads,
                                                                isa=isa, dtype=kv_dtype),
-            "fused_rope": rope_primfunc(h_q, h_kv, d, tuple(float(x) for x in inv_freq(cfg)), kv_dtype)}
+            "fused_rope": rope_primfunc(h_q, h_kv, d, tuple(float(x) for x in inv_freq(cfg)), kv_dtype,
+                                        attention_factor(cfg))}
     if kv_dtype == "int8":
         ours["merge_state_inplace_cpu"] = merge_state_primfunc(d)
     for gv, func in list(mod.functions_items()):

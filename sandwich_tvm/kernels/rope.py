@@ -19,7 +19,9 @@ from .vecmath import load_f32, store_as
 
 @cache
 def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
-                   dtype: str = "float32") -> tvm.tirx.PrimFunc:
+                   dtype: str = "float32", scale: float = 1.0) -> tvm.tirx.PrimFunc:
+    """``fused_rope`` for ``freqs`` (the inverse frequencies), cos and sin multiplied by ``scale``
+    (YaRN's attention factor)."""
     half, heads, w = d // 2, h_q + 2 * h_kv, row_width(d, dtype)
     lo, hi = load_f32("qkv[s, h, j]", dtype), load_f32(f"qkv[s, h, j + {half}]", dtype)
     first = store_as(f"cs[j] * {lo} - sn[j] * {hi}", dtype)
@@ -47,6 +49,7 @@ def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                     else:
 {store_k}"""
     on, angle = "apply_rope > T.int64(0)", 'T.Cast("float32", position_map[s]) * f[i]'
+    scaled = "" if scale == 1.0 else f" * T.float32({float(scale)!r})"
     init = "\n".join(f"                f[{i}] = T.float32({v!r})" for i, v in enumerate(freqs))
     src = f'''
 @D.prim_func(s_tir=True)
@@ -67,8 +70,8 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
                 sn = T.sblock_alloc_buffer(({d},), "float32", scope="global"){rows}
 {init}
                 for i in range({half}):
-                    cs[i] = T.if_then_else({on}, T.cos({angle}), T.float32(1))
-                    sn[i] = T.if_then_else({on}, T.sin({angle}), T.float32(0))
+                    cs[i] = T.if_then_else({on}, T.cos({angle}){scaled}, T.float32(1))
+                    sn[i] = T.if_then_else({on}, T.sin({angle}){scaled}, T.float32(0))
                     cs[i + {half}] = cs[i]
                     sn[i + {half}] = sn[i]
                 for h in range({h_q + h_kv}):

@@ -283,10 +283,12 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("llama3", "linear", "default"):
-        raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear or none)")
+    if kind not in ("llama3", "linear", "yarn", "default"):
+        raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear, yarn or "
+                               "none)")
     scaling = (_llama3_scaling(rope, where) if kind == "llama3" else
-               _linear_of(rope, where) if kind == "linear" else None)
+               _linear_of(rope, where) if kind == "linear" else
+               _yarn_of(rope, f.int("max_position_embeddings", 2048), where) if kind == "yarn" else None)
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -328,6 +330,47 @@ def linear_scaling(factor: float, where: Path | str) -> dict | None:
     if not factor > 0 or not math.isfinite(factor):
         raise ModelConfigError(f"{where}: linear RoPE scaling needs a factor > 0, not {factor}")
     return None if factor == 1.0 else {"rope_type": "linear", "factor": float(factor)}
+
+
+def _yarn_of(rope: dict, max_positions: int, where: Path | str) -> dict | None:
+    """YaRN as transformers reads it: the factor (else max_position_embeddings / the original
+    context), the ramp's beta_fast/beta_slow (32 and 1), whether its ends are rounded outwards
+    (``truncate``), and the attention factor cos and sin are scaled by (else 0.1 ln(factor) + 1,
+    or DeepSeek's mscale ratio)."""
+    f = _Fields(rope, f"{where} (rope_scaling)")
+    if rope.get("original_max_position_embeddings") is None:
+        raise f.fail("yarn RoPE scaling needs original_max_position_embeddings")
+    original = f.int("original_max_position_embeddings")
+    factor = f.float("factor", max_positions / original)
+    if rope.get("attention_factor") is not None:
+        attention = f.float("attention_factor", 1.0)
+    else:
+        both = rope.get("mscale") and rope.get("mscale_all_dim")
+        attention = yarn_mscale(factor)
+        if both:  # DeepSeek's
+            mscale, mscale_all = f.float("mscale", 1.0), f.float("mscale_all_dim", 1.0)
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_scaling(factor, original, f.float("beta_fast", 32.0), f.float("beta_slow", 1.0), attention,
+                        f.bool("truncate", True), where)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for ``factor``: 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaling(factor: float, original: int, beta_fast: float, beta_slow: float, attention: float,
+                 truncate: bool, where: Path | str) -> dict | None:
+    """YaRN RoPE scaling, validated; None where it scales nothing (factor 1, attention 1)."""
+    if not factor > 0 or not math.isfinite(factor) or not beta_fast > beta_slow > 0 or not attention > 0:
+        raise ModelConfigError(f"{where}: yarn RoPE scaling needs factor > 0, beta_fast > beta_slow > 0 "
+                               f"and attention_factor > 0 (got {factor}, {beta_fast}, {beta_slow}, "
+                               f"{attention})")
+    if factor == 1.0 and attention == 1.0:
+        return None
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "beta_fast": float(beta_fast), "beta_slow": float(beta_slow),
+            "attention_factor": float(attention), "truncate": bool(truncate)}
 
 
 def _llama3_scaling(rope: dict, where: Path | str) -> dict:

@@ -27,7 +27,7 @@ from ..kernels.kquant import REGROUPED
 from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
-from .config import LlamaConfig, ModelConfigError, linear_scaling, shape_problems
+from .config import LlamaConfig, ModelConfigError, linear_scaling, shape_problems, yarn_mscale, yarn_scaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
@@ -160,8 +160,17 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
             raise ModelConfigError(f"{path}: both linear RoPE scaling and per-frequency factors (rope_freqs) "
                                    "are given; not supported")
         kwargs["rope_scaling"] = linear_scaling(factor, path)
+    elif scaling == "yarn":  # llama.cpp's Llama: betas 32 and 1, attn_factor x 0.1 ln(factor) + 1
+        if "rope_freqs.weight" in names:
+            raise ModelConfigError(f"{path}: both YaRN and per-frequency factors (rope_freqs) are given; "
+                                   "not supported")
+        factor = factor or 1.0
+        kwargs["rope_scaling"] = yarn_scaling(
+            factor, int(get("rope.scaling.original_context_length", kwargs["max_position_embeddings"])),
+            32.0, 1.0, float(get("rope.scaling.attn_factor", 1.0)) * yarn_mscale(factor), True, path)
     elif scaling not in ("linear", "none"):
-        raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear or none)")
+        raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear, yarn or "
+                               "none)")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],

@@ -305,6 +305,10 @@ class LlamaForCausalLM(nn.Module):
                           head=self.stage is not None and self.stage.first)
 
 
+def _tvm_rope_scaling(cfg: LlamaConfig) -> bool:
+    return bool(cfg.rope_scaling) and cfg.rope_scaling.get("rope_type") == "llama3"
+
+
 def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_batch_size: tirx.Var,
                    max_total_seq_len: tirx.Var, prefill_chunk_size: tirx.Var, page_size: tirx.Var,
                    support_sliding_window: tirx.Var) -> PagedKVCache:
@@ -321,7 +325,9 @@ def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_ba
         mla_original_v_head_dim=0,
         rope_mode=RopeMode.NORMAL, rope_scale=1 if linear_factor(cfg) == 1 else 1.0 / linear_factor(cfg),
         rope_theta=cfg.rope_theta,
-        rope_scaling={} if linear_factor(cfg) != 1 else dict(cfg.rope_scaling or {}),
+        # TVM's own RoPE (the stock build's) takes Llama-3's scaling; linear is rope_scale; YaRN has
+        # none of its (compile_model refuses it), Sandwich's fused_rope replaces it
+        rope_scaling=dict(cfg.rope_scaling) if _tvm_rope_scaling(cfg) else {},
         rope_ext_factors=relax.prim_value(0),
         rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=kv_dtype,
         target=host_target(),

@@ -1,5 +1,6 @@
-"""RoPE's inverse frequencies as HF computes them (the default, linear and Llama-3 scaling); the
-kernel that applies them to q and k is ``kernels.rope``."""
+"""RoPE's inverse frequencies as HF computes them (the default, linear, Llama-3 and YaRN scaling),
+and the factor YaRN scales cos and sin by; the kernel that applies them to q and k is
+``kernels.rope``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .config import LlamaConfig
 
 
 def inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """HF's inverse frequencies (``rope_type`` default, linear or llama3), float32."""
+    """HF's inverse frequencies (``rope_type`` default, linear, llama3 or yarn), float32."""
     d = cfg.head_dim
     freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     sc = cfg.rope_scaling
@@ -25,7 +26,33 @@ def inv_freq(cfg: LlamaConfig) -> np.ndarray:
         scaled = np.where(wavelen > old / lo, freq / factor, freq)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         freq = np.where(mid, (1 - smooth) * freq / factor + smooth * freq, scaled)
+    if sc and sc.get("rope_type") == "yarn":
+        freq = _yarn(freq, d, cfg.rope_theta, sc)
     return freq.astype(np.float32)
+
+
+def _yarn(freq: np.ndarray, d: int, theta: float, sc: dict) -> np.ndarray:
+    """YaRN: frequencies that turn more than ``beta_fast`` times over the original context kept,
+    fewer than ``beta_slow`` times divided by the factor, a linear ramp over the pairs between."""
+
+    context = sc["original_max_position_embeddings"]
+
+    def pair_of(turns: float) -> float:  # the pair whose wavelength fits the context ``turns`` times
+        return d * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_of(sc["beta_fast"]), pair_of(sc["beta_slow"])
+    if sc["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    keep = 1 - np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return freq / sc["factor"] * (1 - keep) + freq * keep
+
+
+def attention_factor(cfg: LlamaConfig) -> float:
+    """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    sc = cfg.rope_scaling
+    return float(sc["attention_factor"]) if sc and sc.get("rope_type") == "yarn" else 1.0
 
 
 def linear_factor(cfg: LlamaConfig) -> float:

@@ -15,7 +15,7 @@ pytest.importorskip("llama_cpp")
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("name", ["mha-untied", "gqa-tied-llama3"])
+@pytest.mark.parametrize("name", ["mha-untied", "gqa-tied-llama3", "mha-yarn"])
 def test_gguf_export_generates_hf_tokens(name, tmp_path):
     from sandwich_tvm.bench.baselines.llamacpp import LlamaCpp, write_gguf
 

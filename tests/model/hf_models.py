@@ -32,6 +32,11 @@ OTHER_CONFIGS = {
     "mha-linear-rope": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
                             tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # YaRN (Yarn-Llama-2's kind): 4x the trained context, cos and sin scaled by 0.1 ln 4 + 1
+    "mha-yarn": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
+                     tie_word_embeddings=False, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 64}),
     # a draft model for mha-untied: its vocabulary, one narrower layer
     "mha-draft": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=301, max_position_embeddings=256,

@@ -519,9 +519,10 @@ def test_unsupported_architecture_and_variants(tmp_path, source):
     with pytest.raises(ModelConfigError, match="mixture of experts") as err:
         load_config(moe)
     _one_line(err)
-    yarn = write_gguf(tmp_path / "yarn.gguf", cfg, state, meta={"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(ModelConfigError, match="RoPE scaling 'yarn' is not supported") as err:
-        load_config(yarn)
+    longrope = write_gguf(tmp_path / "longrope.gguf", cfg, state,
+                          meta={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(ModelConfigError, match="RoPE scaling 'longrope' is not supported") as err:
+        load_config(longrope)
     _one_line(err)
 
 

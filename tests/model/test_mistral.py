@@ -1,4 +1,4 @@
-"""A Mistral (transformers' MistralForCausalLM) compiled and run against transformers."""
+"""A Mistral (transformers' MistralForCausalLM) with YaRN compiled and run against transformers."""
 
 from __future__ import annotations
 
@@ -20,21 +20,29 @@ CPUS = tuple(sorted(PROCESS_CPUS))
 
 
 @pytest.mark.compile
-def test_a_mistral_with_narrower_attention_matches_hf(tmp_path):
+def test_a_mistral_with_narrower_attention_and_yarn_matches_hf(tmp_path):
     """Mistral-Nemo's and Mistral Small 3's kind: heads narrower than the hidden states (4 x 32 =
     0.8 x 160, as their 32 x 128 = 0.8 x 5120), from transformers' MistralForCausalLM with a
-    sliding window (which caps the context at 128)."""
+    sliding window (which caps the context at 128) and YaRN (Yarn-Mistral's: a 4x longer context
+    than trained, the prompt beyond it; cos and sin scaled by 0.1 ln 4 + 1). TVM's stock build,
+    whose YaRN lacks that factor, is refused."""
     import transformers
 
+    from sandwich_tvm.compiler.artifact import CompileError
+
     torch.manual_seed(4)
-    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
-        hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=256,
-        sliding_window=128, rope_theta=1e6)).eval()
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
+    kw = dict(hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=128,
+              sliding_window=128)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, rope_parameters=rope)).eval()
     hf.save_pretrained(tmp_path)
     cfg = load_config(tmp_path)
     assert (cfg.num_attention_heads * cfg.head_dim, cfg.max_position_embeddings) == (128, 128)
+    assert cfg.rope_scaling["rope_type"] == "yarn"
     plan = ExecPlan(CPUS, CPUS, "test")
+    with pytest.raises(CompileError, match="YaRN"):
+        compile_model(RunSpec(cfg.name, cfg, plan, stock=True, kv_dtype="float32"))
     compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32"))
     engine = Engine(compiled, load_params(tmp_path, cfg, compiled.params, host_isa()), plan)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, 40)]
@@ -44,4 +52,9 @@ def test_a_mistral_with_narrower_attention_matches_hf(tmp_path):
         ref = hf(torch.tensor([prompt + gen.tokens[:-1]])).logits[0, len(prompt) - 1:].numpy()
     np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
     assert gen.tokens == [int(t) for t in ref.argmax(-1)]
+    plain = transformers.MistralForCausalLM(transformers.MistralConfig(**kw)).eval()
+    plain.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        unscaled = plain(torch.tensor([prompt + gen.tokens[:-1]])).logits[0, len(prompt) - 1:].numpy()
+    assert np.abs(unscaled - ref).max() > 1e-3 * float(np.abs(ref).max())  # 10x the tolerance: scaled
     os.sched_setaffinity(0, CPUS)

@@ -31,7 +31,9 @@ def test_linear_scaling_from_an_hf_config(tmp_path):
     assert load_config(_hf_dir(tmp_path, {"rope_type": "linear", "factor": 1.0})).rope_scaling is None
     with pytest.raises(ModelConfigError, match="factor must be a positive number"):
         load_config(_hf_dir(tmp_path, {"rope_type": "linear", "factor": 0}))
-    with pytest.raises(ModelConfigError, match="'yarn' is not supported \\(llama3, linear or none\\)"):
+    with pytest.raises(ModelConfigError, match="'dynamic' is not supported \\(llama3, linear, yarn or"):
+        load_config(_hf_dir(tmp_path, {"rope_type": "dynamic", "factor": 4.0}))
+    with pytest.raises(ModelConfigError, match="yarn RoPE scaling needs original_max_position_embeddings"):
         load_config(_hf_dir(tmp_path, {"rope_type": "yarn", "factor": 4.0}))
 
 
@@ -126,3 +128,31 @@ def test_the_transformers_reference_keeps_a_gguf_s_scaling(tmp_path):
     cfg = load_config(path)
     model = hf_model(str(path), cfg, 0)
     np.testing.assert_allclose(model.model.rotary_emb.inv_freq.numpy(), inv_freq(cfg), rtol=1e-6)
+
+
+def test_yarn_from_a_gguf_as_llama_cpp_reads_it(tmp_path):
+    """A YaRN Llama from HF, written as llama.cpp's keys (type, factor, original context, an
+    attention factor over 0.1 ln(factor) + 1), reads back the same; its frequencies and the
+    factor cos and sin take are transformers'."""
+    torch = pytest.importorskip("torch")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sandwich_tvm.bench.baselines.llamacpp import write_gguf as llamacpp_gguf
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+    from sandwich_tvm.model.rope import attention_factor
+
+    hf = write_hf_model("mha-yarn", tmp_path / "hf")
+    cfg = load_config(tmp_path / "hf")
+    freqs, factor = ROPE_INIT_FUNCTIONS["yarn"](hf.config, torch.device("cpu"))
+    np.testing.assert_allclose(inv_freq(cfg), freqs.numpy(), rtol=1e-6)
+    assert attention_factor(cfg) == pytest.approx(factor) == pytest.approx(0.1 * np.log(4.0) + 1)
+    path = llamacpp_gguf(cfg, random_checkpoint(cfg, 1), tmp_path / "yarn.gguf", "float32")
+    back = load_config(path)
+    assert back.rope_scaling == pytest.approx(cfg.rope_scaling)
+    np.testing.assert_array_equal(inv_freq(back), inv_freq(cfg))
+    tok = tiny_tokenizer()
+    small = tiny_config(tok.get_vocab_size())
+    bad = write_gguf(tmp_path / "bad.gguf", small, random_checkpoint(small, 1), tokenizer=tok,
+                     meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": -2.0})
+    with pytest.raises(ModelConfigError, match="yarn RoPE scaling needs factor > 0"):
+        load_config(bad)

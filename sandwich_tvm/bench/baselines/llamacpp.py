@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...model.config import LlamaConfig
+from ...model.config import LlamaConfig, yarn_mscale
 from ...model.rope import inv_freq, linear_factor
 
 
@@ -111,6 +111,15 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     if cfg.rope_scaling and linear_factor(cfg) != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(linear_factor(cfg))
+    elif cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "yarn":
+        sc = cfg.rope_scaling
+        if (sc["beta_fast"], sc["beta_slow"], sc["truncate"]) != (32.0, 1.0, True):
+            raise ValueError(f"{cfg.name}: llama.cpp's Llama runs YaRN with beta_fast 32, beta_slow 1 and "
+                             f"rounded ramp ends only, not {sc}")
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(sc["factor"])
+        w.add_rope_scaling_orig_ctx_len(sc["original_max_position_embeddings"])
+        w.add_float32("llama.rope.scaling.attn_factor", sc["attention_factor"] / yarn_mscale(sc["factor"]))
     elif cfg.rope_scaling:
         base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))
