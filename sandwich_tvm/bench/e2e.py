@@ -256,6 +256,9 @@ def bench_e2e(args, console: Console) -> dict:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}")
+    if "stock" in systems and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+        systems.remove("stock")
+        notes.append("TVM's stock build left out: it does not scale RoPE by YaRN as the model does")
     # Every system but the stock build takes its turn in each round (bench/rounds.py): decode is
     # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
     runners: list[tuple[str, Runner | None]] = []

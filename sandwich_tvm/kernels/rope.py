@@ -1,8 +1,9 @@
 """RoPE for the KV cache's ``fused_rope`` step: one sin/cos per (token, frequency), shared by heads.
 
 TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and k. Here the
-inverse frequencies (Llama-3 and linear scaling included, as HF computes them) are constants of the
-kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses them.
+inverse frequencies (Llama-3, linear and YaRN scaling included, as HF computes them) are constants
+of the kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses
+them; YaRN's attention factor multiplies cos and sin, as in transformers and llama.cpp.
 Same signature as TVM's ``fused_rope``; swapped in by ``compiler.kv_cache``. ``freqs`` are the
 model's inverse frequencies (``model.rope.inv_freq``), ``dtype`` the KV cache's storage; int8
 rows (``kernels.kv_int8``) are dequantized, rotated and quantized again, V's copied as bytes.

@@ -338,9 +338,7 @@ def _yarn_of(rope: dict, max_positions: int, where: Path | str) -> dict | None:
     (``truncate``), and the attention factor cos and sin are scaled by (else 0.1 ln(factor) + 1,
     or DeepSeek's mscale ratio)."""
     f = _Fields(rope, f"{where} (rope_scaling)")
-    if rope.get("original_max_position_embeddings") is None:
-        raise f.fail("yarn RoPE scaling needs original_max_position_embeddings")
-    original = f.int("original_max_position_embeddings")
+    original = f.int("original_max_position_embeddings", max_positions)  # transformers' default
     factor = f.float("factor", max_positions / original)
     if rope.get("attention_factor") is not None:
         attention = f.float("attention_factor", 1.0)
@@ -350,8 +348,10 @@ def _yarn_of(rope: dict, max_positions: int, where: Path | str) -> dict | None:
         if both:  # DeepSeek's
             mscale, mscale_all = f.float("mscale", 1.0), f.float("mscale_all_dim", 1.0)
             attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
-    return yarn_scaling(factor, original, f.float("beta_fast", 32.0), f.float("beta_slow", 1.0), attention,
-                        f.bool("truncate", True), where)
+    betas = [f.float(k, default) if rope.get(k) else default for k, default in (("beta_fast", 32.0),
+                                                                               ("beta_slow", 1.0))]
+    truncate = rope.get("truncate", True) is not None and f.bool("truncate", True)  # null: no
+    return yarn_scaling(factor, original, *betas, attention, truncate, where)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -362,10 +362,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def yarn_scaling(factor: float, original: int, beta_fast: float, beta_slow: float, attention: float,
                  truncate: bool, where: Path | str) -> dict | None:
     """YaRN RoPE scaling, validated; None where it scales nothing (factor 1, attention 1)."""
-    if not factor > 0 or not math.isfinite(factor) or not beta_fast > beta_slow > 0 or not attention > 0:
-        raise ModelConfigError(f"{where}: yarn RoPE scaling needs factor > 0, beta_fast > beta_slow > 0 "
-                               f"and attention_factor > 0 (got {factor}, {beta_fast}, {beta_slow}, "
-                               f"{attention})")
+    if (not factor > 0 or not math.isfinite(factor) or not beta_fast > 0 or not beta_slow > 0
+            or not attention > 0 or original < 1):
+        raise ModelConfigError(f"{where}: yarn RoPE scaling needs factor, beta_fast, beta_slow, "
+                               f"attention_factor and the original context > 0 (got {factor}, {beta_fast}, "
+                               f"{beta_slow}, {attention}, {original})")
     if factor == 1.0 and attention == 1.0:
         return None
     return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),

@@ -105,7 +105,7 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
     the file stem); an architecture other than llama, or a Llama variant the model does not run
-    (experts, per-layer head counts, RoPE scaling other than Llama-3's or linear), is a
+    (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or YaRN), is a
     ``ModelConfigError``."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
@@ -166,7 +166,7 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                                    "not supported")
         factor = factor or 1.0
         kwargs["rope_scaling"] = yarn_scaling(
-            factor, int(get("rope.scaling.original_context_length", kwargs["max_position_embeddings"])),
+            factor, int(get("rope.scaling.original_context_length", 0) or kwargs["max_position_embeddings"]),
             32.0, 1.0, float(get("rope.scaling.attn_factor", 1.0)) * yarn_mscale(factor), True, path)
     elif scaling not in ("linear", "none"):
         raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear, yarn or "

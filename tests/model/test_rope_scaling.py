@@ -33,8 +33,12 @@ def test_linear_scaling_from_an_hf_config(tmp_path):
         load_config(_hf_dir(tmp_path, {"rope_type": "linear", "factor": 0}))
     with pytest.raises(ModelConfigError, match="'dynamic' is not supported \\(llama3, linear, yarn or"):
         load_config(_hf_dir(tmp_path, {"rope_type": "dynamic", "factor": 4.0}))
-    with pytest.raises(ModelConfigError, match="yarn RoPE scaling needs original_max_position_embeddings"):
-        load_config(_hf_dir(tmp_path, {"rope_type": "yarn", "factor": 4.0}))
+    # transformers' defaults: the original context is max_position_embeddings (2048 here), betas of
+    # 0 are 32 and 1, a null truncate truncates nothing
+    yarn = load_config(_hf_dir(tmp_path, {"rope_type": "yarn", "factor": 4.0, "beta_fast": 0,
+                                          "truncate": None})).rope_scaling
+    assert yarn["original_max_position_embeddings"] == 2048 and yarn["beta_fast"] == 32.0
+    assert yarn["truncate"] is False
 
 
 @pytest.mark.parametrize("keys", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
@@ -154,5 +158,10 @@ def test_yarn_from_a_gguf_as_llama_cpp_reads_it(tmp_path):
     small = tiny_config(tok.get_vocab_size())
     bad = write_gguf(tmp_path / "bad.gguf", small, random_checkpoint(small, 1), tokenizer=tok,
                      meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": -2.0})
-    with pytest.raises(ModelConfigError, match="yarn RoPE scaling needs factor > 0"):
+    with pytest.raises(ModelConfigError, match="yarn RoPE scaling needs factor, .* > 0 \\(got -2.0"):
         load_config(bad)
+    unset = write_gguf(tmp_path / "unset.gguf", small, random_checkpoint(small, 1), tokenizer=tok,
+                       meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
+                             "llama.rope.scaling.original_context_length": 0})  # llama.cpp: the context
+    unset_scaling = load_config(unset).rope_scaling
+    assert unset_scaling["original_max_position_embeddings"] == small.max_position_embeddings

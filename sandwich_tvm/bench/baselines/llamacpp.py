@@ -32,7 +32,7 @@ def available() -> str | None:
     return None
 
 
-GGUF_VERSION = 2  # of what write_gguf writes; part of the cache name (2: no BYTE tokens)
+GGUF_VERSION = 3  # of what write_gguf writes; part of the cache name (2: no BYTE tokens; 3: keyed by config)
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -111,7 +111,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     if cfg.rope_scaling and linear_factor(cfg) != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(linear_factor(cfg))
-    elif cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "yarn":
+    elif cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
         sc = cfg.rope_scaling
         if (sc["beta_fast"], sc["beta_slow"], sc["truncate"]) != (32.0, 1.0, True):
             raise ValueError(f"{cfg.name}: llama.cpp's Llama runs YaRN with beta_fast 32, beta_slow 1 and "
@@ -161,7 +161,7 @@ def gguf_for(model_spec: str, cfg: LlamaConfig, seed: int,
         own = model_path(model_spec)
         if own.suffix == ".gguf" and linear_type(own) == dtype:  # the file as its users hold it
             return own
-    key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32")
+    key = f"seed{seed}" if preset else checkpoint_key(Path(model_spec), "gguf-f32", cfg)
     tag = "" if dtype == "float32" else f"-{GGUF_TYPES.get(dtype, dtype)}"
     path = cache_dir() / "gguf" / f"{cfg.name}-{key}{tag}-v{GGUF_VERSION}.gguf"
     if not path.is_file():
