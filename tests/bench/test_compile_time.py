@@ -35,6 +35,7 @@ def test_builds_take_turns_and_pair_by_round(monkeypatch):
     assert result["systems"]["kept"]["wall_s_median"] == pytest.approx(22.0)
 
 
-def test_a_failed_build_says_what_failed(tmp_path):
-    with pytest.raises(RuntimeError, match="compile --model no-such-model .* failed"):
+def test_a_failed_build_says_what_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_time.sys, "executable", "false")  # a build that fails at once
+    with pytest.raises(RuntimeError, match="compile --model no-such-model .* failed \\(1\\)"):
         compile_time.build_once("no-such-model", "auto", tmp_path / "c", tmp_path / "o", tmp_path / "r")
