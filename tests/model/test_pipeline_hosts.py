@@ -65,10 +65,17 @@ class WorkerDaemon:
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # its log: never blocks it
 
     def nodes(self) -> list[int]:
+        """The worker's node processes now (one that exits while being listed is not one)."""
         import psutil
 
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
-                if "sandwich_tvm.runtime.hosts" in " ".join(c.cmdline())]
+        pids = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "sandwich_tvm.runtime.hosts" in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return pids
 
     def close(self) -> None:
         if self.proc.poll() is None:
