@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ..host import save_atomic
 from ..model.config import PRESETS
+from ..model.rope import uses_yarn
 from ..model.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..runtime.loader import open_engine
 from ..spec import RunSpec
@@ -48,7 +49,7 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
     stop = set(tok.eos_ids) if tok is not None else set()
     results = {}
     no_stock = args.no_stock
-    if not no_stock and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+    if not no_stock and uses_yarn(cfg):
         console.print("[yellow]note:[/] TVM's stock build does not scale RoPE by YaRN as the model does; "
                       "skipping it")
         no_stock = True

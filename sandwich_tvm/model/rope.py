@@ -26,7 +26,7 @@ def inv_freq(cfg: LlamaConfig) -> np.ndarray:
         scaled = np.where(wavelen > old / lo, freq / factor, freq)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         freq = np.where(mid, (1 - smooth) * freq / factor + smooth * freq, scaled)
-    if sc and sc.get("rope_type") == "yarn":
+    if uses_yarn(cfg):
         freq = _yarn(freq, d, cfg.rope_theta, sc)
     return freq.astype(np.float32)
 
@@ -49,10 +49,14 @@ def _yarn(freq: np.ndarray, d: int, theta: float, sc: dict) -> np.ndarray:
     return freq / sc["factor"] * (1 - keep) + freq * keep
 
 
+def uses_yarn(cfg: LlamaConfig) -> bool:
+    """Whether ``cfg`` scales RoPE by YaRN (which TVM's stock build does not do as HF does)."""
+    return bool(cfg.rope_scaling) and cfg.rope_scaling.get("rope_type") == "yarn"
+
+
 def attention_factor(cfg: LlamaConfig) -> float:
     """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
-    sc = cfg.rope_scaling
-    return float(sc["attention_factor"]) if sc and sc.get("rope_type") == "yarn" else 1.0
+    return float(cfg.rope_scaling["attention_factor"]) if uses_yarn(cfg) else 1.0
 
 
 def linear_factor(cfg: LlamaConfig) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ...model.config import LlamaConfig, yarn_mscale
-from ...model.rope import inv_freq, linear_factor
+from ...model.rope import inv_freq, linear_factor, uses_yarn
 
 
 def available() -> str | None:
@@ -111,7 +111,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     if cfg.rope_scaling and linear_factor(cfg) != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(linear_factor(cfg))
-    elif cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
+    elif uses_yarn(cfg):
         sc = cfg.rope_scaling
         if (sc["beta_fast"], sc["beta_slow"], sc["truncate"]) != (32.0, 1.0, True):
             raise ValueError(f"{cfg.name}: llama.cpp's Llama runs YaRN with beta_fast 32, beta_slow 1 and "
