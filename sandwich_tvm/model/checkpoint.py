@@ -115,6 +115,9 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
                 p + "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
                 p + "input_layernorm.weight": ((h,), "hidden_size"),
                 p + "post_attention_layernorm.weight": ((h,), "hidden_size")}
+        if cfg.qkv_bias:
+            out |= {p + "self_attn.q_proj.bias": ((q,), qs), p + "self_attn.k_proj.bias": ((kv,), kvs),
+                    p + "self_attn.v_proj.bias": ((kv,), kvs)}
     out["model.norm.weight"] = ((h,), "hidden_size")
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ((cfg.vocab_size, h), "vocab_size, hidden_size")
@@ -165,11 +168,13 @@ def _natural(name: str) -> list:
 
 
 def random_checkpoint(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded random weights in HF names (std 0.02 like HF's initializer, norms at 1)."""
+    """Seeded random weights in HF names (std 0.02 like HF's initializer, biases too, norms at 1)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, (shape, _) in hf_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        elif len(shape) == 1:
             out[name] = np.ones(shape, np.float32)
         else:
             out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+# Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2); Qwen2
+# (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class ModelConfigError(ValueError):
@@ -23,8 +24,9 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2 or TinyLlama checkpoint (HF field names where they exist). It
-    describes the checkpoint only: the dtypes a run computes and stores in are the run spec's."""
+    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral or Qwen2 checkpoint (HF field names where
+    they exist). It describes the checkpoint only: the dtypes a run computes and stores in are the
+    run spec's."""
 
     name: str
     hidden_size: int
@@ -43,6 +45,8 @@ class LlamaConfig:
     # Small 3's is: 32 x 128 != 5120). Set in __post_init__, so dataclasses.replace keeps it: pass
     # head_dim=None with a new hidden_size or head count to derive it again.
     head_dim: int | None = None
+    # q, k and v projections with biases (Qwen2's ``q_proj.bias``...; o_proj has none)
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -55,7 +59,8 @@ class LlamaConfig:
         """Weights of one decoder layer's Linear layers (qkv, o, gate_up, down)."""
         h, d = self.hidden_size, self.head_dim
         qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
-        return qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size
+        bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * d if self.qkv_bias else 0
+        return qkv + bias + self.num_attention_heads * d * h + 3 * h * self.intermediate_size
 
     def num_params(self) -> int:
         """All parameters (embeddings counted once when tied)."""
@@ -74,11 +79,13 @@ class LlamaConfig:
         return self.head_dim * self.num_attention_heads != self.hidden_size
 
     def to_dict(self) -> dict:
-        """The fields, ``head_dim`` only where explicit (so that the cache keys of models that do
-        not set it stay as they were)."""
+        """The fields, ``head_dim`` only where explicit and ``qkv_bias`` only where set (so that
+        the cache keys of models without them stay as they were)."""
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
+        if not self.qkv_bias:
+            del out["qkv_bias"]
         return out
 
 
@@ -271,10 +278,11 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if head_dim is None and hidden % heads:
         raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                      "(and head_dim is not given)")
+    qwen2 = "Qwen2ForCausalLM" in archs or raw.get("model_type") == "qwen2"
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
-                               "(Llama uses no biases and SiLU)")
+                               "(Llama uses no biases, Qwen2 biases on q, k and v only, both SiLU)")
     # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
     rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_raw, dict):
@@ -302,6 +310,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         head_dim=head_dim,
+        qkv_bias=qwen2,
     )
     problems = shape_problems(kwargs)
     if problems:
@@ -312,9 +321,12 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
 def _attended_context(f: _Fields) -> int:
     """The context the model attends over whole: ``max_position_embeddings``, capped at a Mistral
     ``sliding_window`` (within it, sliding-window attention is full attention, so capping the
-    context keeps every run exact)."""
+    context keeps every run exact). Qwen2 names a window that only ``use_sliding_window`` turns on."""
     most = f.int("max_position_embeddings", 2048)
-    return most if f.raw.get("sliding_window") is None else min(most, f.int("sliding_window"))
+    window = f.raw.get("sliding_window")
+    if f.raw.get("model_type") == "qwen2" and not f.raw.get("use_sliding_window"):
+        window = None
+    return most if window is None else min(most, f.int("sliding_window"))
 
 
 def _linear_of(rope: dict, where: Path | str) -> dict | None:

@@ -5,9 +5,10 @@ F32/F16/BF16 tensors are views of the file's memory map; Q8_0/Q4_0/Q4_1 tensors 
 blocks (``QuantBlocks``), and Q4_K's and Q5_0's are regrouped as q4_1 and q8_0 blocks
 (``kernels.kquant``) when read; the other types (with a printed note: Q5_1, the other K-quants,
 the i-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a
-time. llama.cpp stores q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are permuted by
-its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's rotate-half
-order here.
+time. llama.cpp stores a Llama's q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are
+permuted by its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's
+rotate-half order here. A Qwen2's rows are HF's as they are (llama.cpp ropes it as NeoX does),
+and its q, k and v biases are read beside the weights.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
 from .config import LlamaConfig, ModelConfigError, linear_scaling, shape_problems, yarn_mscale, yarn_scaling
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases, its q/k rows
+# as HF holds them (llama.cpp ropes Qwen2 in NeoX's rotate-half order)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -44,7 +47,8 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BIASED = ("attn_q", "attn_k", "attn_v")  # the biases a model has (Qwen2's)
 
 
 # --------------------------------------------------------------------------- the file
@@ -111,25 +115,26 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(f"{path}: architecture {arch!r} is not supported; sandwich-tvm runs "
-                               f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (Llama 2/3, TinyLlama, SmolLM2)")
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (Llama 2/3, TinyLlama, SmolLM2, "
+                               "Mistral, Qwen2)")
 
     def get(key: str, default: Any = None) -> Any:
-        v = metadata(reader, f"llama.{key}", default)
+        v = metadata(reader, f"{arch}.{key}", default)
         if v is None:
-            raise ModelConfigError(f"{path}: metadata llama.{key} is missing; re-convert the model")
+            raise ModelConfigError(f"{path}: metadata {arch}.{key} is missing; re-convert the model")
         if isinstance(v, list):
-            raise ModelConfigError(f"{path}: llama.{key} varies per layer ({v[:4]}...); not supported")
+            raise ModelConfigError(f"{path}: {arch}.{key} varies per layer ({v[:4]}...); not supported")
         return v
 
     if get("expert_count", 0):
-        raise ModelConfigError(f"{path}: a mixture of experts (llama.expert_count {get('expert_count')}) is "
+        raise ModelConfigError(f"{path}: a mixture of experts ({arch}.expert_count {get('expert_count')}) is "
                                "not supported; sandwich-tvm runs dense Llama models")
     names = {t.name for t in reader.tensors}
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = metadata(reader, "llama.vocab_size") or (len(tokens.data) if tokens is not None else None) or (
+    vocab = metadata(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None) or (
         int(embd.shape[-1]) if embd is not None else None)
     kwargs = dict(hidden_size=hidden, num_hidden_layers=get("block_count"), num_attention_heads=heads,
                   num_key_value_heads=get("attention.head_count_kv", heads),
@@ -137,7 +142,7 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   max_position_embeddings=get("context_length", 2048),
                   rope_theta=_f32(get("rope.freq_base", 10000.0)),
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-                  tie_word_embeddings="output.weight" not in names)
+                  tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names)
     # an attention head's width: key_length where the converter wrote it (Mistral-Nemo, Mistral
     # Small 3: heads x head_dim != embedding_length), else embedding_length / head_count
     head_dim = get("attention.key_length", 0) or None
@@ -149,7 +154,7 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     # defaults as llama.cpp's: value_length embedding_length / head_count, the RoPE width head_dim
     for key, default in (("rope.dimension_count", head_dim), ("attention.value_length", hidden // heads)):
         if get(key, default) != head_dim:
-            raise ModelConfigError(f"{path}: llama.{key} {get(key)} != head_dim {head_dim} (attention."
+            raise ModelConfigError(f"{path}: {arch}.{key} {get(key)} != head_dim {head_dim} (attention."
                                    "key_length, else embedding_length / head_count) is not supported")
     # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear
     # key, and a factor of 0 (or 1), like the type none, scales nothing
@@ -254,10 +259,12 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name; None for a tensor a Llama checkpoint does not have."""
+    """The HF name of a GGUF tensor name; None for a tensor a Llama or Qwen2 checkpoint does not have."""
     if m := _LAYER.fullmatch(gguf_name):
         ours = _LAYER_NAMES.get(m.group(2))
-        return f"model.layers.{m.group(1)}.{ours}.weight" if ours else None
+        if m.group(3) == "bias" and m.group(2) not in _BIASED:
+            return None
+        return f"model.layers.{m.group(1)}.{ours}.{m.group(3)}" if ours else None
     top = gguf_name.removesuffix(".weight")
     return f"{_TOP_NAMES[top]}.weight" if gguf_name.endswith(".weight") and top in _TOP_NAMES else None
 
@@ -302,8 +309,8 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
             continue
         name = hf_name(t.name)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama model (biases, experts "
-                                 "and other architectures are not supported)")
+            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama or Qwen2 model (biases "
+                                 "but q, k and v's, experts and other architectures are not supported)")
         kind = t.tensor_type.name
         if kind not in NATIVE_TYPES + NOTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} is stored as {kind}; sandwich-tvm loads "
@@ -358,7 +365,7 @@ def wider_linears(path: Path) -> tuple[tuple[int, str, str], ...]:
     out = set()
     for t in open_gguf(path).tensors:
         m = _LAYER.fullmatch(t.name)
-        if m and m.group(2) in _LINEARS and t.tensor_type.name in WIDE_TYPES:
+        if m and m.group(3) == "weight" and m.group(2) in _LINEARS and t.tensor_type.name in WIDE_TYPES:
             out.add((int(m.group(1)), _LINEARS[m.group(2)], "q8_0"))
     return tuple(sorted(out))
 
@@ -367,13 +374,14 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     """Every tensor of a GGUF under HF's names (checked against the file's metadata by
     ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""
     reader, cfg = open_gguf(path), gguf_config(path)
+    permuted = metadata(reader, "general.architecture") == "llama"  # qwen2's rows are HF's
     state: dict[str, np.ndarray | LazyTensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:  # rope_freqs: in the config
             continue
         arr = _tensor(t)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             if isinstance(arr, QuantBlocks):  # whole rows of blocks move
                 state[name] = QuantBlocks.later(lambda a=arr, h=heads: _unpermute(a.raw, h), arr.shape[0],

@@ -3,7 +3,7 @@ metadata, with its BOS/EOS ids and ``tokenizer.chat_template``.
 
 Two vocabularies, as llama.cpp names them:
 
-- ``gpt2``: byte-level BPE (SmolLM2, Llama 3, DeepSeek-Coder) from the vocabulary and merges,
+- ``gpt2``: byte-level BPE (SmolLM2, Llama 3, Qwen2, DeepSeek-Coder) from the vocabulary and merges,
   split before BPE as the model's own ``tokenizer.json`` does (``tokenizer.ggml.pre``:
   ``smollm`` splits digits first, the Llama-3 family by its regex, DeepSeek-Coder by its
   sequence of regexes, GPT-2's own by its; a split not known here is refused rather than
@@ -67,8 +67,13 @@ DEEPSEEK_LLM_SPLITS = (
 TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's (and llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, which DeepSeek-R1's Qwen distillations and
+# Megrez share): Llama 3's split with each digit alone; its tokenizer.json normalizes to NFC first
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez")
 SEQUENCE_PRE = {"deepseek-coder": DEEPSEEK_CODER_SPLITS, "deepseek-llm": DEEPSEEK_LLM_SPLITS,
-                "tekken": (TEKKEN_SPLIT,)}
+                "tekken": (TEKKEN_SPLIT,), **{pre: (QWEN2_SPLIT,) for pre in QWEN2_PRE}}
 # where a whole word that is a token is that token whatever the merges (tiktoken's rule; llama.cpp's
 # ignore_merges)
 WHOLE_WORD_PRE = (*LLAMA3_PRE, "tekken")
@@ -125,7 +130,7 @@ def gguf_model_tokenizer(path: Path) -> ModelTokenizer:
 def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path | str = "",
                    types: list[int] | None = None):
     """GPT-2-style byte-level BPE over ``tokens`` (ids by position) and ``merges`` ("a b")."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     known = (*LLAMA3_SPLIT_PRE, *GPT2_PRE, *SEQUENCE_PRE)
     if pre not in known:
@@ -144,6 +149,8 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=pre in WHOLE_WORD_PRE))
     own_split = llama3 or pre in SEQUENCE_PRE  # else ByteLevel's GPT-2 regex splits
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_split)
+    if pre in QWEN2_PRE:
+        tok.normalizer = normalizers.NFC()
     if pre in SEQUENCE_PRE:
         splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in SEQUENCE_PRE[pre]]
         tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])

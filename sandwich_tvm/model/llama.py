@@ -1,4 +1,5 @@
-"""Llama 2/3/3.2 and TinyLlama on ``tvm.relax.frontend.nn`` with TVM's paged KV cache.
+"""Llama 2/3/3.2, TinyLlama, Mistral and Qwen2 on ``tvm.relax.frontend.nn`` with TVM's paged KV
+cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
 attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included), and the exported
@@ -102,18 +103,25 @@ class Attention(nn.Module):
         self.dtype, self.kv_dtype, self.tp, self.separated = ACT_DTYPE, kv_dtype, tp, separated
         d = self.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        shard = Shard(0, (q, kv, kv)) if tp > 1 else None
         self.qkv_proj = _linear(cfg, cfg.hidden_size, (self.heads + 2 * self.kv_heads) * d, kernels,
-                                shard=Shard(0, (q, kv, kv)) if tp > 1 else None, at=(layer, "qkv"))
+                                shard=shard, at=(layer, "qkv"))
+        # Qwen2's q, k and v biases: one fused vector, added to the projection (split as its rows)
+        self.qkv_bias = (shard_hint(nn.Parameter(((self.heads + 2 * self.kv_heads) * d,), ACT_DTYPE), shard)
+                         if cfg.qkv_bias else None)
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q),
                               at=(layer, "o"))
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
         """``residual + o_proj(attention(x))``; separated, attention runs on the attention rank."""
         b, s, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         if self.separated:
-            out = attend_remote(self.qkv_proj(x), self.heads, self.head_dim)
+            out = attend_remote(qkv, self.heads, self.head_dim)
             return _project(self.o_proj, out, residual, self.tp)
-        qkv = op.reshape(self.qkv_proj(x), (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
+        qkv = op.reshape(qkv, (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
         out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
 

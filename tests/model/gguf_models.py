@@ -53,7 +53,8 @@ def gguf_name(hf: str) -> str:
     if hf in top:
         return top[hf]
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{GGUF_NAMES[part]}.{kind}"
 
 
 def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qtype: str = "F32",
@@ -92,7 +93,7 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
         name = gguf_name(hf)
         if name in drop:
             continue
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):  # a Qwen2's are HF's
             heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
             arr = _permute(arr, heads)
         kind = qtype if arr.ndim == 2 else "F32"

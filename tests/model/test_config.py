@@ -33,7 +33,7 @@ def test_hf_directory(tmp_path):
 @pytest.mark.parametrize(("content", "message"), [
     (None, "no config.json"),
     ("{broken", "not valid JSON"),
-    (json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}), "not supported"),
+    (json.dumps({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}), "not supported"),
     (json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}), "missing fields"),
 ])
 def test_bad_model_directories(tmp_path, content, message):

@@ -400,9 +400,9 @@ def test_llama3_style_vocabularies_tokenize_as_llama_cpp(tmp_path, tok):
     assert load_model_tokenizer(unsaid).prompt_ids("hi") == [bos, *load_model_tokenizer(unsaid).encode("hi")]
     plain, _ = _llama3_style_gguf(tmp_path / "plain.gguf", tok, "gpt-2")  # GPT-2's split: no BOS unless said
     assert load_model_tokenizer(plain).prompt_ids("hi") == load_model_tokenizer(plain).encode("hi")
-    qwen2, _ = _llama3_style_gguf(tmp_path / "qwen2.gguf", tok, "qwen2")
-    with pytest.raises(ModelLoadError, match="pre-tokenizer 'qwen2'.*supported: llama3") as err:
-        load_model_tokenizer(qwen2)
+    glm, _ = _llama3_style_gguf(tmp_path / "glm.gguf", tok, "chatglm-bpe")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'chatglm-bpe'.*supported: llama3") as err:
+        load_model_tokenizer(glm)
     _one_line(err)
 
 
@@ -442,6 +442,37 @@ def test_tekken_split(tmp_path, tok):
     llama_cpp = _llama_cpp_vocab(path)
     if llama_cpp is not None:
         for text in ["HelloWorld it's 2024!\n\nx/y ABCdef", TEXTS[0], TEXTS[1], TEXTS[2]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
+def test_qwen2_split(tmp_path, tok):
+    """Qwen2's split (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations): Llama 3's with each digit
+    alone, after NFC (a decomposed "e" + accent is the one character its tokenizer.json sees); the
+    ids of Qwen2's own tokenizer.json pipeline over the same vocabulary; no BOS, as the file says;
+    and the ids llama.cpp gives, where it is installed (llama.cpp does not normalize: checked on
+    text NFC leaves as it is)."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken
+
+    path, _ = _llama3_style_gguf(tmp_path / "qwen2.gguf", tok, "qwen2", add_bos=False)
+    ours = load_model_tokenizer(path)
+    g = "\u0120"
+    split = [p for p, _ in ours.tok.pre_tokenizer.pre_tokenize_str("It's 2024, OK?")]
+    assert split == ["It", "'s", g, "2", "0", "2", "4", ",", f"{g}OK", "?"]
+    assert ours.encode("caf\u00e9") == ours.encode("cafe\u0301")
+    assert ours.prompt_ids("hi") == ours.encode("hi")
+    # transformers' own Qwen2 tokenizer (its Qwen2Converter: NFC, its regex, byte-level) over the vocabulary
+    convert = pytest.importorskip("transformers.convert_slow_tokenizer")
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in json.loads(tok.to_str())["model"]["merges"]]
+    ref = convert.Qwen2Converter(SimpleNamespace()).converted(ours.tok.get_vocab(), merges)
+    ref.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    for text in [*TEXTS, "e\u0301t\u00e9 12345"]:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["It's 2024, OK?", TEXTS[0], TEXTS[1], TEXTS[2]]:
             assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
 
 
@@ -492,7 +523,8 @@ def test_truncated_gguf_is_one_line_error(tmp_path, source):
     ("layers", "missing for the 3 layers the metadata describes"),
     ("fewer-layers", r"blk\.1\.\w+\.weight has shape .* describes 1 layers"),
     ("dropped", "'model.layers.1.mlp.down_proj.weight' is missing"),
-    ("bias", "'blk.0.attn_q.bias' is not part of a Llama model"),
+    ("bias", "'blk.0.attn_output.bias' is not part of a Llama or Qwen2 model"),
+    ("some-biases", "'model.layers.0.self_attn.k_proj.bias' and 4 more are missing"),
 ])
 def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):
     cfg, state = source
@@ -500,7 +532,8 @@ def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):
           "layers": {"meta": {"llama.block_count": 3}},
           "fewer-layers": {"meta": {"llama.block_count": 1}},
           "dropped": {"drop": ("blk.1.ffn_down.weight",)},
-          "bias": {"extra": {"blk.0.attn_q.bias": np.zeros(64, np.float32)}}}[case]
+          "bias": {"extra": {"blk.0.attn_output.bias": np.zeros(64, np.float32)}},
+          "some-biases": {"extra": {"blk.0.attn_q.bias": np.zeros(64, np.float32)}}}[case]
     path = write_gguf(tmp_path / f"{case}.gguf", cfg, state, **kw)
     with pytest.raises(ModelLoadError, match=match) as err:
         load_config(path)

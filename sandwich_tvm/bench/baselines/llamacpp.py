@@ -2,8 +2,9 @@
 BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from source:
 ``pip install -e .[llamacpp]``, minutes).
 
-The GGUF follows llama.cpp's own HF conversion: q/k rows permuted back to the interleaved
-RoPE layout, Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
+The GGUF follows llama.cpp's own HF conversion: a Llama's q/k rows permuted back to the
+interleaved RoPE layout (a Qwen2, ``qwen2``, keeps HF's and its q/k/v biases), Llama-3
+scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
 embeddings as ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
 benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
 tokens, not byte tokens, so llama-server never holds a token back to complete a UTF-8 character
@@ -61,7 +62,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    arch = "qwen2" if cfg.qkv_bias else "llama"  # as llama.cpp's conversion names a Qwen2
+    w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -119,16 +121,18 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(sc["factor"])
         w.add_rope_scaling_orig_ctx_len(sc["original_max_position_embeddings"])
-        w.add_float32("llama.rope.scaling.attn_factor", sc["attention_factor"] / yarn_mscale(sc["factor"]))
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"] / yarn_mscale(sc["factor"]))
     elif cfg.rope_scaling:
         base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
-        put(b + "attn_q.weight", _permute(state[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        put(b + "attn_k.weight", _permute(state[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
-        put(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        for x, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0)):
+            rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen2's q/k stay HF's: NeoX RoPE
+            put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch == "llama" else rows)
+            if cfg.qkv_bias:
+                put(b + f"attn_{x}.bias", state[p + f"self_attn.{x}_proj.bias"])
         put(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
         put(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
         put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])

@@ -1,0 +1,138 @@
+"""A Qwen2 (transformers' Qwen2ForCausalLM: Llama with biases on q, k and v) compiled and run
+against transformers: from its HF directory, from the GGUF llama.cpp's conversion writes of it,
+in TVM's stock build and split over two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from sandwich_tvm.compiler.artifact import compile_model
+from sandwich_tvm.model.checkpoint import ModelLoadError, read_checkpoint
+from sandwich_tvm.model.config import ModelConfigError, load_config
+from sandwich_tvm.model.parallel import Shard
+from sandwich_tvm.model.weights import convert, load_params
+from sandwich_tvm.runtime.engine import Engine
+from sandwich_tvm.runtime.loader import open_engine
+from sandwich_tvm.spec import RunSpec, resolve_run_spec
+from sandwich_tvm.topology.plan import ExecPlan
+from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
+
+torch = pytest.importorskip("torch")
+CPUS = tuple(sorted(PROCESS_CPUS))
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """(directory, HF model): tied embeddings, GQA, Qwen2's RoPE base and a sliding window that
+    ``use_sliding_window`` leaves off (transformers then writes none); the biases drawn
+    (transformers starts them at zero)."""
+    import transformers
+
+    torch.manual_seed(7)
+    out = tmp_path_factory.mktemp("qwen2")
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
+                                   max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6,
+                                   use_sliding_window=False, sliding_window=64)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    hf.save_pretrained(out)
+    return out, hf
+
+
+def _reference(hf, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def _check(engine, hf, vocab: int) -> list[int]:
+    """The engine's greedy run against HF's logits over the same tokens; its tokens."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, 30)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, STEPS, logits_out=logits)
+    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
+    return gen.tokens
+
+
+@pytest.mark.compile
+def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen2, tmp_path):
+    """The q/k/v biases are added to the fused projection: HF's logits from the HF directory;
+    the GGUF llama.cpp's conversion writes of it (``qwen2``: q/k rows as HF holds them, the
+    biases beside) loads into the same build and gives the same logits; TVM's stock build too;
+    and llama.cpp on that GGUF gives the same greedy tokens, where it is installed."""
+    from sandwich_tvm.bench.baselines import llamacpp
+
+    model_dir, hf = qwen2
+    cfg = load_config(model_dir)
+    assert cfg.qkv_bias and cfg.max_position_embeddings == 256  # the window is off
+    plan = ExecPlan(CPUS, CPUS, "test")
+    compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32", max_batch=1))
+    assert any(name.endswith("self_attn.qkv_bias") for name, _ in compiled.params)
+    engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), plan)
+    tokens = _check(engine, hf, cfg.vocab_size)
+
+    path = llamacpp.write_gguf(cfg, read_checkpoint(model_dir), tmp_path / "qwen2.gguf")
+    from_gguf = load_config(path)
+    assert (from_gguf.qkv_bias, from_gguf.tie_word_embeddings, from_gguf.rope_theta) == (True, True, 1e6)
+    del engine
+    engine = Engine(compiled, load_params(path, from_gguf, compiled.params, host_isa()), plan)
+    assert _check(engine, hf, cfg.vocab_size) == tokens
+
+    stock = compile_model(RunSpec(cfg.name, cfg, plan, stock=True, kv_dtype="float32", max_batch=1))
+    _check(Engine(stock, load_params(model_dir, cfg, stock.params, host_isa()), plan), hf, cfg.vocab_size)
+    os.sched_setaffinity(0, CPUS)
+    if llamacpp.available() is None:
+        prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 30)]
+        assert llamacpp.LlamaCpp(path, threads=len(CPUS), context=256).generate(prompt, STEPS)[2] == tokens
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
+def test_two_processes_split_the_biases_with_their_heads(qwen2):
+    """Split over two processes (Megatron's rows: each rank its q, k and v heads), each rank adds
+    its own part of the biases: HF's logits and greedy tokens."""
+    model_dir, hf = qwen2
+    cfg = load_config(model_dir)
+    plan = ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
+    spec = resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1, kv_dtype="float32",
+                            dtype="float32")
+    compiled = compile_model(spec)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    assert compiled.shards["model.layers.0.self_attn.qkv_bias"] == Shard(0, (q, kv, kv))
+    engine, _ = open_engine(spec)
+    try:
+        _check(engine, hf, cfg.vocab_size)
+    finally:
+        engine.shutdown()
+        os.sched_setaffinity(0, CPUS)
+
+
+def test_qwen2_configs_and_checkpoints_are_read_and_refused_as_they_should_be(qwen2, tmp_path):
+    """A window ``use_sliding_window`` turns on caps the context (exact within it); a Llama with
+    ``attention_bias`` (o_proj's too) is refused; a Qwen2 checkpoint without its biases says which
+    tensor is missing."""
+    model_dir, _ = qwen2
+    raw = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "on").mkdir()
+    windowed = raw | {"use_sliding_window": True, "sliding_window": 64}
+    (tmp_path / "on" / "config.json").write_text(json.dumps(windowed))
+    assert load_config(tmp_path / "on").max_position_embeddings == 64
+    (tmp_path / "llama").mkdir()
+    llama = raw | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(ModelConfigError, match="attention_bias.*not supported"):
+        load_config(tmp_path / "llama")
+    cfg = load_config(model_dir)
+    state = {k: v for k, v in read_checkpoint(model_dir).items() if not k.endswith("v_proj.bias")}
+    with pytest.raises(ModelLoadError, match="v_proj.bias.*missing"):
+        convert(cfg, state, [("model.layers.0.self_attn.qkv_bias", (128,))], host_isa())
