@@ -178,7 +178,7 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
         raise SpecError(f"{option} {tokens} must be at least 1 token")
     if option == "--context" and tokens > cfg.max_position_embeddings:
         raise SpecError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
-                        "tokens (max_position_embeddings, or a Mistral's sliding window); lower it")
+                        "tokens (max_position_embeddings, YaRN's longer one or a sliding window); lower it")
     if available is None:
         import psutil
 

@@ -28,7 +28,15 @@ from ..kernels.kquant import REGROUPED
 from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
-from .config import LlamaConfig, ModelConfigError, linear_scaling, shape_problems, yarn_mscale, yarn_scaling
+from .config import (
+    LlamaConfig,
+    ModelConfigError,
+    linear_scaling,
+    shape_problems,
+    yarn_context,
+    yarn_mscale,
+    yarn_scaling,
+)
 
 # llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases, its q/k rows
 # as HF holds them (llama.cpp ropes Qwen2 in NeoX's rotate-half order)
@@ -173,6 +181,7 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         kwargs["rope_scaling"] = yarn_scaling(
             factor, int(get("rope.scaling.original_context_length", 0) or kwargs["max_position_embeddings"]),
             32.0, 1.0, float(get("rope.scaling.attn_factor", 1.0)) * yarn_mscale(factor), True, path)
+        kwargs["max_position_embeddings"] = yarn_context(get("context_length", 2048), kwargs["rope_scaling"])
     elif scaling not in ("linear", "none"):
         raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear, yarn or "
                                "none)")

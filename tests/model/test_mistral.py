@@ -23,9 +23,10 @@ CPUS = tuple(sorted(PROCESS_CPUS))
 def test_a_mistral_with_narrower_attention_and_yarn_matches_hf(tmp_path):
     """Mistral-Nemo's and Mistral Small 3's kind: heads narrower than the hidden states (4 x 32 =
     0.8 x 160, as their 32 x 128 = 0.8 x 5120), from transformers' MistralForCausalLM with a
-    sliding window (which caps the context at 128) and YaRN (Yarn-Mistral's: a 4x longer context
-    than trained, the prompt beyond it; cos and sin scaled by 0.1 ln 4 + 1). TVM's stock build,
-    whose YaRN lacks that factor, is refused."""
+    sliding window and YaRN (Yarn-Mistral's: a 4x longer context than trained, the prompt beyond
+    it; cos and sin scaled by 0.1 ln 4 + 1). The context is the 128 positions YaRN reaches (32 x
+    4), past ``max_position_embeddings`` (64), as vLLM takes it, within the window; the run goes
+    to position 73. TVM's stock build, whose YaRN lacks that factor, is refused."""
     import transformers
 
     from sandwich_tvm.compiler.artifact import CompileError
@@ -33,7 +34,7 @@ def test_a_mistral_with_narrower_attention_and_yarn_matches_hf(tmp_path):
     torch.manual_seed(4)
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
     kw = dict(hidden_size=160, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=128,
+              num_key_value_heads=2, head_dim=32, vocab_size=211, max_position_embeddings=64,
               sliding_window=128)
     hf = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, rope_parameters=rope)).eval()
     hf.save_pretrained(tmp_path)

@@ -39,6 +39,15 @@ def test_linear_scaling_from_an_hf_config(tmp_path):
                                           "truncate": None})).rope_scaling
     assert yarn["original_max_position_embeddings"] == 2048 and yarn["beta_fast"] == 32.0
     assert yarn["truncate"] is False
+    # the context YaRN reaches, as vLLM derives it: the original times the factor where longer
+    # (Qwen2.5: 32768 positions, 4x over them), else max_position_embeddings (DeepSeek-V3's kind)
+    for most, original, factor, context in ((2048, None, 4.0, 8192), (32768, 32768, 4.0, 131072),
+                                            (163840, 4096, 40.0, 163840), (8192, 4096, 1.5, 8192)):
+        raw = json.loads((tmp_path / "config.json").read_text()) | {"max_position_embeddings": most}
+        raw["rope_scaling"] = {"rope_type": "yarn", "factor": factor} | (
+            {"original_max_position_embeddings": original} if original else {})
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        assert load_config(tmp_path).max_position_embeddings == context, (most, original, factor)
 
 
 @pytest.mark.parametrize("keys", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
@@ -165,3 +174,4 @@ def test_yarn_from_a_gguf_as_llama_cpp_reads_it(tmp_path):
                              "llama.rope.scaling.original_context_length": 0})  # llama.cpp: the context
     unset_scaling = load_config(unset).rope_scaling
     assert unset_scaling["original_max_position_embeddings"] == small.max_position_embeddings
+    assert load_config(unset).max_position_embeddings == 2 * small.max_position_embeddings  # reached
