@@ -185,6 +185,9 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     elif scaling not in ("linear", "none"):
         raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear, yarn or "
                                "none)")
+    if scaling != "yarn" and float(get("rope.scaling.attn_factor", 1.0)) != 1.0:  # llama.cpp scales cos, sin
+        raise ModelConfigError(f"{path}: {arch}.rope.scaling.attn_factor {get('rope.scaling.attn_factor')} "
+                               "scales RoPE's cos and sin outside YaRN; not supported")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],

@@ -175,3 +175,8 @@ def test_yarn_from_a_gguf_as_llama_cpp_reads_it(tmp_path):
     unset_scaling = load_config(unset).rope_scaling
     assert unset_scaling["original_max_position_embeddings"] == small.max_position_embeddings
     assert load_config(unset).max_position_embeddings == 2 * small.max_position_embeddings  # reached
+    # llama.cpp scales cos and sin by attn_factor whatever the scaling: outside YaRN, refused
+    scaled = write_gguf(tmp_path / "scaled.gguf", small, random_checkpoint(small, 1), tokenizer=tok,
+                        meta={"llama.rope.scaling.attn_factor": 1.25})
+    with pytest.raises(ModelConfigError, match="attn_factor 1.25 scales RoPE's cos and sin outside YaRN"):
+        load_config(scaled)
