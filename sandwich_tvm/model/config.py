@@ -141,6 +141,10 @@ PRESETS: dict[str, LlamaConfig] = {
                                 max_position_embeddings=131072, rope_theta=500000.0,
                                 rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True),
     "llama-2-7b": LlamaConfig("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, max_position_embeddings=4096),
+    # Qwen2.5-0.5B's shape (q/k/v biases, tied 151936-token embeddings, 14 heads of 64 over 2 KV heads)
+    "qwen2.5-0.5b": LlamaConfig("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, max_position_embeddings=32768,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                qkv_bias=True),
     # small enough that its q4_0 weights (19 MB read per token) stay in a 32 MiB last-level cache
     "llama-34m": LlamaConfig("llama-34m", 1024, 2, 16, 16, 2816, 4096, max_position_embeddings=2048),
 }

@@ -18,6 +18,7 @@ def test_presets_have_the_published_shapes():
     assert 1.05e9 < PRESETS["tinyllama-1.1b"].num_params() < 1.15e9
     assert 1.2e9 < PRESETS["llama-3.2-1b"].num_params() < 1.3e9  # tied embeddings
     assert 7.9e9 < PRESETS["llama-3-8b"].num_params() < 8.1e9
+    assert 0.49e9 < PRESETS["qwen2.5-0.5b"].num_params() < 0.5e9  # Qwen2.5-0.5B's 494M, biases included
 
 
 def test_hf_directory(tmp_path):

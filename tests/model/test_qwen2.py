@@ -88,6 +88,13 @@ def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen
     engine = Engine(compiled, load_params(path, from_gguf, compiled.params, host_isa()), plan)
     assert _check(engine, hf, cfg.vocab_size) == tokens
 
+    # the torch baseline reads the same GGUF as a Qwen2 (transformers dequantizes it): HF's logits
+    from sandwich_tvm.bench.baselines.torch_hf import hf_model
+
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
+    np.testing.assert_allclose(_reference(hf_model(str(path), from_gguf, 0), prompt), _reference(hf, prompt),
+                               rtol=1e-5, atol=1e-5)
+
     stock = compile_model(RunSpec(cfg.name, cfg, plan, stock=True, kv_dtype="float32", max_batch=1))
     _check(Engine(stock, load_params(model_dir, cfg, stock.params, host_isa()), plan), hf, cfg.vocab_size)
     os.sched_setaffinity(0, CPUS)
@@ -115,6 +122,26 @@ def test_two_processes_split_the_biases_with_their_heads(qwen2):
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, CPUS)
+
+
+def test_the_torch_baseline_builds_a_qwen2_preset_with_its_biases(monkeypatch):
+    """A preset with q/k/v biases (``qwen2.5-0.5b``'s kind) is a Qwen2ForCausalLM in the torch
+    baseline, holding the preset's seeded weights, biases included."""
+    from dataclasses import replace
+
+    from sandwich_tvm.bench.baselines.torch_hf import hf_model
+    from sandwich_tvm.model import config
+    from sandwich_tvm.model.checkpoint import random_checkpoint
+
+    assert config.PRESETS["qwen2.5-0.5b"].qkv_bias
+    tiny = replace(config.PRESETS["qwen2.5-0.5b"], name="tiny-qwen2", hidden_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, intermediate_size=96, vocab_size=128, head_dim=None)
+    monkeypatch.setitem(config.PRESETS, "tiny-qwen2", tiny)
+    model = hf_model("tiny-qwen2", tiny, seed=3)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    state = model.state_dict()
+    for name, want in random_checkpoint(tiny, 3).items():
+        np.testing.assert_array_equal(state[name].numpy(), want, err_msg=name)
 
 
 def test_qwen2_configs_and_checkpoints_are_read_and_refused_as_they_should_be(qwen2, tmp_path):

@@ -23,7 +23,8 @@ def with_rope_scaling(model, cfg: LlamaConfig):
 
 
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
-    """The same weights in ``transformers.LlamaForCausalLM`` (fp32)."""
+    """The same weights in transformers' ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` for q/k/v
+    biases; a checkpoint's own class), fp32."""
     import torch
     import transformers
 
@@ -33,20 +34,23 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     if spec not in PRESETS:
         path = model_path(spec)
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
-            model = transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        # Llama or Mistral, as its config.json says
+        # Llama, Mistral or Qwen2, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
-    hf_cfg = transformers.LlamaConfig(
+    fields = dict(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, head_dim=cfg.head_dim)
-    model = transformers.LlamaForCausalLM(hf_cfg)
+    if cfg.qkv_bias:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
     model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
