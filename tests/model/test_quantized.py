@@ -8,11 +8,11 @@ widths are not whole blocks is refused before anything is built."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.host import cpu_flags
 from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
 from sandwich_tvm.kernels.quant import QTYPES, head_dtype
@@ -23,6 +23,7 @@ from sandwich_tvm.spec import RunSpec, SpecError, resolve_activations, resolve_r
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
+from ..precompile import warm_up
 from .hf_models import write_hf_model
 
 torch = pytest.importorskip("torch")
@@ -44,24 +45,47 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
 
 
+def _checkpoint(base: Path) -> Path:
+    """gqa-small (hidden 64, FFN 128: whole blocks) with its own seed, at a fixed place."""
+    out = base / "hf" / "gqa-small-seed5"
+    if not (out / "config.json").is_file():
+        write_hf_model("gqa-small", out, seed=5)
+    return out
+
+
+def _spec(model_dir: Path, dtype: str, int8: bool) -> RunSpec:
+    # the engine runs one sequence: no decode buckets for m = 2..8
+    return RunSpec(str(model_dir), load_config(model_dir), PLAN, weight_dtype=dtype, kv_dtype="float32",
+                   int8_activations=int8, max_batch=1)
+
+
+def _runs_int8(dtype: str) -> bool:
+    return ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].quantized_unit
+
+
+warm_up(__name__, "test_quantized_model_matches_hf_on_the_dequantized_weights",
+        lambda base: [_spec(_checkpoint(base), d, int8) for d in ("q8_0", "q4_0", "q4_1")
+                      for int8 in (False, True) if not int8 or _runs_int8(d)])
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gqa-small")
-    return out, write_hf_model("gqa-small", out, seed=5)  # hidden 64, FFN 128: whole blocks
+    import transformers
+
+    out = _checkpoint(tmp_path_factory.getbasetemp())
+    return out, transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32-activations", "int8-activations"])
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1"])
-def test_quantized_model_matches_hf_on_the_dequantized_weights(small, dtype, int8):
+def test_quantized_model_matches_hf_on_the_dequantized_weights(small, dtype, int8, precompiler):
     unit = kernel_isa(host_isa(), dtype, cpu_flags())  # the CPU's unit for quantized weights
     if int8 and not ISAS[unit].quantized_unit:
         pytest.skip(f"this CPU ({host_isa()}) has no int8 dot product: quantized weights meet fp32 inputs")
     model_dir, hf = small
     cfg = load_config(model_dir)
-    spec = RunSpec(str(model_dir), cfg, PLAN, weight_dtype=dtype, kv_dtype="float32", int8_activations=int8,
-                   max_batch=1)  # the engine runs one sequence: no decode buckets for m = 2..8
-    compiled = compile_model(spec)
+    compiled = precompiler.build(_spec(model_dir, dtype, int8))
     assert compiled.meta["kernel_isa"] == (unit if int8 else host_isa())
     params = load_params(model_dir, cfg, compiled.params, host_isa(), dtype=dtype, layouts=compiled.layouts)
     assert compiled.layouts["model.embed_tokens.weight"].dtype == head_dtype(dtype)  # not an fp32 table

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sandwich_tvm.compiler.artifact import compile_model
 from sandwich_tvm.model.checkpoint import ModelLoadError, read_checkpoint
 from sandwich_tvm.model.config import ModelConfigError, load_config
 from sandwich_tvm.model.parallel import Shard
@@ -21,20 +21,24 @@ from sandwich_tvm.spec import RunSpec, resolve_run_spec
 from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
+from ..precompile import warm_up
+
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
 STEPS = 12
+PLAN = ExecPlan(CPUS, CPUS, "test")
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    """(directory, HF model): tied embeddings, GQA, Qwen2's RoPE base and a sliding window that
-    ``use_sliding_window`` leaves off (transformers then writes none); the biases drawn
-    (transformers starts them at zero)."""
+def _checkpoint(base: Path) -> Path:
+    """The session's Qwen2 (written once at a fixed place, so its builds can start early): tied
+    embeddings, GQA, Qwen2's RoPE base and a sliding window that ``use_sliding_window`` leaves
+    off (transformers then writes none); the biases drawn (transformers starts them at zero)."""
     import transformers
 
+    out = base / "hf" / "qwen2-tiny"
+    if (out / "config.json").is_file():
+        return out
     torch.manual_seed(7)
-    out = tmp_path_factory.mktemp("qwen2")
     cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
                                    max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6,
@@ -45,7 +49,34 @@ def qwen2(tmp_path_factory):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
     hf.save_pretrained(out)
-    return out, hf
+    return out
+
+
+def _spec(model_dir: Path, stock: bool = False) -> RunSpec:
+    cfg = load_config(model_dir)
+    return RunSpec(cfg.name, cfg, PLAN, stock=stock, kv_dtype="float32", max_batch=1)
+
+
+def _tp2_spec(model_dir: Path) -> RunSpec:
+    plan = ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
+    return resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1, kv_dtype="float32",
+                            dtype="float32")
+
+
+warm_up(__name__, "test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build",
+        lambda base: [_spec(_checkpoint(base)), _spec(_checkpoint(base), stock=True)])
+if len(CPUS) >= 2:
+    warm_up(__name__, "test_two_processes_split_the_biases_with_their_heads",
+            lambda base: [_tp2_spec(_checkpoint(base))])
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """(directory, HF model) of the session's Qwen2."""
+    import transformers
+
+    out = _checkpoint(tmp_path_factory.getbasetemp())
+    return out, transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:
@@ -65,7 +96,7 @@ def _check(engine, hf, vocab: int) -> list[int]:
 
 
 @pytest.mark.compile
-def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen2, tmp_path):
+def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen2, tmp_path, precompiler):
     """The q/k/v biases are added to the fused projection: HF's logits from the HF directory;
     the GGUF llama.cpp's conversion writes of it (``qwen2``: q/k rows as HF holds them, the
     biases beside) loads into the same build and gives the same logits; TVM's stock build too;
@@ -75,8 +106,8 @@ def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen
     model_dir, hf = qwen2
     cfg = load_config(model_dir)
     assert cfg.qkv_bias and cfg.max_position_embeddings == 256  # the window is off
-    plan = ExecPlan(CPUS, CPUS, "test")
-    compiled = compile_model(RunSpec(cfg.name, cfg, plan, kv_dtype="float32", max_batch=1))
+    plan = PLAN
+    compiled = precompiler.build(_spec(model_dir))
     assert any(name.endswith("self_attn.qkv_bias") for name, _ in compiled.params)
     engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), plan)
     tokens = _check(engine, hf, cfg.vocab_size)
@@ -95,7 +126,7 @@ def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen
     np.testing.assert_allclose(_reference(hf_model(str(path), from_gguf, 0), prompt), _reference(hf, prompt),
                                rtol=1e-5, atol=1e-5)
 
-    stock = compile_model(RunSpec(cfg.name, cfg, plan, stock=True, kv_dtype="float32", max_batch=1))
+    stock = precompiler.build(_spec(model_dir, stock=True))
     _check(Engine(stock, load_params(model_dir, cfg, stock.params, host_isa()), plan), hf, cfg.vocab_size)
     os.sched_setaffinity(0, CPUS)
     if llamacpp.available() is None:
@@ -105,15 +136,13 @@ def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen
 
 @pytest.mark.compile
 @pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
-def test_two_processes_split_the_biases_with_their_heads(qwen2):
+def test_two_processes_split_the_biases_with_their_heads(qwen2, precompiler):
     """Split over two processes (Megatron's rows: each rank its q, k and v heads), each rank adds
     its own part of the biases: HF's logits and greedy tokens."""
     model_dir, hf = qwen2
     cfg = load_config(model_dir)
-    plan = ExecPlan.of_ranks([((CPUS[0],), (CPUS[0],)), ((CPUS[1],), (CPUS[1],))], "test: TP-2")
-    spec = resolve_run_spec(model_dir, plan=plan, context=256, max_batch=1, kv_dtype="float32",
-                            dtype="float32")
-    compiled = compile_model(spec)
+    spec = _tp2_spec(model_dir)
+    compiled = precompiler.build(spec)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     assert compiled.shards["model.layers.0.self_attn.qkv_bias"] == Shard(0, (q, kv, kv))
     engine, _ = open_engine(spec)
