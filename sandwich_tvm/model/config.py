@@ -308,7 +308,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         num_key_value_heads=f.int("num_key_value_heads", heads),
         intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"),
-        max_position_embeddings=_attended_context(f, scaling),
+        max_position_embeddings=_attended_context(f, scaling, qwen2),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
@@ -322,14 +322,14 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     return LlamaConfig(name=name, **kwargs)
 
 
-def _attended_context(f: _Fields, scaling: dict | None = None) -> int:
+def _attended_context(f: _Fields, scaling: dict | None = None, qwen2: bool = False) -> int:
     """The context the model attends over whole: ``max_position_embeddings`` (YaRN's extended
     one where that is longer, ``yarn_context``), capped at a Mistral ``sliding_window`` (within it,
     sliding-window attention is full attention, so capping the context keeps every run exact).
     Qwen2 names a window that only ``use_sliding_window`` turns on."""
     most = yarn_context(f.int("max_position_embeddings", 2048), scaling)
     window = f.raw.get("sliding_window")
-    if f.raw.get("model_type") == "qwen2" and not f.raw.get("use_sliding_window"):
+    if qwen2 and not f.raw.get("use_sliding_window"):
         window = None
     return most if window is None else min(most, f.int("sliding_window"))
 
@@ -373,8 +373,9 @@ def _yarn_of(rope: dict, max_positions: int, where: Path | str) -> dict | None:
 
 def yarn_context(most: int, scaling: dict | None) -> int:
     """A context of ``most`` positions, or under YaRN the original context times its factor where
-    that is longer (as vLLM derives its longest context: Qwen2.5 names 32768 positions and YaRN
-    4x over them for 131072)."""
+    that is longer: vLLM's longest context for YaRN (Qwen2.5 names 32768 positions and YaRN 4x
+    over them for 131072), but never shorter than ``max_position_embeddings`` (where vLLM takes
+    the product even when it is shorter)."""
     if scaling is None or scaling.get("rope_type") != "yarn":
         return most
     return max(most, int(scaling["original_max_position_embeddings"] * scaling["factor"]))

@@ -116,7 +116,7 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
-    the file stem); an architecture other than llama, or a Llama variant the model does not run
+    the file stem); an architecture other than llama or qwen2, or a Llama variant the model does not run
     (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or YaRN), is a
     ``ModelConfigError``."""
     reader = open_gguf(path)
@@ -150,7 +150,8 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   max_position_embeddings=get("context_length", 2048),
                   rope_theta=_f32(get("rope.freq_base", 10000.0)),
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-                  tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names)
+                  tie_word_embeddings="output.weight" not in names,
+                  qkv_bias=any(n.endswith(".attn_q.bias") for n in names))  # the layers without: missing
     # an attention head's width: key_length where the converter wrote it (Mistral-Nemo, Mistral
     # Small 3: heads x head_dim != embedding_length), else embedding_length / head_count
     head_dim = get("attention.key_length", 0) or None
@@ -265,9 +266,9 @@ class LazyTensor:
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's interleaved RoPE row pairs -> HF's rotate-half order (``llamacpp._permute``
-    inverted)."""
-    rows, cols = w.shape
-    return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    inverted); a 1-D bias moves as the rows it belongs to."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -393,7 +394,8 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
         if name is None:  # rope_freqs: in the config
             continue
         arr = _tensor(t)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        # a Llama's q/k rows, and their biases where it has them (llama.cpp's converter permutes both)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             if isinstance(arr, QuantBlocks):  # whole rows of blocks move
                 state[name] = QuantBlocks.later(lambda a=arr, h=heads: _unpermute(a.raw, h), arr.shape[0],

@@ -93,7 +93,8 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
         name = gguf_name(hf)
         if name in drop:
             continue
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):  # a Qwen2's are HF's
+        # llama.cpp permutes a Llama's q/k rows and their biases; a Qwen2's stay HF's
+        if arch == "llama" and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
             arr = _permute(arr, heads)
         kind = qtype if arr.ndim == 2 else "F32"

@@ -448,14 +448,15 @@ def test_tekken_split(tmp_path, tok):
 def test_qwen2_split(tmp_path, tok):
     """Qwen2's split (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations): Llama 3's with each digit
     alone, after NFC (a decomposed "e" + accent is the one character its tokenizer.json sees); the
-    ids of Qwen2's own tokenizer.json pipeline over the same vocabulary; no BOS, as the file says;
+    ids of Qwen2's own tokenizer.json pipeline over the same vocabulary; no BOS where the file does
+    not say (llama.cpp adds none for qwen2);
     and the ids llama.cpp gives, where it is installed (llama.cpp does not normalize: checked on
     text NFC leaves as it is)."""
     from types import SimpleNamespace
 
     from tokenizers import AddedToken
 
-    path, _ = _llama3_style_gguf(tmp_path / "qwen2.gguf", tok, "qwen2", add_bos=False)
+    path, _ = _llama3_style_gguf(tmp_path / "qwen2.gguf", tok, "qwen2")  # add_bos unsaid: none, as llama.cpp
     ours = load_model_tokenizer(path)
     g = "\u0120"
     split = [p for p, _ in ours.tok.pre_tokenizer.pre_tokenize_str("It's 2024, OK?")]
@@ -540,6 +541,24 @@ def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):
     _one_line(err)
     with pytest.raises(ModelLoadError):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q_k_v_biases_come_back_in_hfs_order(tmp_path, source, arch):
+    """A GGUF with q/k/v biases: a Qwen2's as HF holds them, a Llama's q/k biases permuted with
+    their rows, as llama.cpp's converter writes both (its llama architecture takes optional
+    biases); both read back as HF's, and the config says the model has them."""
+    from dataclasses import replace
+
+    cfg, _ = source
+    biased = replace(cfg, qkv_bias=True)
+    state = random_checkpoint(biased, seed=6)
+    path = write_gguf(tmp_path / f"{arch}.gguf", biased, state, arch=arch)
+    assert load_config(path).qkv_bias
+    back = read_checkpoint(path)
+    for name in ("q_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
+        full = f"model.layers.1.self_attn.{name}"
+        np.testing.assert_array_equal(np.asarray(back[full]), state[full], err_msg=full)
 
 
 def test_unsupported_architecture_and_variants(tmp_path, source):

@@ -174,7 +174,8 @@ def test_the_torch_baseline_builds_a_qwen2_preset_with_its_biases(monkeypatch):
 
 
 def test_qwen2_configs_and_checkpoints_are_read_and_refused_as_they_should_be(qwen2, tmp_path):
-    """A window ``use_sliding_window`` turns on caps the context (exact within it); a Llama with
+    """A window ``use_sliding_window`` turns on caps the context (exact within it), one it leaves
+    off does not; a Llama with
     ``attention_bias`` (o_proj's too) is refused; a Qwen2 checkpoint without its biases says which
     tensor is missing."""
     model_dir, _ = qwen2
@@ -183,6 +184,13 @@ def test_qwen2_configs_and_checkpoints_are_read_and_refused_as_they_should_be(qw
     windowed = raw | {"use_sliding_window": True, "sliding_window": 64}
     (tmp_path / "on" / "config.json").write_text(json.dumps(windowed))
     assert load_config(tmp_path / "on").max_position_embeddings == 64
+    # a window named but off (DeepSeek-R1-Distill-Qwen's config), and the architecture without a model_type
+    (tmp_path / "off").mkdir()
+    off = raw | {"use_sliding_window": False, "sliding_window": 64}
+    del off["model_type"]
+    (tmp_path / "off" / "config.json").write_text(json.dumps(off))
+    unwindowed = load_config(tmp_path / "off")
+    assert (unwindowed.max_position_embeddings, unwindowed.qkv_bias) == (256, True)
     (tmp_path / "llama").mkdir()
     llama = raw | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True}
     (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))

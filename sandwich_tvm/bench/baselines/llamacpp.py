@@ -37,10 +37,11 @@ GGUF_VERSION = 3  # of what write_gguf writes; part of the cache name (2: no BYT
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """HF's rotate-half row order -> llama.cpp's interleaved pairs (inverse of HF's conversion)."""
+    """HF's rotate-half row order -> llama.cpp's interleaved pairs (inverse of HF's conversion); a
+    1-D bias moves as its rows."""
     w = np.asarray(w)  # a GGUF checkpoint's tensors may be lazy (model.gguf.LazyTensor)
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
 GGUF_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0",
