@@ -115,6 +115,8 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
                 p + "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
                 p + "input_layernorm.weight": ((h,), "hidden_size"),
                 p + "post_attention_layernorm.weight": ((h,), "hidden_size")}
+        if cfg.qk_norm:
+            out |= {p + f"self_attn.{x}_norm.weight": ((d,), "head_dim") for x in ("q", "k")}
         if cfg.qkv_bias:
             out |= {p + "self_attn.q_proj.bias": ((q,), qs), p + "self_attn.k_proj.bias": ((kv,), kvs),
                     p + "self_attn.v_proj.bias": ((kv,), kvs)}

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 # Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2); Qwen2
-# (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+# (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v; Qwen3 is
+# Llama with an RMSNorm over every q and k head before RoPE
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelConfigError(ValueError):
@@ -24,9 +25,9 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral or Qwen2 checkpoint (HF field names where
-    they exist). It describes the checkpoint only: the dtypes a run computes and stores in are the
-    run spec's."""
+    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2 or Qwen3 checkpoint (HF field names
+    where they exist). It describes the checkpoint only: the dtypes a run computes and stores in
+    are the run spec's."""
 
     name: str
     hidden_size: int
@@ -47,6 +48,8 @@ class LlamaConfig:
     head_dim: int | None = None
     # q, k and v projections with biases (Qwen2's ``q_proj.bias``...; o_proj has none)
     qkv_bias: bool = False
+    # an RMSNorm over each q and each k head before RoPE (Qwen3's ``q_norm``/``k_norm``, head_dim wide)
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -79,13 +82,14 @@ class LlamaConfig:
         return self.head_dim * self.num_attention_heads != self.hidden_size
 
     def to_dict(self) -> dict:
-        """The fields, ``head_dim`` only where explicit and ``qkv_bias`` only where set (so that
-        the cache keys of models without them stay as they were)."""
+        """The fields, ``head_dim`` only where explicit and ``qkv_bias``/``qk_norm`` only where set
+        (so that the cache keys of models without them stay as they were)."""
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
-        if not self.qkv_bias:
-            del out["qkv_bias"]
+        for flag in ("qkv_bias", "qk_norm"):
+            if not out[flag]:
+                del out[flag]
         return out
 
 
@@ -145,6 +149,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "qwen2.5-0.5b": LlamaConfig("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, max_position_embeddings=32768,
                                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                 qkv_bias=True),
+    # Qwen3-0.6B's shape (q/k norms, 16 heads of 128 over 8 KV heads: wider than the 1024 hidden states)
+    "qwen3-0.6b": LlamaConfig("qwen3-0.6b", 1024, 28, 16, 8, 3072, 151936, max_position_embeddings=40960,
+                              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=128,
+                              qk_norm=True),
     # small enough that its q4_0 weights (19 MB read per token) stay in a 32 MiB last-level cache
     "llama-34m": LlamaConfig("llama-34m", 1024, 2, 16, 16, 2816, 4096, max_position_embeddings=2048),
 }
@@ -283,10 +291,11 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         raise f.fail(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                      "(and head_dim is not given)")
     qwen2 = "Qwen2ForCausalLM" in archs or raw.get("model_type") == "qwen2"
+    qwen3 = "Qwen3ForCausalLM" in archs or raw.get("model_type") == "qwen3"
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
-                               "(Llama uses no biases, Qwen2 biases on q, k and v only, both SiLU)")
+                               "(Llama and Qwen3 use no biases, Qwen2 biases on q, k and v only, all SiLU)")
     # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
     rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_raw, dict):
@@ -308,13 +317,14 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         num_key_value_heads=f.int("num_key_value_heads", heads),
         intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"),
-        max_position_embeddings=_attended_context(f, scaling, qwen2),
+        max_position_embeddings=_attended_context(f, scaling, qwen2 or qwen3),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         head_dim=head_dim,
         qkv_bias=qwen2,
+        qk_norm=qwen3,
     )
     problems = shape_problems(kwargs)
     if problems:
@@ -322,14 +332,14 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     return LlamaConfig(name=name, **kwargs)
 
 
-def _attended_context(f: _Fields, scaling: dict | None = None, qwen2: bool = False) -> int:
+def _attended_context(f: _Fields, scaling: dict | None = None, qwen: bool = False) -> int:
     """The context the model attends over whole: ``max_position_embeddings`` (YaRN's extended
     one where that is longer, ``yarn_context``), capped at a Mistral ``sliding_window`` (within it,
     sliding-window attention is full attention, so capping the context keeps every run exact).
-    Qwen2 names a window that only ``use_sliding_window`` turns on."""
+    Qwen2 and Qwen3 name a window that only ``use_sliding_window`` turns on."""
     most = yarn_context(f.int("max_position_embeddings", 2048), scaling)
     window = f.raw.get("sliding_window")
-    if qwen2 and not f.raw.get("use_sliding_window"):
+    if qwen and not f.raw.get("use_sliding_window"):
         window = None
     return most if window is None else min(most, f.int("sliding_window"))
 

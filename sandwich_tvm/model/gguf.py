@@ -7,8 +7,8 @@ blocks (``QuantBlocks``), and Q4_K's and Q5_0's are regrouped as q4_1 and q8_0 b
 the i-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a
 time. llama.cpp stores a Llama's q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are
 permuted by its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's
-rotate-half order here. A Qwen2's rows are HF's as they are (llama.cpp ropes it as NeoX does),
-and its q, k and v biases are read beside the weights.
+rotate-half order here. A Qwen2's or Qwen3's rows are HF's as they are (llama.cpp ropes them as
+NeoX does); Qwen2's q, k and v biases and Qwen3's q/k norms are read beside the weights.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from .config import (
     yarn_scaling,
 )
 
-# llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases, its q/k rows
-# as HF holds them (llama.cpp ropes Qwen2 in NeoX's rotate-half order)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases; qwen3: Llama
+# with an RMSNorm over each q and k head. Their q/k rows are as HF holds them (llama.cpp ropes
+# them in NeoX's rotate-half order)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -53,7 +54,8 @@ NOTED_TYPES = ("Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XX
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BIASED = ("attn_q", "attn_k", "attn_v")  # the biases a model has (Qwen2's)
@@ -116,7 +118,8 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
-    the file stem); an architecture other than llama or qwen2, or a Llama variant the model does not run
+    the file stem); an architecture other than llama, qwen2 or qwen3, or a Llama variant the model
+    does not run
     (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or YaRN), is a
     ``ModelConfigError``."""
     reader = open_gguf(path)
@@ -124,7 +127,7 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(f"{path}: architecture {arch!r} is not supported; sandwich-tvm runs "
                                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (Llama 2/3, TinyLlama, SmolLM2, "
-                               "Mistral, Qwen2)")
+                               "Mistral, Qwen2, Qwen3)")
 
     def get(key: str, default: Any = None) -> Any:
         v = metadata(reader, f"{arch}.{key}", default)
@@ -151,7 +154,11 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   rope_theta=_f32(get("rope.freq_base", 10000.0)),
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
                   tie_word_embeddings="output.weight" not in names,
-                  qkv_bias=any(n.endswith(".attn_q.bias") for n in names))  # the layers without: missing
+                  qkv_bias=any(n.endswith(".attn_q.bias") for n in names),  # the layers without: missing
+                  qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names))
+    if kwargs["qk_norm"] and arch == "llama":  # its q/k rows are permuted; a per-head norm would be too
+        raise ModelConfigError(f"{path}: a llama GGUF with q/k norms (attn_q_norm) is not supported; "
+                               "convert the model as the architecture it is (qwen3)")
     # an attention head's width: key_length where the converter wrote it (Mistral-Nemo, Mistral
     # Small 3: heads x head_dim != embedding_length), else embedding_length / head_count
     head_dim = get("attention.key_length", 0) or None

@@ -1,5 +1,5 @@
-"""Llama 2/3/3.2, TinyLlama, Mistral and Qwen2 on ``tvm.relax.frontend.nn`` with TVM's paged KV
-cache.
+"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2 and Qwen3 on ``tvm.relax.frontend.nn`` with TVM's
+paged KV cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
 attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included), and the exported
@@ -69,10 +69,12 @@ def _row_parallel(tp: int, k: int) -> Shard | None:
     return Shard(1, (k,)) if tp > 1 else None
 
 
-def _norm(cfg: LlamaConfig, kernels: KernelSet | None) -> nn.Module:
+def _norm(cfg: LlamaConfig, kernels: KernelSet | None, width: int | None = None) -> nn.Module:
+    """RMSNorm over the last ``width`` values (default: the hidden states)."""
+    width = width or cfg.hidden_size
     if kernels is None:
-        return nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=ACT_DTYPE)
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ACT_DTYPE, kernels.isa)
+        return nn.RMSNorm(width, -1, cfg.rms_norm_eps, bias=False, dtype=ACT_DTYPE)
+    return RMSNorm(width, cfg.rms_norm_eps, ACT_DTYPE, kernels.isa)
 
 
 _STDERR_LOCK = threading.Lock()
@@ -109,6 +111,9 @@ class Attention(nn.Module):
         # Qwen2's q, k and v biases: one fused vector, added to the projection (split as its rows)
         self.qkv_bias = (shard_hint(nn.Parameter(((self.heads + 2 * self.kv_heads) * d,), ACT_DTYPE), shard)
                          if cfg.qkv_bias else None)
+        # Qwen3's RMSNorm over every q and every k head (one head_dim-wide weight each, on every rank)
+        self.q_norm = _norm(cfg, kernels, d) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, kernels, d) if cfg.qk_norm else None
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q),
                               at=(layer, "o"))
 
@@ -118,12 +123,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv, b, s)
         if self.separated:
             out = attend_remote(qkv, self.heads, self.head_dim)
             return _project(self.o_proj, out, residual, self.tp)
         qkv = op.reshape(qkv, (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
         out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
+
+
+    def _norm_heads(self, qkv: nn.Tensor, b, s) -> nn.Tensor:
+        """``qkv`` with its q heads and its k heads RMS-normalized (Qwen3's, before RoPE)."""
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        q, k, v = op.split(op.reshape(qkv, (b, s, h + 2 * kv, d)), [h, h + kv], axis=2)
+        return op.reshape(op.concat([self.q_norm(q), self.k_norm(k), v], dim=2), (b, s, (h + 2 * kv) * d))
 
 
 class MLP(nn.Module):

@@ -44,7 +44,8 @@ def tiny_config(vocab_size: int, tied: bool = True, name: str = "tiny") -> Llama
 GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf: str) -> str:

@@ -19,6 +19,7 @@ def test_presets_have_the_published_shapes():
     assert 1.2e9 < PRESETS["llama-3.2-1b"].num_params() < 1.3e9  # tied embeddings
     assert 7.9e9 < PRESETS["llama-3-8b"].num_params() < 8.1e9
     assert 0.49e9 < PRESETS["qwen2.5-0.5b"].num_params() < 0.5e9  # Qwen2.5-0.5B's 494M, biases included
+    assert 0.59e9 < PRESETS["qwen3-0.6b"].num_params() < 0.6e9  # Qwen3-0.6B's 596M
 
 
 def test_hf_directory(tmp_path):

@@ -3,7 +3,7 @@ BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from sourc
 ``pip install -e .[llamacpp]``, minutes).
 
 The GGUF follows llama.cpp's own HF conversion: a Llama's q/k rows permuted back to the
-interleaved RoPE layout (a Qwen2, ``qwen2``, keeps HF's and its q/k/v biases), Llama-3
+interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms), Llama-3
 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
 embeddings as ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
 benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
@@ -63,7 +63,10 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    arch = "qwen2" if cfg.qkv_bias else "llama"  # as llama.cpp's conversion names a Qwen2
+    # as llama.cpp's conversion names a Qwen2 and a Qwen3
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError(f"{cfg.name}: llama.cpp runs no model with both q/k norms and q/k/v biases")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -134,6 +137,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
             put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch == "llama" else rows)
             if cfg.qkv_bias:
                 put(b + f"attn_{x}.bias", state[p + f"self_attn.{x}_proj.bias"])
+            if cfg.qk_norm and x != "v":
+                put(b + f"attn_{x}_norm.weight", state[p + f"self_attn.{x}_norm.weight"])
         put(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
         put(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
         put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])

@@ -24,7 +24,7 @@ def with_rope_scaling(model, cfg: LlamaConfig):
 
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     """The same weights in transformers' ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` for q/k/v
-    biases; a checkpoint's own class), fp32."""
+    biases, ``Qwen3ForCausalLM`` for q/k norms; a checkpoint's own class), fp32."""
     import torch
     import transformers
 
@@ -34,10 +34,12 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     if spec not in PRESETS:
         path = model_path(spec)
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
-            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                      dtype=torch.float32).eval()
+            config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            config.head_dim = cfg.head_dim  # transformers' GGUF reader skips attention.key_length
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        # Llama, Mistral or Qwen2, as its config.json says
+        # Llama, Mistral, Qwen2 or Qwen3, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
@@ -47,7 +49,9 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, head_dim=cfg.head_dim)
-    if cfg.qkv_bias:
+    if cfg.qk_norm:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, use_sliding_window=False))
+    elif cfg.qkv_bias:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))

@@ -1,6 +1,7 @@
-"""A Qwen2 (transformers' Qwen2ForCausalLM: Llama with biases on q, k and v) compiled and run
-against transformers: from its HF directory, from the GGUF llama.cpp's conversion writes of it,
-in TVM's stock build and split over two processes."""
+"""A Qwen2 (transformers' Qwen2ForCausalLM: Llama with biases on q, k and v) and a Qwen3
+(Qwen3ForCausalLM: Llama with an RMSNorm over every q and k head, heads wider than the hidden
+states) compiled and run against transformers: from the HF directory, from the GGUF llama.cpp's
+conversion writes of it, in TVM's stock build and split over two processes."""
 
 from __future__ import annotations
 
@@ -29,25 +30,34 @@ STEPS = 12
 PLAN = ExecPlan(CPUS, CPUS, "test")
 
 
-def _checkpoint(base: Path) -> Path:
-    """The session's Qwen2 (written once at a fixed place, so its builds can start early): tied
-    embeddings, GQA, Qwen2's RoPE base and a sliding window that ``use_sliding_window`` leaves
-    off (transformers then writes none); the biases drawn (transformers starts them at zero)."""
+KINDS = ("qwen2", "qwen3")
+
+
+def _checkpoint(base: Path, kind: str = "qwen2") -> Path:
+    """The session's Qwen2 or Qwen3 (written once at a fixed place, so its builds can start
+    early): tied embeddings, GQA, Qwen's RoPE base and a sliding window that
+    ``use_sliding_window`` leaves off (transformers then writes none); Qwen2's biases and
+    Qwen3's norm weights drawn (transformers starts them at zero and one), Qwen3's 4 heads of 32
+    wider than its 64 hidden states."""
     import transformers
 
-    out = base / "hf" / "qwen2-tiny"
+    out = base / "hf" / f"{kind}-tiny"
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(7)
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
-                                   max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6,
-                                   use_sliding_window=False, sliding_window=64)
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=211, max_position_embeddings=256,
+                  tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=False, sliding_window=64)
+    if kind == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields)).eval()
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, head_dim=32)).eval()
     with torch.no_grad():
         for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)
+            attn = layer.self_attn
+            for drawn in ((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias) if kind == "qwen2"
+                          else (attn.q_norm.weight, attn.k_norm.weight)):
+                drawn.normal_(1.0 if kind == "qwen3" else 0.0, 0.5)
     hf.save_pretrained(out)
     return out
 
@@ -63,20 +73,30 @@ def _tp2_spec(model_dir: Path) -> RunSpec:
                             dtype="float32")
 
 
-warm_up(__name__, "test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build",
-        lambda base: [_spec(_checkpoint(base)), _spec(_checkpoint(base), stock=True)])
+warm_up(__name__, "test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build",
+        lambda base: [_spec(_checkpoint(base, k), stock) for k in KINDS for stock in (False, True)])
 if len(CPUS) >= 2:
-    warm_up(__name__, "test_two_processes_split_the_biases_with_their_heads",
-            lambda base: [_tp2_spec(_checkpoint(base))])
+    warm_up(__name__, "test_two_processes_split_the_heads_with_their_biases_and_norms",
+            lambda base: [_tp2_spec(_checkpoint(base, k)) for k in KINDS])
+
+
+def _open(base: Path, kind: str):
+    import transformers
+
+    out = _checkpoint(base, kind)
+    return out, transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """(directory, HF model) of the session's Qwen2."""
-    import transformers
+    return _open(tmp_path_factory.getbasetemp(), "qwen2")
 
-    out = _checkpoint(tmp_path_factory.getbasetemp())
-    return out, transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+@pytest.fixture(scope="module", params=KINDS)
+def qwen(request, tmp_path_factory):
+    """(directory, HF model) of the session's Qwen2 and Qwen3."""
+    return _open(tmp_path_factory.getbasetemp(), request.param)
 
 
 def _reference(hf, tokens: list[int]) -> np.ndarray:
@@ -96,30 +116,35 @@ def _check(engine, hf, vocab: int) -> list[int]:
 
 
 @pytest.mark.compile
-def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen2, tmp_path, precompiler):
-    """The q/k/v biases are added to the fused projection: HF's logits from the HF directory;
-    the GGUF llama.cpp's conversion writes of it (``qwen2``: q/k rows as HF holds them, the
-    biases beside) loads into the same build and gives the same logits; TVM's stock build too;
-    and llama.cpp on that GGUF gives the same greedy tokens, where it is installed."""
+def test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen, tmp_path, precompiler):
+    """Qwen2's q/k/v biases are added to the fused projection, Qwen3's q and k heads RMS-normed
+    before RoPE: HF's logits from the HF directory; the GGUF llama.cpp's conversion writes of it
+    (``qwen2``/``qwen3``: q/k rows as HF holds them, the biases or norms beside) loads into the
+    same build and gives the same logits; TVM's stock build too; and llama.cpp on that GGUF
+    gives the same greedy tokens, where it is installed."""
     from sandwich_tvm.bench.baselines import llamacpp
 
-    model_dir, hf = qwen2
+    model_dir, hf = qwen
     cfg = load_config(model_dir)
-    assert cfg.qkv_bias and cfg.max_position_embeddings == 256  # the window is off
+    qwen3 = model_dir.name.startswith("qwen3")
+    assert (cfg.qkv_bias, cfg.qk_norm) == (not qwen3, qwen3) and cfg.max_position_embeddings == 256
     plan = PLAN
     compiled = precompiler.build(_spec(model_dir))
-    assert any(name.endswith("self_attn.qkv_bias") for name, _ in compiled.params)
+    own = "self_attn.k_norm.weight" if qwen3 else "self_attn.qkv_bias"
+    assert any(name.endswith(own) for name, _ in compiled.params)
     engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), plan)
     tokens = _check(engine, hf, cfg.vocab_size)
 
-    path = llamacpp.write_gguf(cfg, read_checkpoint(model_dir), tmp_path / "qwen2.gguf")
+    path = llamacpp.write_gguf(cfg, read_checkpoint(model_dir), tmp_path / "qwen.gguf")
     from_gguf = load_config(path)
-    assert (from_gguf.qkv_bias, from_gguf.tie_word_embeddings, from_gguf.rope_theta) == (True, True, 1e6)
+    flags = ("qkv_bias", "qk_norm", "head_dim")
+    assert [getattr(from_gguf, f) for f in flags] == [getattr(cfg, f) for f in flags]
+    assert (from_gguf.tie_word_embeddings, from_gguf.rope_theta) == (True, 1e6)
     del engine
     engine = Engine(compiled, load_params(path, from_gguf, compiled.params, host_isa()), plan)
     assert _check(engine, hf, cfg.vocab_size) == tokens
 
-    # the torch baseline reads the same GGUF as a Qwen2 (transformers dequantizes it): HF's logits
+    # the torch baseline reads the same GGUF as a Qwen (transformers dequantizes it): HF's logits
     from sandwich_tvm.bench.baselines.torch_hf import hf_model
 
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
@@ -136,15 +161,19 @@ def test_a_qwen2_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen
 
 @pytest.mark.compile
 @pytest.mark.skipif(len(CPUS) < 2, reason="a two-process plan needs two CPUs")
-def test_two_processes_split_the_biases_with_their_heads(qwen2, precompiler):
+def test_two_processes_split_the_heads_with_their_biases_and_norms(qwen, precompiler):
     """Split over two processes (Megatron's rows: each rank its q, k and v heads), each rank adds
-    its own part of the biases: HF's logits and greedy tokens."""
-    model_dir, hf = qwen2
+    its own part of Qwen2's biases, and normalizes its heads by Qwen3's whole norm weights: HF's
+    logits and greedy tokens."""
+    model_dir, hf = qwen
     cfg = load_config(model_dir)
     spec = _tp2_spec(model_dir)
     compiled = precompiler.build(spec)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    assert compiled.shards["model.layers.0.self_attn.qkv_bias"] == Shard(0, (q, kv, kv))
+    if cfg.qkv_bias:
+        assert compiled.shards["model.layers.0.self_attn.qkv_bias"] == Shard(0, (q, kv, kv))
+    else:
+        assert "model.layers.0.self_attn.q_norm.weight" not in compiled.shards  # on every rank whole
     engine, _ = open_engine(spec)
     try:
         _check(engine, hf, cfg.vocab_size)
@@ -153,21 +182,24 @@ def test_two_processes_split_the_biases_with_their_heads(qwen2, precompiler):
         os.sched_setaffinity(0, CPUS)
 
 
-def test_the_torch_baseline_builds_a_qwen2_preset_with_its_biases(monkeypatch):
+@pytest.mark.parametrize(("preset", "cls"), [("qwen2.5-0.5b", "Qwen2ForCausalLM"),
+                                            ("qwen3-0.6b", "Qwen3ForCausalLM")])
+def test_the_torch_baseline_builds_a_qwen_preset_with_its_biases_or_norms(monkeypatch, preset, cls):
     """A preset with q/k/v biases (``qwen2.5-0.5b``'s kind) is a Qwen2ForCausalLM in the torch
-    baseline, holding the preset's seeded weights, biases included."""
+    baseline, one with q/k norms (``qwen3-0.6b``'s) a Qwen3ForCausalLM, holding the preset's
+    seeded weights, biases and norms included."""
     from dataclasses import replace
 
     from sandwich_tvm.bench.baselines.torch_hf import hf_model
     from sandwich_tvm.model import config
     from sandwich_tvm.model.checkpoint import random_checkpoint
 
-    assert config.PRESETS["qwen2.5-0.5b"].qkv_bias
-    tiny = replace(config.PRESETS["qwen2.5-0.5b"], name="tiny-qwen2", hidden_size=64, num_hidden_layers=1,
-                   num_attention_heads=4, intermediate_size=96, vocab_size=128, head_dim=None)
-    monkeypatch.setitem(config.PRESETS, "tiny-qwen2", tiny)
-    model = hf_model("tiny-qwen2", tiny, seed=3)
-    assert type(model).__name__ == "Qwen2ForCausalLM"
+    tiny = replace(config.PRESETS[preset], name="tiny-qwen", hidden_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=128,
+                   head_dim=32)
+    monkeypatch.setitem(config.PRESETS, "tiny-qwen", tiny)
+    model = hf_model("tiny-qwen", tiny, seed=3)
+    assert type(model).__name__ == cls
     state = model.state_dict()
     for name, want in random_checkpoint(tiny, 3).items():
         np.testing.assert_array_equal(state[name].numpy(), want, err_msg=name)
