@@ -155,9 +155,9 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
                   tie_word_embeddings="output.weight" not in names,
                   qkv_bias=any(n.endswith(".attn_q.bias") for n in names),  # the layers without: missing
-                  qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names))
-    if kwargs["qk_norm"] and arch == "llama":  # its q/k rows are permuted; a per-head norm would be too
-        raise ModelConfigError(f"{path}: a llama GGUF with q/k norms (attn_q_norm) is not supported; "
+                  qk_norm=arch == "qwen3")  # which llama.cpp requires: a file without them is incomplete
+    if arch != "qwen3" and any(n.endswith(".attn_q_norm.weight") for n in names):
+        raise ModelConfigError(f"{path}: a {arch} GGUF with q/k norms (attn_q_norm) is not supported; "
                                "convert the model as the architecture it is (qwen3)")
     # an attention head's width: key_length where the converter wrote it (Mistral-Nemo, Mistral
     # Small 3: heads x head_dim != embedding_length), else embedding_length / head_count
@@ -279,7 +279,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name; None for a tensor a Llama or Qwen2 checkpoint does not have."""
+    """The HF name of a GGUF tensor name; None for a tensor no Llama-family checkpoint we run has."""
     if m := _LAYER.fullmatch(gguf_name):
         ours = _LAYER_NAMES.get(m.group(2))
         if m.group(3) == "bias" and m.group(2) not in _BIASED:
@@ -329,8 +329,8 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
             continue
         name = hf_name(t.name)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama or Qwen2 model (biases "
-                                 "but q, k and v's, experts and other architectures are not supported)")
+            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama, Qwen2 or Qwen3 model "
+                                 "(biases but q, k and v's, experts, other architectures are not supported)")
         kind = t.tensor_type.name
         if kind not in NATIVE_TYPES + NOTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} is stored as {kind}; sandwich-tvm loads "

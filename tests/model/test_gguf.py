@@ -524,7 +524,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path, source):
     ("layers", "missing for the 3 layers the metadata describes"),
     ("fewer-layers", r"blk\.1\.\w+\.weight has shape .* describes 1 layers"),
     ("dropped", "'model.layers.1.mlp.down_proj.weight' is missing"),
-    ("bias", "'blk.0.attn_output.bias' is not part of a Llama or Qwen2 model"),
+    ("bias", "'blk.0.attn_output.bias' is not part of a Llama, Qwen2 or Qwen3 model"),
     ("some-biases", "'model.layers.0.self_attn.k_proj.bias' and 4 more are missing"),
 ])
 def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):
@@ -559,6 +559,20 @@ def test_q_k_v_biases_come_back_in_hfs_order(tmp_path, source, arch):
     for name in ("q_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias"):
         full = f"model.layers.1.self_attn.{name}"
         np.testing.assert_array_equal(np.asarray(back[full]), state[full], err_msg=full)
+
+
+def test_q_k_norms_belong_to_qwen3(tmp_path, source):
+    """llama.cpp's qwen3 requires its q/k norms: a qwen3 GGUF without them is incomplete; another
+    architecture with them is refused, naming qwen3."""
+    cfg, state = source
+    bare = write_gguf(tmp_path / "qwen3.gguf", cfg, state, arch="qwen3")
+    with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.q_norm.weight' and 3 more are miss"):
+        load_config(bare)
+    normed = write_gguf(tmp_path / "qwen2.gguf", cfg, state, arch="qwen2",
+                        extra={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)})
+    with pytest.raises(ModelConfigError, match="a qwen2 GGUF with q/k norms .* not supported.*qwen3") as err:
+        load_config(normed)
+    _one_line(err)
 
 
 def test_unsupported_architecture_and_variants(tmp_path, source):

@@ -132,6 +132,7 @@ def test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen,
     compiled = precompiler.build(_spec(model_dir))
     own = "self_attn.k_norm.weight" if qwen3 else "self_attn.qkv_bias"
     assert any(name.endswith(own) for name, _ in compiled.params)
+    assert compiled.meta["unscheduled"] == []  # the heads' slices and concat got schedules too
     engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), plan)
     tokens = _check(engine, hf, cfg.vocab_size)
 

@@ -66,7 +66,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     # as llama.cpp's conversion names a Qwen2 and a Qwen3
     arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError(f"{cfg.name}: llama.cpp runs no model with both q/k norms and q/k/v biases")
+        raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for both q/k norms and "
+                         "q/k/v biases")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)

@@ -56,7 +56,11 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
-    model.load_state_dict(state, strict=False)
+    loaded = model.load_state_dict(state, strict=False)  # a tied head is the embedding, tied below
+    astray = [k for k in loaded.missing_keys if k != "lm_head.weight"] + list(loaded.unexpected_keys)
+    if astray:
+        raise ValueError(f"{cfg.name}: the torch baseline's {type(model).__name__} and our weights disagree "
+                         f"on {astray[:4]}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
