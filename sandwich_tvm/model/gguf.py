@@ -119,9 +119,8 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
     the file stem); an architecture other than llama, qwen2 or qwen3, or a Llama variant the model
-    does not run
-    (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or YaRN), is a
-    ``ModelConfigError``."""
+    does not run (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or
+    YaRN), is a ``ModelConfigError``."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -394,7 +393,7 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     """Every tensor of a GGUF under HF's names (checked against the file's metadata by
     ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""
     reader, cfg = open_gguf(path), gguf_config(path)
-    permuted = metadata(reader, "general.architecture") == "llama"  # qwen2's rows are HF's
+    permuted = metadata(reader, "general.architecture") == "llama"  # a Qwen's rows are HF's
     state: dict[str, np.ndarray | LazyTensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)

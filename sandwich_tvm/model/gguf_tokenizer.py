@@ -3,7 +3,7 @@ metadata, with its BOS/EOS ids and ``tokenizer.chat_template``.
 
 Two vocabularies, as llama.cpp names them:
 
-- ``gpt2``: byte-level BPE (SmolLM2, Llama 3, Qwen2, DeepSeek-Coder) from the vocabulary and merges,
+- ``gpt2``: byte-level BPE (SmolLM2, Llama 3, Qwen2/3, DeepSeek-Coder) from the vocabulary and merges,
   split before BPE as the model's own ``tokenizer.json`` does (``tokenizer.ggml.pre``:
   ``smollm`` splits digits first, the Llama-3 family by its regex, DeepSeek-Coder by its
   sequence of regexes, GPT-2's own by its; a split not known here is refused rather than

@@ -132,7 +132,6 @@ class Attention(nn.Module):
         out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype)
         return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
 
-
     def _norm_heads(self, qkv: nn.Tensor, b, s) -> nn.Tensor:
         """``qkv`` with its q heads and its k heads RMS-normalized (Qwen3's, before RoPE). The
         heads are cut by one slice each, which the default schedules cover (a three-way split,

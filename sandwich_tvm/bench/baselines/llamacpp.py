@@ -3,9 +3,9 @@ BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from sourc
 ``pip install -e .[llamacpp]``, minutes).
 
 The GGUF follows llama.cpp's own HF conversion: a Llama's q/k rows permuted back to the
-interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms), Llama-3
-scaling as a ``rope_freqs`` tensor of per-frequency factors, tied
-embeddings as ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
+interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms),
+Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied embeddings as
+``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
 benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
 tokens, not byte tokens, so llama-server never holds a token back to complete a UTF-8 character
 and streams exactly one chunk per generated token.
@@ -134,7 +134,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
         for x, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0)):
-            rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen2's q/k stay HF's: NeoX RoPE
+            rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen's q/k stay HF's: NeoX RoPE
             put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch == "llama" else rows)
             if cfg.qkv_bias:
                 put(b + f"attn_{x}.bias", state[p + f"self_attn.{x}_proj.bias"])
