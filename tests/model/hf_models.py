@@ -56,12 +56,13 @@ def write_hf_model(name: str, out: Path, seed: int = 0):
     return model
 
 
-def hf_checkpoint(base: Path, name: str) -> Path:
-    """``name``'s checkpoint at a fixed place in the session (``base``: its base directory), so
-    that its compiled models can be named before a test asks for them; written if missing."""
-    out = base / "hf" / name
+def hf_checkpoint(base: Path, name: str, seed: int = 0) -> Path:
+    """``name``'s checkpoint (weights drawn with ``seed``) at a fixed place in the session
+    (``base``: its base directory), so that its compiled models can be named before a test asks
+    for them; written if missing."""
+    out = base / "hf" / (name if seed == 0 else f"{name}-seed{seed}")
     if not (out / "config.json").is_file():
-        write_hf_model(name, out)
+        write_hf_model(name, out, seed)
     return out
 
 

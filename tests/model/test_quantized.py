@@ -24,7 +24,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
-from .hf_models import write_hf_model
+from .hf_models import hf_checkpoint, write_hf_model
 
 torch = pytest.importorskip("torch")
 
@@ -47,10 +47,7 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _checkpoint(base: Path) -> Path:
     """gqa-small (hidden 64, FFN 128: whole blocks) with its own seed, at a fixed place."""
-    out = base / "hf" / "gqa-small-seed5"
-    if not (out / "config.json").is_file():
-        write_hf_model("gqa-small", out, seed=5)
-    return out
+    return hf_checkpoint(base, "gqa-small", seed=5)
 
 
 def _spec(model_dir: Path, dtype: str, int8: bool) -> RunSpec:
