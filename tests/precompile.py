@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # importing TVM takes seconds: only the tests that compile pa
 CHILD = r"""
 import os, pickle, sys
 os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})  # not the parent's pinned core
+# Only a core nothing else wants: a test's engine or torch threads spin at barriers and slow down
+# many times over when a build holds one of their cores; a test waiting in ``ready`` frees both.
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 done = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # anything printed while compiling stays off the answers
 from sandwich_tvm.compiler.artifact import compile_model
@@ -102,6 +105,7 @@ class Precompiler:
         self._proc: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
         self._specs: list[tuple[tuple, int]] = []  # (artifact, ticket) submitted, not yet seen done
+        self._done: set[tuple] = set()  # artifacts the child has finished (built, or failed)
         self._next = 0
         self._warmed = False
 
@@ -134,8 +138,8 @@ class Precompiler:
                 [sys.executable, "-c", CHILD, ",".join(map(str, cpus))], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         for spec in specs:
-            if any(a == _artifact(spec) for a, _ in self._specs):
-                continue
+            if _artifact(spec) in self._done or any(a == _artifact(spec) for a, _ in self._specs):
+                continue  # in the cache already, or on its way: not again at the back of the queue
             self._specs.append((_artifact(spec), self._next))
             pickle.dump((self._next, spec), self._proc.stdin)
             self._next += 1
@@ -152,6 +156,7 @@ class Precompiler:
                 self._specs.clear()
                 return
             ticket = int(line.split()[0])
+            self._done |= {a for a, t in self._specs if t == ticket}
             self._specs = [(a, t) for a, t in self._specs if t != ticket]
             if ticket == tickets[0]:
                 return
@@ -165,4 +170,4 @@ class Precompiler:
         self._proc.stdin.close()
         self._proc.stdout.read()
         self._proc.wait()
-        self._proc, self._specs = None, []
+        self._proc, self._specs, self._done = None, [], set()
