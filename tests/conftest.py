@@ -36,15 +36,11 @@ def precompiler(tmp_path_factory):
     pre.close(finish=False)
 
 
-# Their tests build kernels on one core and time nothing: the other core is free for the later
-# tests' slowest artifacts (``precompile.warm_up``).
-WARM_UP_DURING = {"compiler", "kernels"}
-
-
+# The later tests' slowest artifacts (``precompile.warm_up``) start building with the first test:
+# the builds take only a core no test wants.
 @pytest.fixture(autouse=True)
 def _warm_up_later_builds(request, tmp_path_factory):
-    if request.node.path.parent.name in WARM_UP_DURING:
-        request.getfixturevalue("precompiler").warm_up(request.session, tmp_path_factory.getbasetemp())
+    request.getfixturevalue("precompiler").warm_up(request.session, tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(autouse=True)
