@@ -106,13 +106,20 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {"model.embed_tokens.weight": ((cfg.vocab_size, h), "vocab_size, hidden_size")}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": ((q, h), f"{qs}, hidden_size"),
-                p + "self_attn.k_proj.weight": ((kv, h), f"{kvs}, hidden_size"),
-                p + "self_attn.v_proj.weight": ((kv, h), f"{kvs}, hidden_size"),
-                p + "self_attn.o_proj.weight": ((h, q), f"hidden_size, {qs}"),
-                p + "mlp.gate_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
-                p + "mlp.up_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
-                p + "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
+        # in this order (random_checkpoint draws the weights in it); Phi-3's q|k|v and gate|up fused
+        if cfg.fused_checkpoint:
+            out[p + "self_attn.qkv_proj.weight"] = ((q + 2 * kv, h), f"({qs}) + 2 ({kvs}), hidden_size")
+        else:
+            out |= {p + "self_attn.q_proj.weight": ((q, h), f"{qs}, hidden_size"),
+                    p + "self_attn.k_proj.weight": ((kv, h), f"{kvs}, hidden_size"),
+                    p + "self_attn.v_proj.weight": ((kv, h), f"{kvs}, hidden_size")}
+        out[p + "self_attn.o_proj.weight"] = ((h, q), f"hidden_size, {qs}")
+        if cfg.fused_checkpoint:
+            out[p + "mlp.gate_up_proj.weight"] = ((2 * inter, h), "2 intermediate_size, hidden_size")
+        else:
+            out |= {p + "mlp.gate_proj.weight": ((inter, h), "intermediate_size, hidden_size"),
+                    p + "mlp.up_proj.weight": ((inter, h), "intermediate_size, hidden_size")}
+        out |= {p + "mlp.down_proj.weight": ((h, inter), "hidden_size, intermediate_size"),
                 p + "input_layernorm.weight": ((h,), "hidden_size"),
                 p + "post_attention_layernorm.weight": ((h,), "hidden_size")}
         if cfg.qk_norm:

@@ -14,9 +14,11 @@ from typing import Any
 
 # Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2); Qwen2
 # (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v; Qwen3 is
-# Llama with an RMSNorm over every q and k head before RoPE
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Llama with an RMSNorm over every q and k head before RoPE; Phi-3 is Llama whose checkpoint holds
+# q|k|v and gate|up as one matrix each
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 class ModelConfigError(ValueError):
@@ -25,7 +27,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2 or Qwen3 checkpoint (HF field names
+    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint (HF field names
     where they exist). It describes the checkpoint only: the dtypes a run computes and stores in
     are the run spec's."""
 
@@ -50,6 +52,9 @@ class LlamaConfig:
     qkv_bias: bool = False
     # an RMSNorm over each q and each k head before RoPE (Qwen3's ``q_norm``/``k_norm``, head_dim wide)
     qk_norm: bool = False
+    # the checkpoint holds q|k|v as one ``qkv_proj`` and gate|up as one ``gate_up_proj`` (Phi-3's):
+    # the matrices the model fuses anyway, so only the names it reads change
+    fused_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -82,12 +87,12 @@ class LlamaConfig:
         return self.head_dim * self.num_attention_heads != self.hidden_size
 
     def to_dict(self) -> dict:
-        """The fields, ``head_dim`` only where explicit and ``qkv_bias``/``qk_norm`` only where set
-        (so that the cache keys of models without them stay as they were)."""
+        """The fields, ``head_dim`` only where explicit and the flags (``qkv_bias``...) only where
+        set (so that the cache keys of models without them stay as they were)."""
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
-        for flag in ("qkv_bias", "qk_norm"):
+        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint"):
             if not out[flag]:
                 del out[flag]
         return out
@@ -292,15 +297,20 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
                      "(and head_dim is not given)")
     qwen2 = "Qwen2ForCausalLM" in archs or raw.get("model_type") == "qwen2"
     qwen3 = "Qwen3ForCausalLM" in archs or raw.get("model_type") == "qwen3"
+    phi3 = "Phi3ForCausalLM" in archs or raw.get("model_type") == "phi3"
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
-                               "(Llama and Qwen3 use no biases, Qwen2 biases on q, k and v only, all SiLU)")
+                               "(Llama, Qwen3 and Phi-3 use no biases, Qwen2 biases on q, k and v only, "
+                               "all SiLU)")
     # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
     rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_raw, dict):
         raise f.fail(f"rope_scaling / rope_parameters must be an object, got {_json_type(rope_raw)}")
     rope = dict(rope_raw)
+    for partial in (rope.pop("partial_rotary_factor", None), raw.get("partial_rotary_factor")):
+        if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75
+            raise f.fail(f"partial_rotary_factor {partial} is not supported: RoPE turns every pair of a head")
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -325,6 +335,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         head_dim=head_dim,
         qkv_bias=qwen2,
         qk_norm=qwen3,
+        fused_checkpoint=phi3,
     )
     problems = shape_problems(kwargs)
     if problems:

@@ -7,8 +7,9 @@ blocks (``QuantBlocks``), and Q4_K's and Q5_0's are regrouped as q4_1 and q8_0 b
 the i-quants) are dequantized to float32 with ``gguf.quants`` when a tensor is used, one at a
 time. llama.cpp stores a Llama's q/k rows interleaved for its RoPE (``attn_q``/``attn_k`` are
 permuted by its HF conversion, see ``bench.baselines.llamacpp``); they are put back in HF's
-rotate-half order here. A Qwen2's or Qwen3's rows are HF's as they are (llama.cpp ropes them as
-NeoX does); Qwen2's q, k and v biases and Qwen3's q/k norms are read beside the weights.
+rotate-half order here. A Qwen2's, Qwen3's or Phi-3's rows are HF's as they are (llama.cpp ropes
+them as NeoX does); Qwen2's q, k and v biases and Qwen3's q/k norms are read beside the weights,
+and Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate|up) are HF's ``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from .config import (
 )
 
 # llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases; qwen3: Llama
-# with an RMSNorm over each q and k head. Their q/k rows are as HF holds them (llama.cpp ropes
-# them in NeoX's rotate-half order)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# with an RMSNorm over each q and k head; phi3: Llama with q|k|v and gate|up fused. Their q/k rows
+# are as HF holds them (llama.cpp ropes them in NeoX's rotate-half order)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3"
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -55,7 +57,9 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                "attn_qkv": "self_attn.qkv_proj"}
+_FUSED_NAMES = {"ffn_up": "mlp.gate_up_proj"}  # a Phi-3's ffn_up holds gate|up
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BIASED = ("attn_q", "attn_k", "attn_v")  # the biases a model has (Qwen2's)
@@ -118,15 +122,14 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
-    the file stem); an architecture other than llama, qwen2 or qwen3, or a Llama variant the model
+    the file stem); an architecture other than llama, qwen2, qwen3 or phi3, or a Llama variant the model
     does not run (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or
     YaRN), is a ``ModelConfigError``."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(f"{path}: architecture {arch!r} is not supported; sandwich-tvm runs "
-                               f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs (Llama 2/3, TinyLlama, SmolLM2, "
-                               "Mistral, Qwen2, Qwen3)")
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUFs ({FAMILIES})")
 
     def get(key: str, default: Any = None) -> Any:
         v = metadata(reader, f"{arch}.{key}", default)
@@ -154,7 +157,11 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   rope_scaling=None, rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
                   tie_word_embeddings="output.weight" not in names,
                   qkv_bias=any(n.endswith(".attn_q.bias") for n in names),  # the layers without: missing
-                  qk_norm=arch == "qwen3")  # which llama.cpp requires: a file without them is incomplete
+                  qk_norm=arch == "qwen3",  # which llama.cpp requires: a file without them is incomplete
+                  fused_checkpoint=arch == "phi3")
+    if any(n.startswith("rope_factors_") for n in names):  # Phi-3's 128k models, Phi-3.5
+        raise ModelConfigError(f"{path}: LongRoPE (rope_factors_long/short) is not supported; sandwich-tvm "
+                               "scales RoPE by Llama-3's factors, linearly or by YaRN")
     if arch != "qwen3" and any(n.endswith(".attn_q_norm.weight") for n in names):
         raise ModelConfigError(f"{path}: a {arch} GGUF with q/k norms (attn_q_norm) is not supported; "
                                "convert the model as the architecture it is (qwen3)")
@@ -277,10 +284,11 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name; None for a tensor no Llama-family checkpoint we run has."""
+def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The HF name of a GGUF tensor name (in a model whose checkpoint is ``fused``: a Phi-3's);
+    None for a tensor no Llama-family checkpoint we run has."""
     if m := _LAYER.fullmatch(gguf_name):
-        ours = _LAYER_NAMES.get(m.group(2))
+        ours = (fused and _FUSED_NAMES.get(m.group(2))) or _LAYER_NAMES.get(m.group(2))
         if m.group(3) == "bias" and m.group(2) not in _BIASED:
             return None
         return f"model.layers.{m.group(1)}.{ours}.{m.group(3)}" if ours else None
@@ -326,10 +334,10 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # in the config (llama3 scaling)
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.fused_checkpoint)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a Llama, Qwen2 or Qwen3 model "
-                                 "(biases but q, k and v's, experts, other architectures are not supported)")
+            raise ModelLoadError(f"{path}: tensor {t.name!r} is not part of a {FAMILIES} model (biases but "
+                                 "q, k and v's, experts, other architectures are not supported)")
         kind = t.tensor_type.name
         if kind not in NATIVE_TYPES + NOTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} is stored as {kind}; sandwich-tvm loads "
@@ -373,7 +381,8 @@ def linear_type(path: Path) -> str | None:
 # 5 bits and more: types a 4-bit model holds in q8_0 rather than round to 4 bits
 WIDE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 # GGUF layer tensors -> the Linear that holds them (fused as the model stores them)
-_LINEARS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_output": "o", "ffn_gate": "gate_up",
+_LINEARS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_qkv": "qkv", "attn_output": "o",
+            "ffn_gate": "gate_up",
             "ffn_up": "gate_up", "ffn_down": "down"}
 
 
@@ -396,7 +405,7 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     permuted = metadata(reader, "general.architecture") == "llama"  # a Qwen's rows are HF's
     state: dict[str, np.ndarray | LazyTensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.fused_checkpoint)
         if name is None:  # rope_freqs: in the config
             continue
         arr = _tensor(t)

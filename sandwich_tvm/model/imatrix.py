@@ -52,7 +52,7 @@ def read_imatrix(path: Path | str, cfg: LlamaConfig) -> dict[str, np.ndarray]:
             continue
         weight = name[:-len(SUM2)]
         counts = tensors.get(weight + COUNTS)
-        hf = hf_name(weight)
+        hf = hf_name(weight, cfg.fused_checkpoint)
         if counts is None or counts.size != 1 or not counts[0] > 0:
             raise ImatrixError(f"--imatrix {path}: {weight} has no positive {COUNTS}; the file is damaged, "
                                "write it again with llama-imatrix")
@@ -82,9 +82,12 @@ def _input_size(cfg: LlamaConfig, hf: str) -> int:
 
 
 def importance_of(table: dict[str, np.ndarray] | None, name: str) -> np.ndarray | None:
-    """The importance vector of our parameter ``name`` (fused ones read their first part's)."""
+    """The importance vector of our parameter ``name`` (fused ones read their first part's, unless
+    the checkpoint held them fused)."""
     if not table:
         return None
+    if name in table:
+        return table[name]
     for fused, source in FUSED_SOURCE.items():
         if name.endswith(fused):
             return table.get(name[:-len(fused)] + source)

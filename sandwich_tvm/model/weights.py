@@ -46,7 +46,7 @@ def _hf_tensor(state: dict[str, np.ndarray], name: str, cfg: LlamaConfig,
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         name = "model.embed_tokens.weight"
     for ours, parts in _FUSED.items():
-        if name.endswith(ours):
+        if name.endswith(ours) and name not in state:  # a Phi-3 holds the fused matrix itself
             prefix = name[: -len(ours)]
             tensors = [_get(state, prefix + p, where) for p in parts]
             if all(isinstance(t, QuantBlocks) and t.qtype == tensors[0].qtype for t in tensors):

@@ -45,7 +45,8 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm"}
+              "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
+              "mlp.gate_up_proj": "ffn_up"}  # a Phi-3's ffn_up holds gate|up
 
 
 def gguf_name(hf: str) -> str:

@@ -63,11 +63,12 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    # as llama.cpp's conversion names a Qwen2 and a Qwen3
-    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
-    if cfg.qk_norm and cfg.qkv_bias:
-        raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for both q/k norms and "
-                         "q/k/v biases")
+    # as llama.cpp's conversion names a Qwen2, a Qwen3 and a Phi-3
+    arch = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "phi3" if cfg.fused_checkpoint
+            else "llama")
+    if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint > 1:
+        raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for more than one of q/k "
+                         "norms, q/k/v biases and fused matrices")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -133,7 +134,11 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
-        for x, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0)):
+        qkv = (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads), ("v", 0))
+        if cfg.fused_checkpoint:  # a Phi-3's q|k|v as HF holds them (NeoX RoPE)
+            put(b + "attn_qkv.weight", state[p + "self_attn.qkv_proj.weight"])
+            qkv = ()
+        for x, heads in qkv:
             rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen's q/k stay HF's: NeoX RoPE
             put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch == "llama" else rows)
             if cfg.qkv_bias:
@@ -142,8 +147,11 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
                 put(b + f"attn_{x}_norm.weight", state[p + f"self_attn.{x}_norm.weight"])
         put(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
         put(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
-        put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
-        put(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
+        if cfg.fused_checkpoint:  # a Phi-3's ffn_up holds gate|up
+            put(b + "ffn_up.weight", state[p + "mlp.gate_up_proj.weight"])
+        else:
+            put(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
+            put(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
         put(b + "ffn_down.weight", state[p + "mlp.down_proj.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -24,7 +24,8 @@ def with_rope_scaling(model, cfg: LlamaConfig):
 
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     """The same weights in transformers' ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` for q/k/v
-    biases, ``Qwen3ForCausalLM`` for q/k norms; a checkpoint's own class), fp32."""
+    biases, ``Qwen3ForCausalLM`` for q/k norms, ``Phi3ForCausalLM`` for fused matrices; a
+    checkpoint's own class), fp32."""
     import torch
     import transformers
 
@@ -36,10 +37,12 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
             config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             config.head_dim = cfg.head_dim  # transformers' GGUF reader skips attention.key_length
+            if (getattr(config, "pad_token_id", None) or 0) >= cfg.vocab_size:  # Phi-3's default 32000
+                config.pad_token_id = None  # names no token of this vocabulary: no padding row
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        # Llama, Mistral, Qwen2 or Qwen3, as its config.json says
+        # Llama, Mistral, Qwen2, Qwen3 or Phi-3, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
@@ -53,6 +56,9 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, use_sliding_window=False))
     elif cfg.qkv_bias:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
+    elif cfg.fused_checkpoint:  # Phi-3 derives its head width: never explicit
+        del fields["head_dim"]
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**fields, pad_token_id=None))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
