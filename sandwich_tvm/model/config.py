@@ -310,10 +310,14 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     rope = dict(rope_raw)
     for partial in (rope.pop("partial_rotary_factor", None), raw.get("partial_rotary_factor")):
         if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75
-            raise f.fail(f"partial_rotary_factor {partial} is not supported: RoPE turns every pair of a head")
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported; sandwich-tvm "
+                                   "turns every pair of a head")
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if phi3 and (kind != "default" or "long_factor" in rope):  # transformers takes su and yarn as longrope
+        raise ModelConfigError(f"{where}: a Phi-3's RoPE scaling {kind!r} (LongRoPE: the 128k Phi-3s, "
+                               "Phi-3.5) is not supported; its 4k models run")
     if kind not in ("llama3", "linear", "yarn", "default"):
         raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear, yarn or "
                                "none)")
@@ -345,8 +349,9 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
 
 def _attended_context(f: _Fields, scaling: dict | None = None, qwen: bool = False) -> int:
     """The context the model attends over whole: ``max_position_embeddings`` (YaRN's extended
-    one where that is longer, ``yarn_context``), capped at a Mistral ``sliding_window`` (within it,
-    sliding-window attention is full attention, so capping the context keeps every run exact).
+    one where that is longer, ``yarn_context``), capped at a Mistral's or Phi-3's
+    ``sliding_window`` (within it, sliding-window attention is full attention, so capping the
+    context keeps every run exact).
     Qwen2 and Qwen3 name a window that only ``use_sliding_window`` turns on."""
     most = yarn_context(f.int("max_position_embeddings", 2048), scaling)
     window = f.raw.get("sliding_window")

@@ -57,9 +57,8 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-                "attn_qkv": "self_attn.qkv_proj"}
-_FUSED_NAMES = {"ffn_up": "mlp.gate_up_proj"}  # a Phi-3's ffn_up holds gate|up
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # a Phi-3's: ffn_up gate|up
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BIASED = ("attn_q", "attn_k", "attn_v")  # the biases a model has (Qwen2's)
@@ -159,6 +158,10 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   qkv_bias=any(n.endswith(".attn_q.bias") for n in names),  # the layers without: missing
                   qk_norm=arch == "qwen3",  # which llama.cpp requires: a file without them is incomplete
                   fused_checkpoint=arch == "phi3")
+    if (arch == "phi3") != any(n.endswith(".attn_qkv.weight") for n in names):  # --fuse-qkv, or a split phi3
+        held = "separate attn_q/k/v" if arch == "phi3" else "a fused attn_qkv"
+        raise ModelConfigError(f"{path}: a {arch} GGUF with {held} is not supported; convert it as "
+                               "llama.cpp's convert_hf_to_gguf.py does by default (phi3 fused, others not)")
     if any(n.startswith("rope_factors_") for n in names):  # Phi-3's 128k models, Phi-3.5
         raise ModelConfigError(f"{path}: LongRoPE (rope_factors_long/short) is not supported; sandwich-tvm "
                                "scales RoPE by Llama-3's factors, linearly or by YaRN")

@@ -8,7 +8,7 @@ Two vocabularies, as llama.cpp names them:
   ``smollm`` splits digits first, the Llama-3 family by its regex, DeepSeek-Coder by its
   sequence of regexes, GPT-2's own by its; a split not known here is refused rather than
   guessed);
-- ``llama``: SentencePiece BPE with byte fallback (Llama 2, TinyLlama, Mistral), as llama.cpp
+- ``llama``: SentencePiece BPE with byte fallback (Llama 2, TinyLlama, Mistral, Phi-3), as llama.cpp
   runs it: a space is put before the text and before every piece of text that follows a special
   token (as Llama-2's own ``tokenizer.json`` does); the merges are recovered from the token
   scores when the file has none.

@@ -1,4 +1,4 @@
-"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2 and Qwen3 on ``tvm.relax.frontend.nn`` with TVM's
+"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3 and Phi-3 on ``tvm.relax.frontend.nn`` with TVM's
 paged KV cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and

@@ -239,7 +239,7 @@ def load_model_tokenizer(spec: str | Path) -> ModelTokenizer | None:
     eos_ids = _ids(_json(path / "config.json").get("eos_token_id"))
     eos_ids |= _ids(_json(path / "generation_config.json").get("eos_token_id"))
     eos_token, bos_token = _token_text(tcfg.get("eos_token")), _token_text(tcfg.get("bos_token"))
-    for text in (eos_token, "</s>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>"):
+    for text in (eos_token, "</s>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "<|end|>"):
         tid = tok.token_to_id(text) if text else None
         if tid is not None and (text == eos_token or not eos_ids):
             eos_ids.add(tid)

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandwich_tvm.kernels.quant import QuantBlocks
-from sandwich_tvm.model.checkpoint import ModelLoadError, hf_shapes, read_checkpoint
+from sandwich_tvm.kernels.quant import QType, QuantBlocks
+from sandwich_tvm.model.checkpoint import ModelLoadError, hf_shapes, random_checkpoint, read_checkpoint
 from sandwich_tvm.model.config import ModelConfigError, load_config
-from sandwich_tvm.model.gguf import hf_name
-from sandwich_tvm.model.imatrix import importance_of
+from sandwich_tvm.model.gguf import hf_name, wider_linears
+from sandwich_tvm.model.imatrix import importance_of, read_imatrix
 from sandwich_tvm.model.weights import convert, load_params
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.loader import open_engine
@@ -26,7 +26,8 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
-from .gguf_models import write_gguf
+from .gguf_models import tiny_config, write_gguf
+from .test_imatrix import write_imatrix
 
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
@@ -145,20 +146,28 @@ def test_a_phi3_matches_hf_from_its_directory_and_its_gguf(phi3, tmp_path, preco
 
 
 @pytest.mark.compile
-def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_factory, precompiler):
+def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_factory, precompiler,
+                                                            monkeypatch):
     """A Q8_0 Phi-3 GGUF's ``attn_qkv`` and ``ffn_up`` blocks are the kernels' q8_0 blocks
-    without a re-rounding (gate|up interleaved for the fused epilogue, whole blocks moved):
-    with fp32 activations the engine gives the logits of transformers' Phi-3 holding the
-    file's values, and its greedy tokens."""
+    without a re-rounding (nothing is quantized at load: gate|up interleaved for the fused
+    epilogue, whole blocks moved): with fp32 activations the engine gives the logits of
+    transformers' Phi-3 holding the file's values, and its greedy tokens."""
     import transformers
 
     path = _q8_gguf(tmp_path_factory.getbasetemp())
     spec = _q8_spec(path)
     assert spec.weight_dtype == "q8_0" and spec.config.fused_checkpoint
+    assert {(0, "qkv", "q8_0"), (1, "gate_up", "q8_0")} <= set(wider_linears(path))  # attn_qkv, ffn_up
     state = read_checkpoint(path)
     assert all(isinstance(state[n], QuantBlocks) and state[n].qtype.name == "q8_0" for n in (QKV, GATE_UP))
     precompiler.ready(spec)
+
+    def rounding(*_a, **_k):
+        raise AssertionError("a Q8_0 GGUF's weights were quantized again at load")
+
+    monkeypatch.setattr(QType, "quantize", rounding)
     engine, _ = open_engine(spec)
+    monkeypatch.undo()
     model_dir, hf = phi3
     runs = transformers.Phi3ForCausalLM(hf.config).eval()
     values = {n: t.qtype.dequantize(t.raw) if isinstance(t, QuantBlocks) else t for n, t in state.items()}
@@ -167,10 +176,12 @@ def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_facto
 
 
 def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp_path):
-    """A Phi-3's window caps the context as a Mistral's does (exact within it: HF slides it); a
-    partial rotary factor (Phi-4-mini's), LongRoPE (Phi-3.5's, in config.json or as a GGUF's
-    rope factors) are refused in one line; a checkpoint without its fused gate_up says which
-    tensor is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones."""
+    """A Phi-3's window caps the context as a Mistral's does (HF masks the positions a window
+    back, so within it every run is exact); a partial rotary factor (Phi-4-mini's), LongRoPE
+    (Phi-3.5's, in config.json under any of its names, or as a GGUF's rope factors), a llama GGUF
+    with a fused attn_qkv and a phi3 GGUF without one are refused in one line; a checkpoint
+    without its fused gate_up says which tensor is missing; a Phi-3 GGUF's and importance
+    matrix's names are the fused ones."""
     model_dir, _ = phi3
     raw = json.loads((model_dir / "config.json").read_text())
 
@@ -183,11 +194,15 @@ def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp
     rope = raw.get("rope_parameters") or {}
     for name, fields in (("partial", {"partial_rotary_factor": 0.75}),
                          ("partial-rope", {"rope_parameters": rope | {"partial_rotary_factor": 0.75}})):
-        with pytest.raises(ModelConfigError, match="partial_rotary_factor 0.75 is not supported"):
+        with pytest.raises(ModelConfigError, match="partial_rotary_factor 0.75 is not supported") as err:
             config(name, fields)
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    with pytest.raises(ModelConfigError, match="'longrope' is not supported"):
-        config("longrope", {"rope_parameters": rope | longrope, "rope_scaling": longrope})
+        assert "\n" not in str(err.value) and "fix config.json" not in str(err.value)
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for kind in ("longrope", "su", "yarn", "llama3"):  # transformers reads su and yarn as longrope
+        scaling = {"type": kind} | factors if kind != "llama3" else dict(rope_type="llama3", factor=8.0)
+        with pytest.raises(ModelConfigError, match=f"Phi-3's RoPE scaling '{kind}' .*LongRoPE") as err:
+            config(f"rope-{kind}", {"rope_parameters": None, "rope_scaling": scaling})
+        assert "\n" not in str(err.value)
 
     cfg = load_config(model_dir)
     state = {k: v for k, v in read_checkpoint(model_dir).items() if k != GATE_UP}
@@ -197,8 +212,18 @@ def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp
     full = read_checkpoint(model_dir)
     factors = {f"rope_factors_{x}.weight": np.ones(8, np.float32) for x in ("long", "short")}
     path = write_gguf(tmp_path / "longrope.gguf", cfg, full, arch="phi3", extra=factors)
-    with pytest.raises(ModelConfigError, match="LongRoPE .*not supported"):
+    with pytest.raises(ModelConfigError, match="LongRoPE .*not supported") as err:
         load_config(path)
+    assert "\n" not in str(err.value)
+    llama = tiny_config(211, tied=False)
+    for arch, weights, held in (("llama", full, "a fused attn_qkv"),
+                                ("phi3", random_checkpoint(llama), "separate attn_q/k/v")):
+        path = write_gguf(tmp_path / f"{arch}-{held[0]}.gguf", llama, weights, arch=arch)
+        with pytest.raises(ModelConfigError, match=f"a {arch} GGUF with {held} is not supported") as err:
+            load_config(path)
+        assert "\n" not in str(err.value)
+    imatrix = read_imatrix(write_imatrix(tmp_path / "imatrix.gguf", cfg), cfg)
+    assert {QKV, GATE_UP} <= set(imatrix) and not any("up_proj" in n and "gate" not in n for n in imatrix)
     assert [hf_name(f"blk.3.{t}.weight", fused=True) for t in ("attn_qkv", "ffn_up", "ffn_down")] == [
         "model.layers.3.self_attn.qkv_proj.weight", "model.layers.3.mlp.gate_up_proj.weight",
         "model.layers.3.mlp.down_proj.weight"]

@@ -3,7 +3,8 @@ BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from sourc
 ``pip install -e .[llamacpp]``, minutes).
 
 The GGUF follows llama.cpp's own HF conversion: a Llama's q/k rows permuted back to the
-interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms),
+interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms; a
+Phi-3 too, fused as ``attn_qkv`` and an ``ffn_up`` holding gate|up),
 Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied embeddings as
 ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
 benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
@@ -69,6 +70,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint > 1:
         raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for more than one of q/k "
                          "norms, q/k/v biases and fused matrices")
+    if arch == "phi3" and cfg.explicit_head_dim:
+        raise ValueError(f"{cfg.name}: llama.cpp's phi3 takes heads x head_dim == hidden_size only")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.name)
     w.add_context_length(cfg.max_position_embeddings)

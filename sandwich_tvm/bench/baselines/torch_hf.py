@@ -56,9 +56,11 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, use_sliding_window=False))
     elif cfg.qkv_bias:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
-    elif cfg.fused_checkpoint:  # Phi-3 derives its head width: never explicit
-        del fields["head_dim"]
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**fields, pad_token_id=None))
+    elif cfg.fused_checkpoint:
+        head_dim = fields.pop("head_dim")  # not a Phi3Config argument, but its attention reads it
+        config = transformers.Phi3Config(**fields, pad_token_id=None)
+        config.head_dim = head_dim
+        model = transformers.Phi3ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
