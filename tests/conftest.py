@@ -36,11 +36,13 @@ def precompiler(tmp_path_factory):
     pre.close(finish=False)
 
 
-# The later tests' slowest artifacts (``precompile.warm_up``) start building with the first test:
-# the builds take only a core no test wants.
+# The later tests' slowest artifacts (``precompile.warm_up``) start building with the first test
+# past the benchmarks' (builds take only a core no test wants, but their memory traffic would
+# make ``bench gemm``'s cold-weight checks go round again: its tests took twice as long).
 @pytest.fixture(autouse=True)
 def _warm_up_later_builds(request, tmp_path_factory):
-    request.getfixturevalue("precompiler").warm_up(request.session, tmp_path_factory.getbasetemp())
+    if "bench" not in request.node.path.parts:
+        request.getfixturevalue("precompiler").warm_up(request.session, tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(autouse=True)
