@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from sandwich_tvm.model.tokenizer import byte_chars
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -85,3 +87,33 @@ def byte_level_tokenizer(merges: list[tuple[bytes, bytes]] = ()):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def hf_logits(hf, tokens: list[int]) -> np.ndarray:
+    """A transformers model's logits at every position of ``tokens``."""
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+def greedy_matches_hf(engine, hf, vocab: int, steps: int) -> list[int]:
+    """The engine's greedy run of ``steps`` tokens after a seeded 30-token prompt, against HF's
+    logits over the same tokens (1e-4) and its argmax; the engine's tokens."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, 30)]
+    logits: list[np.ndarray] = []
+    gen = engine.generate(prompt, steps, logits_out=logits)
+    ref = hf_logits(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
+    return gen.tokens
+
+
+def torch_baseline_reads_gguf_as(hf, path: Path, cfg) -> None:
+    """The torch baseline on the GGUF at ``path`` (``cfg`` read from it; transformers dequantizes
+    it) gives ``hf``'s logits over a seeded 20-token prompt."""
+    from sandwich_tvm.bench.baselines.torch_hf import hf_model
+
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
+    np.testing.assert_allclose(hf_logits(hf_model(str(path), cfg, 0), prompt), hf_logits(hf, prompt),
+                               rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
 from .gguf_models import tiny_config, write_gguf
+from .hf_models import greedy_matches_hf, torch_baseline_reads_gguf_as
 from .test_imatrix import write_imatrix
 
 torch = pytest.importorskip("torch")
@@ -94,22 +95,6 @@ def phi3(tmp_path_factory):
     return out, transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
-def _reference(hf, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].numpy()
-
-
-def _check(engine, hf, vocab: int) -> list[int]:
-    """The engine's greedy run against HF's logits over the same tokens; its tokens."""
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, 30)]
-    logits: list[np.ndarray] = []
-    gen = engine.generate(prompt, STEPS, logits_out=logits)
-    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
-    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
-    return gen.tokens
-
-
 @pytest.mark.compile
 def test_a_phi3_matches_hf_from_its_directory_and_its_gguf(phi3, tmp_path, precompiler):
     """The checkpoint's fused qkv_proj and gate_up_proj are the model's own fused Linears: HF's
@@ -118,8 +103,6 @@ def test_a_phi3_matches_hf_from_its_directory_and_its_gguf(phi3, tmp_path, preco
     build and gives the same logits; transformers reads that GGUF as the same model; and
     llama.cpp on it gives the same greedy tokens, where it is installed."""
     from sandwich_tvm.bench.baselines import llamacpp
-    from sandwich_tvm.bench.baselines.torch_hf import hf_model
-
     model_dir, hf = phi3
     cfg = load_config(model_dir)
     assert cfg.fused_checkpoint and not cfg.tie_word_embeddings and cfg.max_position_embeddings == 256
@@ -127,18 +110,16 @@ def test_a_phi3_matches_hf_from_its_directory_and_its_gguf(phi3, tmp_path, preco
     assert QKV in state and "model.layers.0.self_attn.q_proj.weight" not in state
     compiled = precompiler.build(_spec(model_dir))
     engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), PLAN)
-    tokens = _check(engine, hf, cfg.vocab_size)
+    tokens = greedy_matches_hf(engine, hf, cfg.vocab_size, STEPS)
 
     path = llamacpp.write_gguf(cfg, state, tmp_path / "phi3.gguf")
     from_gguf = load_config(path)
     assert from_gguf.fused_checkpoint and from_gguf.num_key_value_heads == 2
     del engine
     engine = Engine(compiled, load_params(path, from_gguf, compiled.params, host_isa()), PLAN)
-    assert _check(engine, hf, cfg.vocab_size) == tokens
+    assert greedy_matches_hf(engine, hf, cfg.vocab_size, STEPS) == tokens
 
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
-    np.testing.assert_allclose(_reference(hf_model(str(path), from_gguf, 0), prompt), _reference(hf, prompt),
-                               rtol=1e-5, atol=1e-5)
+    torch_baseline_reads_gguf_as(hf, path, from_gguf)
     os.sched_setaffinity(0, CPUS)
     if llamacpp.available() is None:
         prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 30)]
@@ -172,7 +153,7 @@ def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_facto
     runs = transformers.Phi3ForCausalLM(hf.config).eval()
     values = {n: t.qtype.dequantize(t.raw) if isinstance(t, QuantBlocks) else t for n, t in state.items()}
     runs.load_state_dict({n: torch.from_numpy(np.asarray(v, np.float32)) for n, v in values.items()})
-    _check(engine, runs, spec.config.vocab_size)
+    greedy_matches_hf(engine, runs, spec.config.vocab_size, STEPS)
 
 
 def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp_path):
@@ -239,7 +220,6 @@ def test_the_torch_baseline_builds_a_fused_preset_as_a_phi3(monkeypatch):
     preset's seeded weights."""
     from sandwich_tvm.bench.baselines.torch_hf import hf_model
     from sandwich_tvm.model import config
-    from sandwich_tvm.model.checkpoint import random_checkpoint
 
     tiny = replace(config.PRESETS["llama-160m"], name="tiny-phi3", hidden_size=64, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=128,

@@ -23,6 +23,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
+from .hf_models import greedy_matches_hf, torch_baseline_reads_gguf_as
 
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
@@ -99,22 +100,6 @@ def qwen(request, tmp_path_factory):
     return _open(tmp_path_factory.getbasetemp(), request.param)
 
 
-def _reference(hf, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].numpy()
-
-
-def _check(engine, hf, vocab: int) -> list[int]:
-    """The engine's greedy run against HF's logits over the same tokens; its tokens."""
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, 30)]
-    logits: list[np.ndarray] = []
-    gen = engine.generate(prompt, STEPS, logits_out=logits)
-    ref = _reference(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]
-    np.testing.assert_allclose(np.stack(logits), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
-    assert gen.tokens == [int(t) for t in ref.argmax(-1)]
-    return gen.tokens
-
-
 @pytest.mark.compile
 def test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen, tmp_path, precompiler):
     """Qwen2's q/k/v biases are added to the fused projection, Qwen3's q and k heads RMS-normed
@@ -134,7 +119,7 @@ def test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen,
     assert any(name.endswith(own) for name, _ in compiled.params)
     assert compiled.meta["unscheduled"] == []  # the heads' slices and concat got schedules too
     engine = Engine(compiled, load_params(model_dir, cfg, compiled.params, host_isa()), plan)
-    tokens = _check(engine, hf, cfg.vocab_size)
+    tokens = greedy_matches_hf(engine, hf, cfg.vocab_size, STEPS)
 
     path = llamacpp.write_gguf(cfg, read_checkpoint(model_dir), tmp_path / "qwen.gguf")
     from_gguf = load_config(path)
@@ -143,17 +128,14 @@ def test_a_qwen_matches_hf_from_its_directory_its_gguf_and_the_stock_build(qwen,
     assert (from_gguf.tie_word_embeddings, from_gguf.rope_theta) == (True, 1e6)
     del engine
     engine = Engine(compiled, load_params(path, from_gguf, compiled.params, host_isa()), plan)
-    assert _check(engine, hf, cfg.vocab_size) == tokens
+    assert greedy_matches_hf(engine, hf, cfg.vocab_size, STEPS) == tokens
 
     # the torch baseline reads the same GGUF as a Qwen (transformers dequantizes it): HF's logits
-    from sandwich_tvm.bench.baselines.torch_hf import hf_model
-
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
-    np.testing.assert_allclose(_reference(hf_model(str(path), from_gguf, 0), prompt), _reference(hf, prompt),
-                               rtol=1e-5, atol=1e-5)
+    torch_baseline_reads_gguf_as(hf, path, from_gguf)
 
     stock = precompiler.build(_spec(model_dir, stock=True))
-    _check(Engine(stock, load_params(model_dir, cfg, stock.params, host_isa()), plan), hf, cfg.vocab_size)
+    greedy_matches_hf(Engine(stock, load_params(model_dir, cfg, stock.params, host_isa()), plan), hf,
+                      cfg.vocab_size, STEPS)
     os.sched_setaffinity(0, CPUS)
     if llamacpp.available() is None:
         prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, 30)]
@@ -177,7 +159,7 @@ def test_two_processes_split_the_heads_with_their_biases_and_norms(qwen, precomp
         assert "model.layers.0.self_attn.q_norm.weight" not in compiled.shards  # on every rank whole
     engine, _ = open_engine(spec)
     try:
-        _check(engine, hf, cfg.vocab_size)
+        greedy_matches_hf(engine, hf, cfg.vocab_size, STEPS)
     finally:
         engine.shutdown()
         os.sched_setaffinity(0, CPUS)
