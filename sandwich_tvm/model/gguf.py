@@ -121,9 +121,9 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
-    the file stem); an architecture other than llama, qwen2, qwen3 or phi3, or a Llama variant the model
-    does not run (experts, per-layer head counts, RoPE scaling other than Llama-3's, linear or
-    YaRN), is a ``ModelConfigError``."""
+    the file stem); an architecture other than llama, qwen2, qwen3 or phi3, or a Llama variant
+    the model does not run (experts, per-layer head counts, RoPE scaling other than Llama-3's,
+    linear or YaRN), is a ``ModelConfigError``."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -385,8 +385,7 @@ def linear_type(path: Path) -> str | None:
 WIDE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 # GGUF layer tensors -> the Linear that holds them (fused as the model stores them)
 _LINEARS = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "attn_qkv": "qkv", "attn_output": "o",
-            "ffn_gate": "gate_up",
-            "ffn_up": "gate_up", "ffn_down": "down"}
+            "ffn_gate": "gate_up", "ffn_up": "gate_up", "ffn_down": "down"}
 
 
 def wider_linears(path: Path) -> tuple[tuple[int, str, str], ...]:
