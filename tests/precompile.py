@@ -138,9 +138,10 @@ class Precompiler:
                 [sys.executable, "-c", CHILD, ",".join(map(str, cpus))], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         for spec in specs:
-            if _artifact(spec) in self._done or any(a == _artifact(spec) for a, _ in self._specs):
+            artifact = _artifact(spec)  # hashes the package's sources: once a spec
+            if artifact in self._done or any(a == artifact for a, _ in self._specs):
                 continue  # in the cache already, or on its way: not again at the back of the queue
-            self._specs.append((_artifact(spec), self._next))
+            self._specs.append((artifact, self._next))
             pickle.dump((self._next, spec), self._proc.stdin)
             self._next += 1
         self._proc.stdin.flush()

@@ -1,6 +1,7 @@
 """Tiny random Llamas written as GGUF files the way llama.cpp's HF conversion writes them (q/k
 rows permuted for its RoPE, tied embeddings as ``token_embd`` only), with any tensor types and
-a trained byte-level BPE (``gpt2``) vocabulary in the metadata."""
+a trained byte-level BPE (``gpt2``) vocabulary in the metadata; and importance matrices as
+llama-imatrix writes them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from sandwich_tvm.bench.baselines.llamacpp import _permute
+from sandwich_tvm.model.checkpoint import random_checkpoint
 from sandwich_tvm.model.config import LlamaConfig
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -182,3 +184,25 @@ def quantized(arr: np.ndarray, kind: str) -> np.ndarray:
     arr = np.ascontiguousarray(arr, np.float32)
     raw = q4_k_quantize(arr) if kind == "Q4_K" else gguf.quants.quantize(arr, qtype)
     return gguf.quants.dequantize(raw, qtype)
+
+
+def write_imatrix(path: Path, cfg, *, counts: float = 64.0, k_of=None, skip: tuple[str, ...] = (),
+                  seed: int = 0) -> Path:
+    """An importance matrix as llama-imatrix writes it: per weight ``NAME.in_sum2`` and ``NAME.counts``."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.type", "imatrix")
+    for hf, arr in random_checkpoint(cfg, 0).items():
+        name = gguf_name(hf)
+        if arr.ndim != 2 or name in skip:
+            continue
+        k = (k_of or (lambda _n, k: k))(name, arr.shape[1])
+        w.add_tensor(f"{name}.in_sum2", (rng.gamma(0.5, 2.0, k) * counts).astype(np.float32))
+        w.add_tensor(f"{name}.counts", np.array([counts], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,31 +17,9 @@ from sandwich_tvm.model.linear import KernelSet
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.spec import RunSpec, SpecError, resolve_run_spec
 
-from .gguf_models import gguf_name, tiny_config, tiny_tokenizer, write_gguf
+from .gguf_models import gguf_name, tiny_config, tiny_tokenizer, write_gguf, write_imatrix
 
 ISA = "avx2"  # packing runs in numpy: any ISA on any host
-
-
-def write_imatrix(path: Path, cfg, *, counts: float = 64.0, k_of=None, skip: tuple[str, ...] = (),
-                  seed: int = 0) -> Path:
-    """An importance matrix as llama-imatrix writes it: per weight ``NAME.in_sum2`` and ``NAME.counts``."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_string("general.type", "imatrix")
-    for hf, arr in random_checkpoint(cfg, 0).items():
-        name = gguf_name(hf)
-        if arr.ndim != 2 or name in skip:
-            continue
-        k = (k_of or (lambda _n, k: k))(name, arr.shape[1])
-        w.add_tensor(f"{name}.in_sum2", (rng.gamma(0.5, 2.0, k) * counts).astype(np.float32))
-        w.add_tensor(f"{name}.counts", np.array([counts], np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

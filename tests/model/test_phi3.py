@@ -26,9 +26,8 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
-from .gguf_models import tiny_config, write_gguf
+from .gguf_models import tiny_config, write_gguf, write_imatrix
 from .hf_models import greedy_matches_hf, torch_baseline_reads_gguf_as
-from .test_imatrix import write_imatrix
 
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
