@@ -21,6 +21,7 @@ from .kernels.microkernel import DTYPES, ISAS, kernel_isa
 from .kernels.quant import BLOCK, QTYPES
 from .model.config import LlamaConfig, load_config
 from .model.llama import ACT_DTYPE
+from .model.rope import at_context, uses_longrope
 from .topology.plan import ExecPlan
 
 WEIGHT_DTYPES = DTYPES  # what the micro-kernels read
@@ -261,6 +262,10 @@ class RunSpec:
     # and ffn_down), run in that dtype under --dtype auto (``model.gguf.wider_linears``)
     wider_linears: tuple[tuple[int, str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        # what the context decides in the model: LongRoPE's factor set (``model.rope.at_context``)
+        object.__setattr__(self, "config", at_context(self.config, self.context))
+
     @property
     def built_wider(self) -> tuple[tuple[int, str, str], ...]:
         """The wider Linears the build runs: ``wider_linears``, none in TVM's stock build."""
@@ -272,8 +277,11 @@ class RunSpec:
         wide = f" ({len(self.wider_linears)} Linears in q8_0)" if self.wider_linears else ""
         build = ("TVM stock build" if self.stock
                  else f"{self.weight_dtype} weights{wide}{acts}, {self.kv_dtype} KV cache")
-        return (f"{self.config.name}: {build}, context {self.context}, KV cache {self.kv_tokens} tokens, "
-                f"batch {self.max_batch}; {self.plan.describe()}")
+        rope = ""
+        if uses_longrope(self.config):
+            rope = f" (LongRoPE's {'long' if self.config.rope_scaling['long'] else 'short'} factors)"
+        return (f"{self.config.name}: {build}, context {self.context}{rope}, KV cache {self.kv_tokens} "
+                f"tokens, batch {self.max_batch}; {self.plan.describe()}")
 
     def with_plan(self, plan: ExecPlan) -> RunSpec:
         return replace(self, plan=plan)

@@ -36,7 +36,7 @@ from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
-from ..model.rope import uses_yarn
+from ..model.rope import stock_rope_problem
 from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes, layer_weight_bytes
 from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
@@ -257,9 +257,9 @@ def bench_e2e(args, console: Console) -> dict:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}")
-    if "stock" in systems and uses_yarn(cfg):
+    if "stock" in systems and (kind := stock_rope_problem(cfg)):
         systems.remove("stock")
-        notes.append("TVM's stock build left out: it does not scale RoPE by YaRN as the model does")
+        notes.append(f"TVM's stock build left out: it does not scale RoPE by {kind} as the model does")
     # Every system but the stock build takes its turn in each round (bench/rounds.py): decode is
     # bound by memory bandwidth the VM shares with its host, which drifts over minutes.
     runners: list[tuple[str, Runner | None]] = []

@@ -3,7 +3,10 @@
 TVM's version evaluates ``pow``, ``sin`` and ``cos`` for every element of q and k. Here the
 inverse frequencies (Llama-3, linear and YaRN scaling included, as HF computes them) are constants
 of the kernel, each token computes its ``head_dim / 2`` angles once, and every q/k head reuses
-them; YaRN's attention factor multiplies cos and sin, as in transformers and llama.cpp.
+them; YaRN's and LongRoPE's attention factor multiplies cos and sin, as in transformers and
+llama.cpp. With fewer frequencies than half a head (Phi-4-mini's partial rotary), the leading
+``2 * len(freqs)`` dimensions turn (pairs ``j`` and ``j + len(freqs)``, as transformers and
+llama.cpp's NeoX order pair them) and the rest pass as they are.
 Same signature as TVM's ``fused_rope``; swapped in by ``compiler.kv_cache``. ``freqs`` are the
 model's inverse frequencies (``model.rope.inv_freq``), ``dtype`` the KV cache's storage; int8
 rows (``kernels.kv_int8``) are dequantized, rotated and quantized again, V's copied as bytes.
@@ -21,9 +24,12 @@ from .vecmath import load_f32, store_as
 @cache
 def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                    dtype: str = "float32", scale: float = 1.0) -> tvm.tirx.PrimFunc:
-    """``fused_rope`` for ``freqs`` (the inverse frequencies), cos and sin multiplied by ``scale``
-    (YaRN's attention factor)."""
-    half, heads, w = d // 2, h_q + 2 * h_kv, row_width(d, dtype)
+    """``fused_rope`` for ``freqs`` (the inverse frequencies of the leading ``2 * len(freqs)``
+    dimensions), cos and sin multiplied by ``scale`` (YaRN's or LongRoPE's attention factor)."""
+    half, heads, w = len(freqs), h_q + 2 * h_kv, row_width(d, dtype)
+    rot = 2 * half
+    if not 0 < rot <= d:
+        raise ValueError(f"{half} RoPE frequencies do not fit a head of {d}")
     lo, hi = load_f32("qkv[s, h, j]", dtype), load_f32(f"qkv[s, h, j + {half}]", dtype)
     first = store_as(f"cs[j] * {lo} - sn[j] * {hi}", dtype)
     second = store_as(f"cs[j] * {hi} + sn[j] * {lo}", dtype)
@@ -34,6 +40,13 @@ def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                         else:
                             k[s, h - {h_q}, j] = {first}
                             k[s, h - {h_q}, j + {half}] = {second}"""
+    if rot < d:  # the dimensions RoPE does not turn, as they are
+        rotate += f"""
+                    for j in T.vectorized({d - rot}):
+                        if h < {h_q}:
+                            q[s, h, j + {rot}] = qkv[s, h, j + {rot}]
+                        else:
+                            k[s, h - {h_q}, j + {rot}] = qkv[s, h, j + {rot}]"""
     rows = ""  # int8: a rotated row before it is quantized, and its scale
     if dtype == "int8":
         rows = f"""
@@ -41,10 +54,13 @@ def rope_primfunc(h_q: int, h_kv: int, d: int, freqs: tuple[float, ...],
                 tmp = T.sblock_alloc_buffer((2,), "float32", scope="global")"""
         store_q = quantize_row("t[{}]", "q[s, h, {}]", d, "tmp", 28)
         store_k = quantize_row("t[{}]", f"k[s, h - {h_q}, {{}}]", d, "tmp", 28)
+        passed = "" if rot == d else f"""
+                    for j in T.vectorized({d - rot}):
+                        t[j + {rot}] = {load_f32(f"qkv[s, h, j + {rot}]", dtype)} * tmp[0]"""
         rotate = f"""tmp[0] = {scale_expr("qkv[s, h, {}]", d)}
                     for j in T.vectorized({half}):
                         t[j] = (cs[j] * {lo} - sn[j] * {hi}) * tmp[0]
-                        t[j + {half}] = (cs[j] * {hi} + sn[j] * {lo}) * tmp[0]
+                        t[j + {half}] = (cs[j] * {hi} + sn[j] * {lo}) * tmp[0]{passed}
                     if h < {h_q}:
 {store_q}
                     else:
@@ -67,8 +83,8 @@ def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, v
         for s in T.parallel(seq_len):
             with T.sblock("token"):
                 f = T.sblock_alloc_buffer(({half},), "float32", scope="global")
-                cs = T.sblock_alloc_buffer(({d},), "float32", scope="global")
-                sn = T.sblock_alloc_buffer(({d},), "float32", scope="global"){rows}
+                cs = T.sblock_alloc_buffer(({rot},), "float32", scope="global")
+                sn = T.sblock_alloc_buffer(({rot},), "float32", scope="global"){rows}
 {init}
                 for i in range({half}):
                     cs[i] = T.if_then_else({on}, T.cos({angle}){scaled}, T.float32(1))

@@ -55,6 +55,9 @@ class LlamaConfig:
     # the checkpoint holds q|k|v as one ``qkv_proj`` and gate|up as one ``gate_up_proj`` (Phi-3's):
     # the matrices the model fuses anyway, so only the names it reads change
     fused_checkpoint: bool = False
+    # the leading dimensions of each q and k head RoPE turns (Phi-4-mini's 96 of 128: HF's
+    # ``partial_rotary_factor``, llama.cpp's ``rope.dimension_count``); None: the whole head
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -82,6 +85,11 @@ class LlamaConfig:
                 and self.num_key_value_heads % tp == 0 and self.intermediate_size % tp == 0)
 
     @property
+    def rope_dims(self) -> int:
+        """How many leading dimensions of a q or k head RoPE turns (the rest pass as they are)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
     def explicit_head_dim(self) -> bool:
         """Whether ``head_dim`` is other than hidden_size / num_attention_heads (so must be written)."""
         return self.head_dim * self.num_attention_heads != self.hidden_size
@@ -92,7 +100,7 @@ class LlamaConfig:
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
-        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint"):
+        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim"):
             if not out[flag]:
                 del out[flag]
         return out
@@ -118,6 +126,10 @@ def shape_problems(cfg: dict) -> list[str]:
     elif (d or h // heads) % 2:
         how = "" if d is not None else " (hidden_size / num_attention_heads)"
         bad.append(f"head_dim {d or h // heads}{how} is odd; RoPE rotates pairs")
+    rot = cfg.get("rotary_dim")
+    if rot is not None and (not _is_int(rot) or rot < 2 or rot % 2 or (not bad and rot > (d or h // heads))):
+        bad.append(f"rotary_dim {rot!r} must be an even number of a head's {d or h // heads} dimensions; "
+                   "RoPE rotates pairs")
     if heads % kv:
         bad.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (grouped-query "
                    "attention shares each KV head among a whole number of query heads)")
@@ -308,20 +320,32 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     if not isinstance(rope_raw, dict):
         raise f.fail(f"rope_scaling / rope_parameters must be an object, got {_json_type(rope_raw)}")
     rope = dict(rope_raw)
+    rotary_dim = None
     for partial in (rope.pop("partial_rotary_factor", None), raw.get("partial_rotary_factor")):
-        if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75
-            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported; sandwich-tvm "
-                                   "turns every pair of a head")
+        if partial in (None, 1, 1.0):
+            continue
+        if not phi3:  # transformers' Llama, Qwen2 and Qwen3 turn every pair of a head
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported outside Phi-3 "
+                                   "(its Llama, Qwen2 and Qwen3 turn every pair of a head)")
+        part = _Fields({"partial_rotary_factor": partial}, where).float("partial_rotary_factor", 1.0)
+        whole = head_dim or hidden // heads
+        rotary_dim = int(whole * part)  # as transformers rounds it (Phi-4-mini: 96 of 128)
+        if not 2 <= rotary_dim <= whole or rotary_dim % 2:
+            raise f.fail(f"partial_rotary_factor {partial} turns {rotary_dim} of a head's {whole} "
+                         f"dimensions; RoPE turns pairs: an even number from 2 to {whole}")
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if phi3 and (kind != "default" or "long_factor" in rope):  # transformers takes su and yarn as longrope
-        raise ModelConfigError(f"{where}: a Phi-3's RoPE scaling {kind!r} (LongRoPE: the 128k Phi-3s, "
-                               "Phi-3.5) is not supported; its 4k models run")
-    if kind not in ("llama3", "linear", "yarn", "default"):
+    if phi3 and kind not in ("default", "longrope", "su", "yarn"):
+        raise ModelConfigError(f"{where}: a Phi-3's RoPE scaling {kind!r} is not supported; Phi-3 scales "
+                               "RoPE by LongRoPE (longrope, su or yarn) or not at all")
+    if kind not in ("llama3", "linear", "yarn", "default") and not phi3:
         raise ModelConfigError(f"{where}: RoPE scaling {kind!r} is not supported (llama3, linear, yarn or "
                                "none)")
-    scaling = (_llama3_scaling(rope, where) if kind == "llama3" else
+    rope_dims = rotary_dim or head_dim or hidden // heads
+    scaling = (_longrope_of(rope, raw, rope_dims, f.int("max_position_embeddings", 2048), where)
+               if phi3 and kind != "default" else  # transformers takes su and yarn as longrope
+               _llama3_scaling(rope, where) if kind == "llama3" else
                _linear_of(rope, where) if kind == "linear" else
                _yarn_of(rope, f.int("max_position_embeddings", 2048), where) if kind == "yarn" else None)
     kwargs = dict(
@@ -340,6 +364,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         qkv_bias=qwen2,
         qk_norm=qwen3,
         fused_checkpoint=phi3,
+        rotary_dim=None if rotary_dim == (head_dim or hidden // heads) else rotary_dim,
     )
     problems = shape_problems(kwargs)
     if problems:
@@ -425,6 +450,44 @@ def yarn_scaling(factor: float, original: int, beta_fast: float, beta_slow: floa
     return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
             "beta_fast": float(beta_fast), "beta_slow": float(beta_slow),
             "attention_factor": float(attention), "truncate": bool(truncate)}
+
+
+def _longrope_of(rope: dict, raw: dict, rope_dims: int, max_positions: int, where: Path | str) -> dict:
+    """LongRoPE as transformers reads a Phi-3's: two sets of per-frequency factors, the original
+    context (in the RoPE object or beside it) and the attention factor (else
+    sqrt(1 + ln(factor) / ln(original)), the factor being max_position_embeddings / original)."""
+    f = _Fields(rope, f"{where} (rope_scaling)")
+    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None:
+        raise f.fail("LongRoPE needs original_max_position_embeddings")
+    original = _Fields({"original_max_position_embeddings": original}, where).int(
+        "original_max_position_embeddings")
+    factor = f.float("factor", max_positions / original)
+    attention = (f.float("attention_factor", 1.0) if rope.get("attention_factor") is not None
+                 else longrope_mscale(factor, original))
+    sets = {}
+    for key in ("short_factor", "long_factor"):
+        v = rope.get(key)
+        numbers = isinstance(v, list) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v)
+        if not numbers or len(v) != rope_dims // 2:
+            raise f.fail(f"LongRoPE's {key} must be {rope_dims // 2} positive numbers (one per pair of the "
+                         f"{rope_dims} dimensions RoPE turns), got {_json_type(v)}")
+        sets[key] = [float(x) for x in v]
+    return longrope_scaling(sets["short_factor"], sets["long_factor"], original, attention)
+
+
+def longrope_mscale(factor: float, original: int) -> float:
+    """LongRoPE's attention factor: sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def longrope_scaling(short: list[float], long: list[float], original: int, attention: float) -> dict:
+    """LongRoPE scaling with its short set chosen (``model.rope.at_context`` picks the set a run's
+    context needs)."""
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in short],
+            "long_factor": [float(x) for x in long], "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention), "long": False}
 
 
 def _llama3_scaling(rope: dict, where: Path | str) -> dict:

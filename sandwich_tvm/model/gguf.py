@@ -33,6 +33,7 @@ from .config import (
     LlamaConfig,
     ModelConfigError,
     linear_scaling,
+    longrope_scaling,
     shape_problems,
     yarn_context,
     yarn_mscale,
@@ -43,6 +44,7 @@ from .config import (
 # with an RMSNorm over each q and k head; phi3: Llama with q|k|v and gate|up fused. Their q/k rows
 # are as HF holds them (llama.cpp ropes them in NeoX's rotate-half order)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # a phi3's LongRoPE sets
 FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3"
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
@@ -162,9 +164,10 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         held = "separate attn_q/k/v" if arch == "phi3" else "a fused attn_qkv"
         raise ModelConfigError(f"{path}: a {arch} GGUF with {held} is not supported; convert it as "
                                "llama.cpp's convert_hf_to_gguf.py does by default (phi3 fused, others not)")
-    if any(n.startswith("rope_factors_") for n in names):  # Phi-3's 128k models, Phi-3.5
-        raise ModelConfigError(f"{path}: LongRoPE (rope_factors_long/short) is not supported; sandwich-tvm "
-                               "scales RoPE by Llama-3's factors, linearly or by YaRN")
+    longrope = {n for n in names if n.startswith("rope_factors_")}  # Phi-3's 128k models, Phi-3.5, Phi-4-mini
+    if longrope and (arch != "phi3" or longrope != set(ROPE_FACTORS)):
+        raise ModelConfigError(f"{path}: LongRoPE factors ({', '.join(sorted(longrope))}) are supported in a "
+                               f"phi3 GGUF as both {' and '.join(ROPE_FACTORS)}; re-convert the model")
     if arch != "qwen3" and any(n.endswith(".attn_q_norm.weight") for n in names):
         raise ModelConfigError(f"{path}: a {arch} GGUF with q/k norms (attn_q_norm) is not supported; "
                                "convert the model as the architecture it is (qwen3)")
@@ -176,11 +179,16 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     if problems:
         raise ModelConfigError(f"{path}: " + "; ".join(problems))
     head_dim = head_dim or hidden // heads
-    # defaults as llama.cpp's: value_length embedding_length / head_count, the RoPE width head_dim
+    # defaults as llama.cpp's: value_length embedding_length / head_count, the RoPE width head_dim;
+    # a phi3 may turn fewer (Phi-4-mini: 96 of 128)
     for key, default in (("rope.dimension_count", head_dim), ("attention.value_length", hidden // heads)):
-        if get(key, default) != head_dim:
+        if get(key, default) != head_dim and not (arch == "phi3" and key == "rope.dimension_count"):
             raise ModelConfigError(f"{path}: {arch}.{key} {get(key)} != head_dim {head_dim} (attention."
                                    "key_length, else embedding_length / head_count) is not supported")
+    if get("rope.dimension_count", head_dim) != head_dim:
+        kwargs["rotary_dim"] = get("rope.dimension_count")
+        if problems := shape_problems(kwargs):
+            raise ModelConfigError(f"{path}: {arch}.rope.dimension_count: " + "; ".join(problems))
     # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear
     # key, and a factor of 0 (or 1), like the type none, scales nothing
     scaling = get("rope.scaling.type", "linear")
@@ -202,9 +210,21 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     elif scaling not in ("linear", "none"):
         raise ModelConfigError(f"{path}: RoPE scaling {scaling!r} is not supported (llama3, linear, yarn or "
                                "none)")
-    if scaling != "yarn" and float(get("rope.scaling.attn_factor", 1.0)) != 1.0:  # llama.cpp scales cos, sin
+    if longrope:  # llama.cpp's phi3: the factors' set by the context, cos and sin x attn_factor
+        if kwargs["rope_scaling"] is not None or "rope_freqs.weight" in names:
+            raise ModelConfigError(f"{path}: both LongRoPE factors and other RoPE scaling are given; "
+                                   "not supported")
+        original = get("rope.scaling.original_context_length", 0)
+        if not original:
+            raise ModelConfigError(f"{path}: LongRoPE needs {arch}.rope.scaling.original_context_length; "
+                                   "re-convert the model")
+        sets = [_rope_factors(reader, name, (kwargs.get("rotary_dim") or head_dim) // 2, path)
+                for name in ROPE_FACTORS]
+        attention = float(get("rope.scaling.attn_factor", 1.0))
+        kwargs["rope_scaling"] = longrope_scaling(*sets, original, attention)
+    elif scaling != "yarn" and float(get("rope.scaling.attn_factor", 1.0)) != 1.0:  # llama.cpp: cos, sin x it
         raise ModelConfigError(f"{path}: {arch}.rope.scaling.attn_factor {get('rope.scaling.attn_factor')} "
-                               "scales RoPE's cos and sin outside YaRN; not supported")
+                               "scales RoPE's cos and sin outside YaRN and LongRoPE; not supported")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],
@@ -213,6 +233,16 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     cfg = LlamaConfig(name=name or stem or path.stem, **kwargs)
     _check_tensors(reader, cfg, path)
     return cfg
+
+
+def _rope_factors(reader, name: str, pairs: int, path: Path) -> list[float]:
+    """A LongRoPE factor set (``rope_factors_short/long.weight``): ``pairs`` positive floats."""
+    t = next(t for t in reader.tensors if t.name == name)
+    v = np.asarray(t.data, np.float64).ravel() if t.tensor_type.name in ("F32", "F16") else None
+    if v is None or v.size != pairs or not np.all(np.isfinite(v) & (v > 0)):
+        raise ModelConfigError(f"{path}: {name} must hold {pairs} positive F32 factors (one per pair RoPE "
+                               "turns); re-convert the model")
+    return [float(x) for x in v]
 
 
 def _f32(v: float) -> float:
@@ -335,7 +365,7 @@ def _check_tensors(reader, cfg: LlamaConfig, path: Path) -> None:
     expected = hf_shapes(cfg)
     seen = set()
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # in the config (llama3 scaling)
+        if t.name == "rope_freqs.weight" or t.name in ROPE_FACTORS:  # in the config (llama3, LongRoPE)
             continue
         name = hf_name(t.name, cfg.fused_checkpoint)
         if name is None:
@@ -408,7 +438,7 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     state: dict[str, np.ndarray | LazyTensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name, cfg.fused_checkpoint)
-        if name is None:  # rope_freqs: in the config
+        if name is None:  # rope_freqs, rope_factors_*: in the config
             continue
         arr = _tensor(t)
         # a Llama's q/k rows, and their biases where it has them (llama.cpp's converter permutes both)

@@ -353,11 +353,11 @@ def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_ba
         mla_original_v_head_dim=0,
         rope_mode=RopeMode.NORMAL, rope_scale=1 if linear_factor(cfg) == 1 else 1.0 / linear_factor(cfg),
         rope_theta=cfg.rope_theta,
-        # TVM's own RoPE (the stock build's) takes Llama-3's scaling; linear is rope_scale; YaRN has
-        # none of its (compile_model refuses it), Sandwich's fused_rope replaces it
+        # TVM's own RoPE (the stock build's) takes Llama-3's scaling; linear is rope_scale; YaRN and
+        # LongRoPE have none of its (compile_model refuses them), Sandwich's fused_rope replaces it
         rope_scaling=dict(cfg.rope_scaling) if _tvm_rope_scaling(cfg) else {},
         rope_ext_factors=relax.prim_value(0),
-        rotary_dim=cfg.head_dim, enable_disaggregation=False, dtype=kv_dtype,
+        rotary_dim=cfg.rope_dims, enable_disaggregation=False, dtype=kv_dtype,
         target=host_target(),
     )
 

@@ -1,10 +1,19 @@
-"""RoPE's inverse frequencies as HF computes them (the default, linear, Llama-3 and YaRN scaling),
-and the factor YaRN scales cos and sin by; the kernel that applies them to q and k is
-``kernels.rope``."""
+"""RoPE's inverse frequencies as HF computes them (the default, linear, Llama-3, YaRN and LongRoPE
+scaling), and the factor YaRN and LongRoPE scale cos and sin by; the kernel that applies them to
+q and k is ``kernels.rope``.
+
+LongRoPE (Phi-3.5, the 128k Phi-3s, Phi-4-mini) divides each frequency by one of two sets of
+factors: the short set for sequences within the original context, the long set beyond it.
+transformers switches sets on the running length (recomputing the whole sequence when it crosses),
+llama.cpp by the context it is run with. A paged KV cache cannot recompute, so the set is chosen
+as llama.cpp chooses it: by the run's context (``at_context``), once, in the run spec. Within
+the original context that is what transformers computes; a run whose context is longer turns
+every position by the long set, as transformers does for a sequence that long."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -12,10 +21,13 @@ from .config import LlamaConfig
 
 
 def inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """HF's inverse frequencies (``rope_type`` default, linear, llama3 or yarn), float32."""
-    d = cfg.head_dim
+    """HF's inverse frequencies (``rope_type`` default, linear, llama3, yarn or longrope), one per
+    pair of the ``cfg.rope_dims`` turned dimensions, float32."""
+    d = cfg.rope_dims
     freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     sc = cfg.rope_scaling
+    if uses_longrope(cfg):
+        freq = freq / np.asarray(sc["long_factor" if sc["long"] else "short_factor"], np.float64)
     if sc and sc.get("rope_type", sc.get("type")) == "linear":  # positions / factor
         freq = freq / sc["factor"]
     if sc and sc.get("rope_type", sc.get("type")) == "llama3":
@@ -54,9 +66,32 @@ def uses_yarn(cfg: LlamaConfig) -> bool:
     return bool(cfg.rope_scaling) and cfg.rope_scaling.get("rope_type") == "yarn"
 
 
+def uses_longrope(cfg: LlamaConfig) -> bool:
+    """Whether ``cfg`` scales RoPE by LongRoPE's per-frequency factors."""
+    return bool(cfg.rope_scaling) and cfg.rope_scaling.get("rope_type") == "longrope"
+
+
+def stock_rope_problem(cfg: LlamaConfig) -> str | None:
+    """The RoPE scaling TVM's stock build does not compute as transformers and llama.cpp do
+    (YaRN, LongRoPE: no attention factor, its own choice of LongRoPE's set), or None."""
+    return "YaRN" if uses_yarn(cfg) else "LongRoPE" if uses_longrope(cfg) else None
+
+
+def at_context(cfg: LlamaConfig, context: int) -> LlamaConfig:
+    """``cfg`` for runs whose sequences reach ``context`` positions: LongRoPE's long factors where
+    that exceeds the original context (llama.cpp's choice), its short ones within it; any other
+    model as it is."""
+    if not uses_longrope(cfg):
+        return cfg
+    long = context > cfg.rope_scaling["original_max_position_embeddings"]
+    if long == cfg.rope_scaling["long"]:
+        return cfg
+    return replace(cfg, rope_scaling=dict(cfg.rope_scaling, long=long))
+
+
 def attention_factor(cfg: LlamaConfig) -> float:
-    """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
-    return float(cfg.rope_scaling["attention_factor"]) if uses_yarn(cfg) else 1.0
+    """What RoPE's cos and sin are multiplied by: YaRN's or LongRoPE's attention factor, else 1."""
+    return float(cfg.rope_scaling["attention_factor"]) if uses_yarn(cfg) or uses_longrope(cfg) else 1.0
 
 
 def linear_factor(cfg: LlamaConfig) -> float:

@@ -97,10 +97,10 @@ def hf_logits(hf, tokens: list[int]) -> np.ndarray:
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
-def greedy_matches_hf(engine, hf, vocab: int, steps: int) -> list[int]:
-    """The engine's greedy run of ``steps`` tokens after a seeded 30-token prompt, against HF's
-    logits over the same tokens (1e-4) and its argmax; the engine's tokens."""
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, 30)]
+def greedy_matches_hf(engine, hf, vocab: int, steps: int, prompt_len: int = 30) -> list[int]:
+    """The engine's greedy run of ``steps`` tokens after a seeded ``prompt_len``-token prompt,
+    against HF's logits over the same tokens (1e-4) and its argmax; the engine's tokens."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, vocab, prompt_len)]
     logits: list[np.ndarray] = []
     gen = engine.generate(prompt, steps, logits_out=logits)
     ref = hf_logits(hf, prompt + gen.tokens[:-1])[len(prompt) - 1:]

@@ -157,11 +157,10 @@ def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_facto
 
 def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp_path):
     """A Phi-3's window caps the context as a Mistral's does (HF masks the positions a window
-    back, so within it every run is exact); a partial rotary factor (Phi-4-mini's), LongRoPE
-    (Phi-3.5's, in config.json under any of its names, or as a GGUF's rope factors), a llama GGUF
-    with a fused attn_qkv and a phi3 GGUF without one are refused in one line; a checkpoint
-    without its fused gate_up says which tensor is missing; a Phi-3 GGUF's and importance
-    matrix's names are the fused ones."""
+    back, so within it every run is exact); a llama GGUF with a fused attn_qkv and a phi3 GGUF
+    without one are refused in one line; a checkpoint without its fused gate_up says which tensor
+    is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones (LongRoPE and a
+    partial rotary: ``test_longrope.py``)."""
     model_dir, _ = phi3
     raw = json.loads((model_dir / "config.json").read_text())
 
@@ -171,18 +170,6 @@ def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp
         return load_config(tmp_path / name)
 
     assert config("window", {"sliding_window": 47}).max_position_embeddings == 47
-    rope = raw.get("rope_parameters") or {}
-    for name, fields in (("partial", {"partial_rotary_factor": 0.75}),
-                         ("partial-rope", {"rope_parameters": rope | {"partial_rotary_factor": 0.75}})):
-        with pytest.raises(ModelConfigError, match="partial_rotary_factor 0.75 is not supported") as err:
-            config(name, fields)
-        assert "\n" not in str(err.value) and "fix config.json" not in str(err.value)
-    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    for kind in ("longrope", "su", "yarn", "llama3"):  # transformers reads su and yarn as longrope
-        scaling = {"type": kind} | factors if kind != "llama3" else dict(rope_type="llama3", factor=8.0)
-        with pytest.raises(ModelConfigError, match=f"Phi-3's RoPE scaling '{kind}' .*LongRoPE") as err:
-            config(f"rope-{kind}", {"rope_parameters": None, "rope_scaling": scaling})
-        assert "\n" not in str(err.value)
 
     cfg = load_config(model_dir)
     state = {k: v for k, v in read_checkpoint(model_dir).items() if k != GATE_UP}
@@ -190,11 +177,6 @@ def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp
         convert(cfg, state, [(GATE_UP, (256, 64))], host_isa())
 
     full = read_checkpoint(model_dir)
-    factors = {f"rope_factors_{x}.weight": np.ones(8, np.float32) for x in ("long", "short")}
-    path = write_gguf(tmp_path / "longrope.gguf", cfg, full, arch="phi3", extra=factors)
-    with pytest.raises(ModelConfigError, match="LongRoPE .*not supported") as err:
-        load_config(path)
-    assert "\n" not in str(err.value)
     llama = tiny_config(211, tied=False)
     for arch, weights, held in (("llama", full, "a fused attn_qkv"),
                                 ("phi3", random_checkpoint(llama), "separate attn_q/k/v")):

@@ -4,7 +4,8 @@ BF16; ``gguf`` package) and timed through ``llama-cpp-python`` (built from sourc
 
 The GGUF follows llama.cpp's own HF conversion: a Llama's q/k rows permuted back to the
 interleaved RoPE layout (a Qwen2 or Qwen3 keeps HF's, with its q/k/v biases or q/k norms; a
-Phi-3 too, fused as ``attn_qkv`` and an ``ffn_up`` holding gate|up),
+Phi-3 too, fused as ``attn_qkv`` and an ``ffn_up`` holding gate|up, its LongRoPE as
+``rope_factors_long/short``),
 Llama-3 scaling as a ``rope_freqs`` tensor of per-frequency factors, tied embeddings as
 ``token_embd`` only. Every model gets a placeholder SentencePiece vocabulary (the
 benchmarks feed token ids, never text) whose tokens all decode to ASCII: ``<0xNN>`` are plain
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ...model.config import LlamaConfig, yarn_mscale
-from ...model.rope import inv_freq, linear_factor, uses_yarn
+from ...model.rope import inv_freq, linear_factor, uses_longrope, uses_yarn
 
 
 def available() -> str | None:
@@ -78,7 +79,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dims)
     if cfg.explicit_head_dim:  # explicit (heads x head_dim != hidden_size)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -131,6 +132,12 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
         w.add_rope_scaling_factor(sc["factor"])
         w.add_rope_scaling_orig_ctx_len(sc["original_max_position_embeddings"])
         w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"] / yarn_mscale(sc["factor"]))
+    elif uses_longrope(cfg):  # as llama.cpp's conversion writes a Phi-3's
+        sc = cfg.rope_scaling
+        w.add_rope_scaling_orig_ctx_len(sc["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(sc["attention_factor"])
+        put("rope_factors_long.weight", np.asarray(sc["long_factor"]))
+        put("rope_factors_short.weight", np.asarray(sc["short_factor"]))
     elif cfg.rope_scaling:
         base = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
         put("rope_freqs.weight", (base / inv_freq(cfg).astype(np.float64)).astype(np.float32))

@@ -13,11 +13,22 @@ import numpy as np
 from ...model.config import LlamaConfig
 
 
+def rope_parameters(cfg: LlamaConfig) -> dict:
+    """``cfg``'s RoPE as transformers' ``rope_parameters`` (LongRoPE with both sets: transformers
+    picks one by the running length; a partial rotary as the fraction of the head it turns)."""
+    rope = {k: v for k, v in (cfg.rope_scaling or {}).items() if k != "long"} | {"rope_theta": cfg.rope_theta}
+    rope.setdefault("rope_type", "default")
+    if cfg.rotary_dim:
+        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    return rope
+
+
 def with_rope_scaling(model, cfg: LlamaConfig):
     """``model`` with ``cfg``'s RoPE scaling: transformers' GGUF reader reads neither llama.cpp's
-    ``rope.scaling.*`` keys nor its ``rope_freqs`` for Llama, so a scaled GGUF loads unscaled."""
-    if cfg.rope_scaling:
-        model.config.rope_parameters = dict(cfg.rope_scaling) | {"rope_theta": cfg.rope_theta}
+    ``rope.scaling.*`` keys nor its ``rope_freqs`` for Llama, nor a phi3's ``rope_factors``, so a
+    scaled GGUF loads unscaled."""
+    if cfg.rope_scaling or cfg.rotary_dim:
+        model.config.rope_parameters = rope_parameters(cfg)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     return model
 
@@ -44,8 +55,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
             return with_rope_scaling(model, cfg)
         # Llama, Mistral, Qwen2, Qwen3 or Phi-3, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
-    rope = dict(cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
-    rope.setdefault("rope_type", "default")
+    rope = rope_parameters(cfg)
     fields = dict(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -58,7 +68,9 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
     elif cfg.fused_checkpoint:
         head_dim = fields.pop("head_dim")  # not a Phi3Config argument, but its attention reads it
-        config = transformers.Phi3Config(**fields, pad_token_id=None)
+        original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        config = transformers.Phi3Config(**fields, pad_token_id=None,
+                                         original_max_position_embeddings=original)
         config.head_dim = head_dim
         model = transformers.Phi3ForCausalLM(config)
     else:
