@@ -279,7 +279,7 @@ class RunSpec:
                  else f"{self.weight_dtype} weights{wide}{acts}, {self.kv_dtype} KV cache")
         rope = ""
         if uses_longrope(self.config):
-            rope = f" (LongRoPE's {'long' if self.config.rope_scaling['long'] else 'short'} factors)"
+            rope = f" (LongRoPE's {'long' if self.config.rope_scaling.get('long') else 'short'} factors)"
         return (f"{self.config.name}: {build}, context {self.context}{rope}, KV cache {self.kv_tokens} "
                 f"tokens, batch {self.max_batch}; {self.plan.describe()}")
 

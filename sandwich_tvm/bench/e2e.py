@@ -155,7 +155,8 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     own = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
     if kinds and set(kinds) != {own}:  # the user's own file in other types (Q4_K_M): named by them
         dtype = "GGUF " + "/".join(kind for kind, _ in kinds.most_common())
-    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 8, locked=locked)
+    # our context (llama.cpp rounds it up to 256): LongRoPE's set, chosen by it, is the same
+    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 1, locked=locked)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
     name = LLAMACPP_ROWS["llamacpp-mlock" if locked else "llamacpp"]
     memory = ({"weights_memory": "locked (use_mlock, use_mmap=False)", "memlock_limit": engine.memlock_limit}

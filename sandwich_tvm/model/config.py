@@ -130,6 +130,12 @@ def shape_problems(cfg: dict) -> list[str]:
     if rot is not None and (not _is_int(rot) or rot < 2 or rot % 2 or (not bad and rot > (d or h // heads))):
         bad.append(f"rotary_dim {rot!r} must be an even number of a head's {d or h // heads} dimensions; "
                    "RoPE rotates pairs")
+    sc = cfg.get("rope_scaling") or {}
+    if sc.get("rope_type") == "longrope" and not bad:
+        pairs = (rot or d or h // heads) // 2
+        if not len(sc["short_factor"]) == len(sc["long_factor"]) == pairs:
+            bad.append(f"LongRoPE's factor sets hold {len(sc['short_factor'])} and {len(sc['long_factor'])} "
+                       f"values, not one per pair RoPE turns ({pairs})")
     if heads % kv:
         bad.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (grouped-query "
                    "attention shares each KV head among a whole number of query heads)")
@@ -321,9 +327,10 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         raise f.fail(f"rope_scaling / rope_parameters must be an object, got {_json_type(rope_raw)}")
     rope = dict(rope_raw)
     rotary_dim = None
-    for partial in (rope.pop("partial_rotary_factor", None), raw.get("partial_rotary_factor")):
-        if partial in (None, 1, 1.0):
-            continue
+    # transformers' Phi-3 takes the factor inside the RoPE object first, then beside it
+    partial = rope.pop("partial_rotary_factor", None)
+    partial = raw.get("partial_rotary_factor") if partial is None else partial
+    if partial not in (None, 1, 1.0):
         if not phi3:  # transformers' Llama, Qwen2 and Qwen3 turn every pair of a head
             raise ModelConfigError(f"{where}: partial_rotary_factor {partial} is not supported outside Phi-3 "
                                    "(its Llama, Qwen2 and Qwen3 turn every pair of a head)")
@@ -331,8 +338,9 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         whole = head_dim or hidden // heads
         rotary_dim = int(whole * part)  # as transformers rounds it (Phi-4-mini: 96 of 128)
         if not 2 <= rotary_dim <= whole or rotary_dim % 2:
-            raise f.fail(f"partial_rotary_factor {partial} turns {rotary_dim} of a head's {whole} "
-                         f"dimensions; RoPE turns pairs: an even number from 2 to {whole}")
+            raise ModelConfigError(f"{where}: partial_rotary_factor {partial} turns {rotary_dim} of a "
+                                   f"head's {whole} dimensions, which is not supported; RoPE here turns "
+                                   f"pairs, an even number from 2 to {whole}")
     theta = _Fields({"rope_theta": rope.pop("rope_theta", raw.get("rope_theta"))}, where).float(
         "rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -457,9 +465,9 @@ def _longrope_of(rope: dict, raw: dict, rope_dims: int, max_positions: int, wher
     context (in the RoPE object or beside it) and the attention factor (else
     sqrt(1 + ln(factor) / ln(original)), the factor being max_position_embeddings / original)."""
     f = _Fields(rope, f"{where} (rope_scaling)")
-    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    if original is None:
-        raise f.fail("LongRoPE needs original_max_position_embeddings")
+    # as transformers' Phi3Config: its own field first, then the RoPE object's, else its default 4096
+    original = next((v for v in (raw.get("original_max_position_embeddings"),
+                                 rope.get("original_max_position_embeddings")) if v is not None), 4096)
     original = _Fields({"original_max_position_embeddings": original}, where).int(
         "original_max_position_embeddings")
     factor = f.float("factor", max_positions / original)
@@ -471,8 +479,9 @@ def _longrope_of(rope: dict, raw: dict, rope_dims: int, max_positions: int, wher
         numbers = isinstance(v, list) and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v)
         if not numbers or len(v) != rope_dims // 2:
+            got = f"{len(v)} positive numbers" if numbers else _json_type(v)
             raise f.fail(f"LongRoPE's {key} must be {rope_dims // 2} positive numbers (one per pair of the "
-                         f"{rope_dims} dimensions RoPE turns), got {_json_type(v)}")
+                         f"{rope_dims} dimensions RoPE turns), got {got}")
         sets[key] = [float(x) for x in v]
     return longrope_scaling(sets["short_factor"], sets["long_factor"], original, attention)
 

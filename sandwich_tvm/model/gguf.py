@@ -165,9 +165,12 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         raise ModelConfigError(f"{path}: a {arch} GGUF with {held} is not supported; convert it as "
                                "llama.cpp's convert_hf_to_gguf.py does by default (phi3 fused, others not)")
     longrope = {n for n in names if n.startswith("rope_factors_")}  # Phi-3's 128k models, Phi-3.5, Phi-4-mini
-    if longrope and (arch != "phi3" or longrope != set(ROPE_FACTORS)):
-        raise ModelConfigError(f"{path}: LongRoPE factors ({', '.join(sorted(longrope))}) are supported in a "
-                               f"phi3 GGUF as both {' and '.join(ROPE_FACTORS)}; re-convert the model")
+    if longrope and arch != "phi3":
+        raise ModelConfigError(f"{path}: LongRoPE factors ({', '.join(sorted(longrope))}) in a {arch} GGUF "
+                               "are not supported; LongRoPE is supported in phi3 GGUFs only")
+    if longrope and longrope != set(ROPE_FACTORS):
+        raise ModelConfigError(f"{path}: a phi3 GGUF's LongRoPE needs both {' and '.join(ROPE_FACTORS)}, not "
+                               f"{', '.join(sorted(longrope))} only; re-convert the model")
     if arch != "qwen3" and any(n.endswith(".attn_q_norm.weight") for n in names):
         raise ModelConfigError(f"{path}: a {arch} GGUF with q/k norms (attn_q_norm) is not supported; "
                                "convert the model as the architecture it is (qwen3)")
@@ -192,6 +195,8 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     # as llama.cpp reads them: the type defaults to linear, its factor to the older scale_linear
     # key, and a factor of 0 (or 1), like the type none, scales nothing
     scaling = get("rope.scaling.type", "linear")
+    if scaling == "longrope" and longrope:  # llama.cpp's type for it; its factors are the tensors'
+        scaling = "none"
     factor = float(get("rope.scaling.factor", get("rope.scale_linear", 0.0)))
     if scaling == "linear" and factor not in (0.0, 1.0):
         if "rope_freqs.weight" in names:
@@ -240,8 +245,8 @@ def _rope_factors(reader, name: str, pairs: int, path: Path) -> list[float]:
     t = next(t for t in reader.tensors if t.name == name)
     v = np.asarray(t.data, np.float64).ravel() if t.tensor_type.name in ("F32", "F16") else None
     if v is None or v.size != pairs or not np.all(np.isfinite(v) & (v > 0)):
-        raise ModelConfigError(f"{path}: {name} must hold {pairs} positive F32 factors (one per pair RoPE "
-                               "turns); re-convert the model")
+        raise ModelConfigError(f"{path}: {name} must hold {pairs} positive factors in F32 or F16 (one per "
+                               "pair RoPE turns); re-convert the model")
     return [float(x) for x in v]
 
 

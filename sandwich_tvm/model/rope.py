@@ -27,7 +27,7 @@ def inv_freq(cfg: LlamaConfig) -> np.ndarray:
     freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     sc = cfg.rope_scaling
     if uses_longrope(cfg):
-        freq = freq / np.asarray(sc["long_factor" if sc["long"] else "short_factor"], np.float64)
+        freq = freq / np.asarray(sc["long_factor" if sc.get("long") else "short_factor"], np.float64)
     if sc and sc.get("rope_type", sc.get("type")) == "linear":  # positions / factor
         freq = freq / sc["factor"]
     if sc and sc.get("rope_type", sc.get("type")) == "llama3":
@@ -84,7 +84,7 @@ def at_context(cfg: LlamaConfig, context: int) -> LlamaConfig:
     if not uses_longrope(cfg):
         return cfg
     long = context > cfg.rope_scaling["original_max_position_embeddings"]
-    if long == cfg.rope_scaling["long"]:
+    if long == cfg.rope_scaling.get("long", False):
         return cfg
     return replace(cfg, rope_scaling=dict(cfg.rope_scaling, long=long))
 

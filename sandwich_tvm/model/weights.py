@@ -26,6 +26,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, checkpoint_files, rand
 from .config import LlamaConfig, model_path
 from .imatrix import imatrix_digest, importance_of, read_imatrix
 from .parallel import Shard
+from .rope import at_context
 
 FORMAT = 2  # 2: gate_up interleaved for the silu_mul epilogue
 
@@ -147,9 +148,9 @@ def checkpoint_key(model_dir: Path, layout: str, cfg: LlamaConfig | None = None)
     hashed the same way after its header (metadata and tensor table).
     """
     h = hashlib.sha256(f"{FORMAT}|{layout}".encode())
-    if cfg is not None:
-        h.update(json.dumps({k: v for k, v in cfg.to_dict().items() if k != "name"}, sort_keys=True,
-                            default=str).encode())
+    if cfg is not None:  # the weights of any context (LongRoPE's set changes no weight)
+        h.update(json.dumps({k: v for k, v in at_context(cfg, 0).to_dict().items() if k != "name"},
+                            sort_keys=True, default=str).encode())
     model_dir = model_path(model_dir)
     if model_dir.suffix == ".gguf":  # its header, then the same whole-or-sampled data
         from .gguf import hash_gguf

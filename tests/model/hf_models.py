@@ -109,11 +109,11 @@ def greedy_matches_hf(engine, hf, vocab: int, steps: int, prompt_len: int = 30) 
     return gen.tokens
 
 
-def torch_baseline_reads_gguf_as(hf, path: Path, cfg) -> None:
+def torch_baseline_reads_gguf_as(hf, path: Path, cfg, prompt_len: int = 20) -> None:
     """The torch baseline on the GGUF at ``path`` (``cfg`` read from it; transformers dequantizes
-    it) gives ``hf``'s logits over a seeded 20-token prompt."""
+    it) gives ``hf``'s logits over a seeded ``prompt_len``-token prompt."""
     from sandwich_tvm.bench.baselines.torch_hf import hf_model
 
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 20)]
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, prompt_len)]
     np.testing.assert_allclose(hf_logits(hf_model(str(path), cfg, 0), prompt), hf_logits(hf, prompt),
                                rtol=1e-5, atol=1e-5)

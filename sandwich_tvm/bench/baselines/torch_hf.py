@@ -18,8 +18,8 @@ def rope_parameters(cfg: LlamaConfig) -> dict:
     picks one by the running length; a partial rotary as the fraction of the head it turns)."""
     rope = {k: v for k, v in (cfg.rope_scaling or {}).items() if k != "long"} | {"rope_theta": cfg.rope_theta}
     rope.setdefault("rope_type", "default")
-    if cfg.rotary_dim:
-        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.rotary_dim:  # transformers turns int(head_dim x factor) dimensions: no rounding down
+        rope["partial_rotary_factor"] = (cfg.rotary_dim + 0.5) / cfg.head_dim
     return rope
 
 
@@ -28,7 +28,9 @@ def with_rope_scaling(model, cfg: LlamaConfig):
     ``rope.scaling.*`` keys nor its ``rope_freqs`` for Llama, nor a phi3's ``rope_factors``, so a
     scaled GGUF loads unscaled."""
     if cfg.rope_scaling or cfg.rotary_dim:
-        model.config.rope_parameters = rope_parameters(cfg)
+        model.config.rope_parameters = rope = rope_parameters(cfg)
+        if "original_max_position_embeddings" in rope:  # a Phi-3's own field wins over the dict's
+            model.config.original_max_position_embeddings = rope["original_max_position_embeddings"]
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     return model
 
