@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -108,6 +109,7 @@ class Precompiler:
         self._done: set[tuple] = set()  # artifacts the child has finished (built, or failed)
         self._next = 0
         self._warmed = False
+        self._paused = False
 
     def warm_up(self, session, base: Path) -> None:
         """Once a session: submit the registered artifacts (``warm_up``) of its selected tests."""
@@ -146,11 +148,23 @@ class Precompiler:
             self._next += 1
         self._proc.stdin.flush()
 
+    def pause(self) -> None:
+        """Stop the child where it is (a test that times memory traffic runs alone) until ``resume``."""
+        if self._proc is not None and not self._paused:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._proc is not None and self._paused:
+            os.kill(self._proc.pid, signal.SIGCONT)
+        self._paused = False
+
     def ready(self, spec: RunSpec) -> None:
         """Wait until the child is done with ``spec`` (at once if it was never submitted)."""
         tickets = [t for a, t in self._specs if a == _artifact(spec)]
         if not tickets or self._proc is None:
             return
+        self.resume()
         while True:
             line = self._proc.stdout.readline()
             if not line:  # the child is gone: the test compiles whatever is left itself
@@ -166,6 +180,7 @@ class Precompiler:
         """End the child: after what it was given (``finish``), or now (the session is over)."""
         if self._proc is None:
             return
+        self.resume()
         if not finish:
             self._proc.kill()
         self._proc.stdin.close()
