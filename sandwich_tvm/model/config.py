@@ -15,10 +15,14 @@ from typing import Any
 # Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2); Qwen2
 # (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v; Qwen3 is
 # Llama with an RMSNorm over every q and k head before RoPE; Phi-3 is Llama whose checkpoint holds
-# q|k|v and gate|up as one matrix each
+# q|k|v and gate|up as one matrix each; Granite is Llama with four scalar multipliers
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+                           "Phi3ForCausalLM", "GraniteForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+# Granite's scalars and what each is when a model has none (``attention_multiplier`` None:
+# 1 / sqrt(head_dim))
+MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+               "logits_scaling": 1.0}
 
 
 class ModelConfigError(ValueError):
@@ -58,6 +62,13 @@ class LlamaConfig:
     # the leading dimensions of each q and k head RoPE turns (Phi-4-mini's 96 of 128: HF's
     # ``partial_rotary_factor``, llama.cpp's ``rope.dimension_count``); None: the whole head
     rotary_dim: int | None = None
+    # Granite's scalars: the embeddings times ``embedding_multiplier``, each attention and MLP
+    # output times ``residual_multiplier`` before its residual add, q.k times
+    # ``attention_multiplier`` (None: 1 / sqrt(head_dim)), the logits divided by ``logits_scaling``
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -85,6 +96,16 @@ class LlamaConfig:
                 and self.num_key_value_heads % tp == 0 and self.intermediate_size % tp == 0)
 
     @property
+    def granite(self) -> bool:
+        """Whether any of Granite's multipliers scales something (else the model is a Llama)."""
+        return any(getattr(self, k) != v for k, v in MULTIPLIERS.items())
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    @property
     def rope_dims(self) -> int:
         """How many leading dimensions of a q or k head RoPE turns (the rest pass as they are)."""
         return self.rotary_dim or self.head_dim
@@ -103,6 +124,9 @@ class LlamaConfig:
         for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim"):
             if not out[flag]:
                 del out[flag]
+        for key, default in MULTIPLIERS.items():
+            if out[key] == default:
+                del out[key]
         return out
 
 
@@ -139,8 +163,10 @@ def shape_problems(cfg: dict) -> list[str]:
     if heads % kv:
         bad.append(f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (grouped-query "
                    "attention shares each KV head among a whole number of query heads)")
-    for k in ("rope_theta", "rms_norm_eps"):
-        v = cfg[k]
+    for k in ("rope_theta", "rms_norm_eps", *MULTIPLIERS):
+        v = cfg.get(k, MULTIPLIERS.get(k))
+        if v is None and k in MULTIPLIERS:
+            continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             bad.append(f"{k} must be a positive number, got {v!r}")
     return bad
@@ -374,6 +400,8 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         fused_checkpoint=phi3,
         rotary_dim=None if rotary_dim == (head_dim or hidden // heads) else rotary_dim,
     )
+    if "GraniteForCausalLM" in archs or raw.get("model_type") == "granite":  # transformers' defaults
+        kwargs |= {k: f.float(k, 1.0) for k in MULTIPLIERS}
     problems = shape_problems(kwargs)
     if problems:
         raise f.fail("; ".join(problems))

@@ -42,10 +42,13 @@ from .config import (
 
 # llama: Llama 2/3, TinyLlama, SmolLM2, Mistral; qwen2: Llama with q, k and v biases; qwen3: Llama
 # with an RMSNorm over each q and k head; phi3: Llama with q|k|v and gate|up fused. Their q/k rows
-# are as HF holds them (llama.cpp ropes them in NeoX's rotate-half order)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# are as HF holds them (llama.cpp ropes them in NeoX's rotate-half order). granite: Llama (its q/k
+# rows permuted as a Llama's) with four scalars, llama.cpp's embedding, residual, attention and
+# logit scales
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite")
+PERMUTED_ARCHITECTURES = ("llama", "granite")  # q/k rows in llama.cpp's interleaved RoPE order
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # a phi3's LongRoPE sets
-FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3"
+FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite"
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -234,10 +237,28 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],
                                                 head_dim, path)
+    if arch == "granite":
+        kwargs |= _granite_scales(get, path)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", str(metadata(reader, "general.name", "") or "")).strip("-")
     cfg = LlamaConfig(name=name or stem or path.stem, **kwargs)
     _check_tensors(reader, cfg, path)
     return cfg
+
+
+def _granite_scales(get: Callable[[str, Any], Any], path: Path) -> dict[str, float | None]:
+    """A granite GGUF's multipliers as llama.cpp reads them: ``logit_scale`` required, a missing
+    (or zero) residual or embedding scale scales nothing, a missing attention scale is
+    1 / sqrt(head_dim); RoPE turned off (``rope.scaling.finetuned`` false) is refused."""
+    if not get("rope.scaling.finetuned", True):
+        raise ModelConfigError(f"{path}: a granite GGUF without RoPE (rope.scaling.finetuned false) is not "
+                               "supported")
+    logits = _f32(get("logit_scale", 0.0))
+    if not logits:
+        raise ModelConfigError(f"{path}: metadata granite.logit_scale is missing; re-convert the model")
+    attention = _f32(get("attention.scale", 0.0))
+    return {"logits_scaling": logits, "residual_multiplier": _f32(get("residual_scale", 0.0)) or 1.0,
+            "embedding_multiplier": _f32(get("embedding_scale", 0.0)) or 1.0,
+            "attention_multiplier": attention or None}
 
 
 def _rope_factors(reader, name: str, pairs: int, path: Path) -> list[float]:
@@ -439,7 +460,7 @@ def read_gguf(path: Path) -> dict[str, np.ndarray | LazyTensor]:
     """Every tensor of a GGUF under HF's names (checked against the file's metadata by
     ``gguf_config``). Without ``output.weight`` the embeddings are tied (no ``lm_head.weight``)."""
     reader, cfg = open_gguf(path), gguf_config(path)
-    permuted = metadata(reader, "general.architecture") == "llama"  # a Qwen's rows are HF's
+    permuted = metadata(reader, "general.architecture") in PERMUTED_ARCHITECTURES  # a Qwen's are HF's
     state: dict[str, np.ndarray | LazyTensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name, cfg.fused_checkpoint)

@@ -35,7 +35,10 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # DBRX and SMAUG, which split alike); of them llama.cpp ignores merges and adds BOS for LLAMA3's
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "lfm2")
 LLAMA3_SPLIT_PRE = (*LLAMA3_PRE, "smaug-bpe", "dbrx")
-GPT2_PRE = ("default", "gpt-2", "gpt2", "smollm")
+# GPT-2's split after every digit alone (llama.cpp splits SmolLM's, StarCoder's and Refact's, which
+# Granite's GGUFs name, alike)
+DIGITS_PRE = ("smollm", "starcoder", "refact")
+GPT2_PRE = ("default", "gpt-2", "gpt2", *DIGITS_PRE)
 # DeepSeek-Coder's tokenizer.json (and llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_CODER): each
 # regex in turn isolates its matches within the pieces the ones before it left
 DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
@@ -134,9 +137,8 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
 
     known = (*LLAMA3_SPLIT_PRE, *GPT2_PRE, *SEQUENCE_PRE)
     if pre not in known:
-        raise ModelLoadError(f"{where}: its pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: "
-                             f"text would be split otherwise than the model was trained on; supported: "
-                             f"{', '.join(known)}")
+        raise ModelLoadError(f"{where}: its pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "
+                             f"(text would split unlike in training); supported: {', '.join(known)}")
     spelling = byte_chars()
     alphabet = set(spelling.values())
     added = {i for i, k in enumerate(types or ()) if k in (CONTROL, USER_DEFINED)}
@@ -157,7 +159,7 @@ def byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: Path |
     elif llama3:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"),
                                                      byte_level])
-    elif pre == "smollm":  # SmolLM's tokenizer.json: every digit its own word
+    elif pre in DIGITS_PRE:  # SmolLM's tokenizer.json: every digit its own word
         digits = pre_tokenizers.Digits(individual_digits=True)
         tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     else:

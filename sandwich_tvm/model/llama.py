@@ -1,5 +1,5 @@
-"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3 and Phi-3 on ``tvm.relax.frontend.nn`` with TVM's
-paged KV cache.
+"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3 and Granite on ``tvm.relax.frontend.nn``
+with TVM's paged KV cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
 attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included), and the exported
@@ -65,6 +65,11 @@ def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor, tp: int) -> n
     return linear(x) + residual
 
 
+def _scaled(x: nn.Tensor, factor: float) -> nn.Tensor:
+    """``x * factor`` (Granite's multipliers), nothing where the factor is 1."""
+    return x if factor == 1.0 else x * factor
+
+
 def _row_parallel(tp: int, k: int) -> Shard | None:
     return Shard(1, (k,)) if tp > 1 else None
 
@@ -116,6 +121,8 @@ class Attention(nn.Module):
         self.k_norm = _norm(cfg, kernels, d) if cfg.qk_norm else None
         self.o_proj = _linear(cfg, self.heads * d, cfg.hidden_size, kernels, shard=_row_parallel(tp, q),
                               at=(layer, "o"))
+        # Granite's: o_proj's output times residual_multiplier, as its input (exact for any weight type)
+        self.residual_scale, self.sm_scale = cfg.residual_multiplier, cfg.attention_scale
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
         """``residual + o_proj(attention(x))``; separated, attention runs on the attention rank."""
@@ -127,10 +134,11 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv, b, s)
         if self.separated:
             out = attend_remote(qkv, self.heads, self.head_dim)
-            return _project(self.o_proj, out, residual, self.tp)
+            return _project(self.o_proj, _scaled(out, self.residual_scale), residual, self.tp)
         qkv = op.reshape(qkv, (b, s, self.heads + 2 * self.kv_heads, self.head_dim))
-        out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype)
-        return _project(self.o_proj, op.reshape(out, (b, s, self.heads * self.head_dim)), residual, self.tp)
+        out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype, self.sm_scale)
+        out = _scaled(op.reshape(out, (b, s, self.heads * self.head_dim)), self.residual_scale)
+        return _project(self.o_proj, out, residual, self.tp)
 
     def _norm_heads(self, qkv: nn.Tensor, b, s) -> nn.Tensor:
         """``qkv`` with its q heads and its k heads RMS-normalized (Qwen3's, before RoPE). The
@@ -156,6 +164,7 @@ class MLP(nn.Module):
                                     shard=Shard(0, (full, full)) if tp > 1 else None, at=(layer, "gate_up"))
         self.down_proj = _linear(cfg, self.inter, cfg.hidden_size, kernels, shard=_row_parallel(tp, full),
                                  at=(layer, "down"))
+        self.residual_scale = cfg.residual_multiplier
 
     def forward(self, x: nn.Tensor, residual: nn.Tensor) -> nn.Tensor:
         """``residual + down_proj(silu(gate) * up)``; silu·mul fused into gate_up's kernel, or
@@ -166,7 +175,7 @@ class MLP(nn.Module):
         else:
             gate, up = op.split(proj(x), 2, axis=-1)
             h = op.silu(gate) * up
-        return _project(self.down_proj, h, residual, self.tp)
+        return _project(self.down_proj, _scaled(h, self.residual_scale), residual, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -226,12 +235,13 @@ class LlamaModel(nn.Module):
         if stage is None or stage.first:  # a pipeline's head is on its first stage
             self.norm = _norm(cfg, kernels)
         self.embeds, self.norms = stage is None or stage.first, stage is None
+        self.embed_scale = cfg.embedding_multiplier
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache) -> nn.Tensor:
         """Token ids (the first stage) or hidden states in; hidden states out (normed by the
         whole model; a pipeline's head norms them)."""
         if self.embeds:
-            x = self.embed_tokens(x)
+            x = _scaled(self.embed_tokens(x), self.embed_scale)
         for i, layer in enumerate(self.layers):  # the cache's layers are the stage's own
             x = layer(x, kv, i)
         return self.norm(x) if self.norms else x
@@ -266,6 +276,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _linear(cfg, cfg.hidden_size, rows, kernels, shard=vocab, head=True)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
+        """The head's logits (divided by Granite's ``logits_scaling``)."""
+        return _scaled(self._head(h), 1.0 / self.cfg.logits_scaling)
+
+    def _head(self, h: nn.Tensor) -> nn.Tensor:
         if self.tp > 1:
             return gather_last(self.lm_head(h), self.cfg.vocab_size)
         if not self.tied:

@@ -66,15 +66,17 @@ def kv_rows(func: tirx.PrimFunc, x: nn.Tensor, heads: int, dtype: str, width: in
     return op.reshape(y, (b, s, heads, width))
 
 
-def attend_cache(kv: PagedKVCache, layer_id: int, qkv: nn.Tensor, heads: int, kv_dtype: str) -> nn.Tensor:
-    """Attention of layer ``layer_id`` over the paged cache: ``qkv`` ``[b, s, heads + 2 kv_heads,
-    d]`` (fp32) stored as the cache's ``kv_dtype``, the output ``[b, s, heads, d]`` in fp32."""
+def attend_cache(kv: PagedKVCache, layer_id: int, qkv: nn.Tensor, heads: int, kv_dtype: str,
+                 sm_scale: float) -> nn.Tensor:
+    """Attention of layer ``layer_id`` over the paged cache, q.k times ``sm_scale``: ``qkv``
+    ``[b, s, heads + 2 kv_heads, d]`` (fp32) stored as the cache's ``kv_dtype``, the output
+    ``[b, s, heads, d]`` in fp32."""
     all_heads, d = int(qkv.shape[2]), int(qkv.shape[3])
     if kv_dtype == "int8":  # int8 rows with their scales (kernels.kv_int8)
         qkv = kv_rows(quantize_rows_primfunc(all_heads, d), qkv, all_heads, "int8", row_width(d, "int8"))
     elif kv_dtype != ACT_DTYPE:  # the cache stores (and its kernels read) 16-bit K/V
         qkv = op.astype(qkv, kv_dtype)
-    out = kv.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=d**-0.5)
+    out = kv.attention_with_fused_qkv(layer_id, qkv, heads, sm_scale=sm_scale)
     if kv_dtype == "int8":
         return kv_rows(dequantize_rows_primfunc(heads, d), out, heads, ACT_DTYPE, d)
     return op.astype(out, ACT_DTYPE) if kv_dtype != ACT_DTYPE else out
@@ -94,7 +96,8 @@ class AttentionRank(nn.Module):
     def _layer(self, after: nn.Tensor, kv: PagedKVCache, layer_id: int, b, s) -> nn.Tensor:
         d, heads = self.head_dim, self.heads + 2 * self.kv_heads
         qkv = op.extern(WA_RECEIVE, [after], out=nn.Tensor.placeholder((b, s, heads * d), ACT_DTYPE))
-        out = attend_cache(kv, layer_id, op.reshape(qkv, (b, s, heads, d)), self.heads, self.kv_dtype)
+        out = attend_cache(kv, layer_id, op.reshape(qkv, (b, s, heads, d)), self.heads, self.kv_dtype,
+                           self.cfg.attention_scale)
         out = op.reshape(out, (b, s, self.heads * d))
         return op.extern(WA_REPLY, [out], out=nn.Tensor.placeholder((b, s, 1), ACT_DTYPE))
 

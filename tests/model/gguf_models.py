@@ -87,6 +87,8 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
             continue
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
         else:

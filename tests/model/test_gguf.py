@@ -423,6 +423,21 @@ def test_deepseek_coder_split(tmp_path, tok):
             assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
 
 
+@pytest.mark.parametrize("pre", ["refact", "starcoder"])
+def test_the_split_granites_name_puts_every_digit_alone(tmp_path, tok, pre):
+    """Granite's GGUFs name their split ``refact`` (llama.cpp splits it as StarCoder's and SmolLM's):
+    GPT-2's, after every digit alone; and the ids llama.cpp gives, where it is installed."""
+    path, _ = _llama3_style_gguf(tmp_path / f"{pre}.gguf", tok, pre)
+    ours = load_model_tokenizer(path)
+    g = "\u0120"
+    assert [p for p, _ in ours.tok.pre_tokenizer.pre_tokenize_str("x 2024 it's")] == [
+        "x", g, "2", "0", "2", "4", f"{g}it", "'s"]
+    llama_cpp = _llama_cpp_vocab(path)
+    if llama_cpp is not None:
+        for text in ["x 2024 it's", TEXTS[0], TEXTS[1]]:
+            assert ours.encode(text, add_special_tokens=True) == llama_cpp(text), text
+
+
 def test_tekken_split(tmp_path, tok):
     """Mistral's tekken split (Mistral-Nemo, Mistral Small 3): case runs apart (CamelCase in two),
     each digit alone, punctuation with the newlines after it, a letter run with one symbol before
@@ -524,7 +539,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path, source):
     ("layers", "missing for the 3 layers the metadata describes"),
     ("fewer-layers", r"blk\.1\.\w+\.weight has shape .* describes 1 layers"),
     ("dropped", "'model.layers.1.mlp.down_proj.weight' is missing"),
-    ("bias", "'blk.0.attn_output.bias' is not part of a Llama 2/3, .*Phi-3 model"),
+    ("bias", "'blk.0.attn_output.bias' is not part of a Llama 2/3, .*Phi-3, Granite model"),
     ("some-biases", "'model.layers.0.self_attn.k_proj.bias' and 4 more are missing"),
 ])
 def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):

@@ -67,10 +67,10 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     tmp = path.with_suffix(".tmp")
     # as llama.cpp's conversion names a Qwen2, a Qwen3 and a Phi-3
     arch = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "phi3" if cfg.fused_checkpoint
-            else "llama")
-    if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint > 1:
+            else "granite" if cfg.granite else "llama")
+    if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint + cfg.granite > 1:
         raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for more than one of q/k "
-                         "norms, q/k/v biases and fused matrices")
+                         "norms, q/k/v biases, fused matrices and Granite's multipliers")
     if arch == "phi3" and cfg.explicit_head_dim:
         raise ValueError(f"{cfg.name}: llama.cpp's phi3 takes heads x head_dim == hidden_size only")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -88,6 +88,11 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
+    if arch == "granite":  # as llama.cpp's conversion writes Granite's multipliers
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_scale)
+        w.add_logit_scale(cfg.logits_scaling)
     w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                      "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                      "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[dtype])
@@ -150,7 +155,8 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
             qkv = ()
         for x, heads in qkv:
             rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen's q/k stay HF's: NeoX RoPE
-            put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch == "llama" else rows)
+            put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch in ("llama", "granite")
+                else rows)
             if cfg.qkv_bias:
                 put(b + f"attn_{x}.bias", state[p + f"self_attn.{x}_proj.bias"])
             if cfg.qk_norm and x != "v":

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...model.config import LlamaConfig
+from ...model.config import MULTIPLIERS, LlamaConfig
 
 
 def rope_parameters(cfg: LlamaConfig) -> dict:
@@ -37,16 +37,18 @@ def with_rope_scaling(model, cfg: LlamaConfig):
 
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     """The same weights in transformers' ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` for q/k/v
-    biases, ``Qwen3ForCausalLM`` for q/k norms, ``Phi3ForCausalLM`` for fused matrices; a
-    checkpoint's own class), fp32."""
+    biases, ``Qwen3ForCausalLM`` for q/k norms, ``Phi3ForCausalLM`` for fused matrices,
+    ``GraniteForCausalLM`` for Granite's multipliers; a checkpoint's own class), fp32."""
     import torch
     import transformers
 
-    from ...model.checkpoint import random_checkpoint
+    from ...model.checkpoint import random_checkpoint, read_checkpoint
     from ...model.config import PRESETS, model_path
 
     if spec not in PRESETS:
         path = model_path(spec)
+        if path.suffix == ".gguf" and cfg.granite:  # transformers' GGUF reader has no granite
+            return _holding(cfg, {n: _values(t) for n, t in read_checkpoint(path).items()})
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
             config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             config.head_dim = cfg.head_dim  # transformers' GGUF reader skips attention.key_length
@@ -55,8 +57,23 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        # Llama, Mistral, Qwen2, Qwen3 or Phi-3, as its config.json says
+        # Llama, Mistral, Qwen2, Qwen3, Phi-3 or Granite, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    return _holding(cfg, random_checkpoint(cfg, seed))
+
+
+def _values(t) -> np.ndarray:
+    """A checkpoint tensor's fp32 values (a GGUF's blocks dequantized, as transformers would)."""
+    from ...kernels.quant import QuantBlocks
+
+    return np.asarray(t.qtype.dequantize(t.raw) if isinstance(t, QuantBlocks) else t, np.float32)
+
+
+def _holding(cfg: LlamaConfig, state: dict[str, np.ndarray]):
+    """transformers' class for ``cfg`` holding ``state`` (HF names), fp32."""
+    import torch
+    import transformers
+
     rope = rope_parameters(cfg)
     fields = dict(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -68,6 +85,10 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields, use_sliding_window=False))
     elif cfg.qkv_bias:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields, use_sliding_window=False))
+    elif cfg.granite:
+        multipliers = {k: getattr(cfg, k) for k in MULTIPLIERS}
+        multipliers["attention_multiplier"] = cfg.attention_scale  # transformers' default is 1
+        model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**fields, **multipliers))
     elif cfg.fused_checkpoint:
         head_dim = fields.pop("head_dim")  # not a Phi3Config argument, but its attention reads it
         original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
@@ -77,8 +98,8 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
         model = transformers.Phi3ForCausalLM(config)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
-    state = {k: torch.from_numpy(v) for k, v in random_checkpoint(cfg, seed).items()}
-    loaded = model.load_state_dict(state, strict=False)  # a tied head is the embedding, tied below
+    tensors = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in state.items()}
+    loaded = model.load_state_dict(tensors, strict=False)  # a tied head is the embedding, tied below
     astray = [k for k in loaded.missing_keys if k != "lm_head.weight"] + list(loaded.unexpected_keys)
     if astray:
         raise ValueError(f"{cfg.name}: the torch baseline's {type(model).__name__} and our weights disagree "
