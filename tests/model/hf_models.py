@@ -89,6 +89,39 @@ def byte_level_tokenizer(merges: list[tuple[bytes, bytes]] = ()):
     return tok
 
 
+def save_tiny_hf(out: Path, model_class: str, config, seed: int) -> Path:
+    """A transformers ``model_class`` (its name) of ``config`` (``TINY``'s shape, say), seeded, with
+    its norm weights drawn around one (transformers starts them at one), saved to ``out``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight.normal_(1.0, 0.3)
+            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
+    hf.save_pretrained(out)
+    return out
+
+
+# 2 layers, 4 heads of 16 over 2 KV heads, 211 tokens, an untied head
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=211, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+
+
+def edited_config(model_dir: Path, out: Path, fields: dict):
+    """The config of ``model_dir``'s config.json with ``fields`` changed, written to ``out``."""
+    import json
+
+    from sandwich_tvm.model.config import load_config
+
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(json.loads((model_dir / "config.json").read_text()) | fields))
+    return load_config(out)
+
+
 def hf_logits(hf, tokens: list[int]) -> np.ndarray:
     """A transformers model's logits at every position of ``tokens``."""
     import torch

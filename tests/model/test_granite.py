@@ -6,7 +6,6 @@ is installed."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,14 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import warm_up
 from .gguf_models import write_gguf
-from .hf_models import greedy_matches_hf, hf_logits, torch_baseline_reads_gguf_as
+from .hf_models import (
+    TINY,
+    edited_config,
+    greedy_matches_hf,
+    hf_logits,
+    save_tiny_hf,
+    torch_baseline_reads_gguf_as,
+)
 
 CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS, "test")
@@ -33,24 +39,13 @@ MULTIPLIERS = {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attenti
 def _checkpoint(base: Path) -> Path:
     """The session's Granite (at a fixed place, so its builds can start early): 4 heads of 16
     over 2 KV heads, an untied head, drawn norm weights."""
-    import torch
     import transformers
 
     out = base / "hf" / "tiny-granite"
     if (out / "config.json").is_file():
         return out
-    torch.manual_seed(13)
-    config = transformers.GraniteConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
-                                        max_position_embeddings=256, tie_word_embeddings=False,
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, **MULTIPLIERS)
-    hf = transformers.GraniteForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.normal_(1.0, 0.3)
-            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
-    hf.save_pretrained(out)
-    return out
+    config = transformers.GraniteConfig(**TINY, max_position_embeddings=256, **MULTIPLIERS)
+    return save_tiny_hf(out, "GraniteForCausalLM", config, 13)
 
 
 def _gguf(base: Path) -> Path:
@@ -136,12 +131,9 @@ def test_granite_configs_and_ggufs_are_read_and_refused_as_they_should_be(granit
     from sandwich_tvm.model.checkpoint import read_checkpoint
 
     model_dir, _ = granite
-    raw = json.loads((model_dir / "config.json").read_text())
 
     def config(name: str, fields: dict):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(raw | fields))
-        return load_config(tmp_path / name)
+        return edited_config(model_dir, tmp_path / name, fields)
 
     bare = config("bare", dict.fromkeys(MULTIPLIERS))
     assert bare.granite and bare.attention_scale == 1.0 and bare.logits_scaling == 1.0

@@ -22,7 +22,7 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import warm_up
 from .gguf_models import write_gguf
-from .hf_models import greedy_matches_hf, torch_baseline_reads_gguf_as
+from .hf_models import TINY, edited_config, greedy_matches_hf, save_tiny_hf, torch_baseline_reads_gguf_as
 
 CPUS = tuple(sorted(PROCESS_CPUS))
 PLAN = ExecPlan(CPUS, CPUS, "test")
@@ -38,26 +38,14 @@ ROPE = {"rope_type": "longrope", "partial_rotary_factor": 0.75, "rope_theta": 10
 def _checkpoint(base: Path) -> Path:
     """The session's LongRoPE Phi-3 with a partial rotary (at a fixed place, so its builds can
     start early): 4 heads of 16 over 2 KV heads, 4x the original context, drawn norm weights."""
-    import torch
     import transformers
 
     out = base / "hf" / "tiny-phi-longrope"
     if (out / "config.json").is_file():
         return out
-    torch.manual_seed(12)
-    config = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
-                                     max_position_embeddings=4 * ORIGINAL,
-                                     original_max_position_embeddings=ORIGINAL, rope_parameters=dict(ROPE),
-                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                     tie_word_embeddings=False)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.normal_(1.0, 0.3)
-            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
-    hf.save_pretrained(out)
-    return out
+    config = transformers.Phi3Config(**TINY, max_position_embeddings=4 * ORIGINAL,
+                                     original_max_position_embeddings=ORIGINAL, rope_parameters=dict(ROPE))
+    return save_tiny_hf(out, "Phi3ForCausalLM", config, 12)
 
 
 _META = {"phi3.rope.dimension_count": 12, "phi3.rope.scaling.original_context_length": ORIGINAL,
@@ -210,9 +198,7 @@ def test_longrope_and_partial_rotary_refusals(phi, tmp_path):
     want = load_config(model_dir)
 
     def config(name: str, fields: dict):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(raw | fields))
-        return load_config(tmp_path / name)
+        return edited_config(model_dir, tmp_path / name, fields)
 
     for kind in ("su", "yarn"):
         old = {k: v for k, v in rope.items() if k not in ("rope_type", "partial_rotary_factor")}

@@ -5,7 +5,6 @@ Q8_0 one whose fused blocks reach the kernels as they are."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
 from .gguf_models import tiny_config, write_gguf, write_imatrix
-from .hf_models import greedy_matches_hf, torch_baseline_reads_gguf_as
+from .hf_models import TINY, edited_config, greedy_matches_hf, save_tiny_hf, torch_baseline_reads_gguf_as
 
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
@@ -44,19 +43,9 @@ def _checkpoint(base: Path) -> Path:
     out = base / "hf" / "tiny-phi"  # not "phi3": llama.cpp would look for a real Phi-3 vocabulary
     if (out / "config.json").is_file():
         return out
-    torch.manual_seed(11)
-    config = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
-                                     max_position_embeddings=256, original_max_position_embeddings=256,
-                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                     tie_word_embeddings=False)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.input_layernorm.weight.normal_(1.0, 0.3)
-            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
-    hf.save_pretrained(out)
-    return out
+    config = transformers.Phi3Config(**TINY, max_position_embeddings=256,
+                                     original_max_position_embeddings=256)
+    return save_tiny_hf(out, "Phi3ForCausalLM", config, 11)
 
 
 def _q8_gguf(base: Path) -> Path:
@@ -162,12 +151,9 @@ def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp
     is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones (LongRoPE and a
     partial rotary: ``test_longrope.py``)."""
     model_dir, _ = phi3
-    raw = json.loads((model_dir / "config.json").read_text())
 
     def config(name: str, fields: dict):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(raw | fields))
-        return load_config(tmp_path / name)
+        return edited_config(model_dir, tmp_path / name, fields)
 
     assert config("window", {"sliding_window": 47}).max_position_embeddings == 47
 
