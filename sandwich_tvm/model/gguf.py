@@ -30,6 +30,7 @@ from ..kernels.packing import numpy_dtype
 from ..kernels.quant import QTYPES, QuantBlocks
 from .checkpoint import ModelLoadError, hf_shapes
 from .config import (
+    MULTIPLIERS,
     LlamaConfig,
     ModelConfigError,
     linear_scaling,
@@ -48,7 +49,7 @@ from .config import (
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite")
 PERMUTED_ARCHITECTURES = ("llama", "granite")  # q/k rows in llama.cpp's interleaved RoPE order
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # a phi3's LongRoPE sets
-FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite"
+FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, dense Granite 3"
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -238,27 +239,33 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],
                                                 head_dim, path)
     if arch == "granite":
-        kwargs |= _granite_scales(get, path)
+        kwargs |= _granite_scales(reader, get, path)
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", str(metadata(reader, "general.name", "") or "")).strip("-")
     cfg = LlamaConfig(name=name or stem or path.stem, **kwargs)
     _check_tensors(reader, cfg, path)
     return cfg
 
 
-def _granite_scales(get: Callable[[str, Any], Any], path: Path) -> dict[str, float | None]:
+def _granite_scales(reader, get: Callable[[str, Any], Any], path: Path) -> dict[str, float | None]:
     """A granite GGUF's multipliers as llama.cpp reads them: ``logit_scale`` required, a missing
     (or zero) residual or embedding scale scales nothing, a missing attention scale is
-    1 / sqrt(head_dim); RoPE turned off (``rope.scaling.finetuned`` false) is refused."""
+    1 / sqrt(head_dim); a negative scale, or RoPE turned off (``rope.scaling.finetuned`` false),
+    is refused."""
     if not get("rope.scaling.finetuned", True):
         raise ModelConfigError(f"{path}: a granite GGUF without RoPE (rope.scaling.finetuned false) is not "
                                "supported")
-    logits = _f32(get("logit_scale", 0.0))
-    if not logits:
+    if metadata(reader, "granite.logit_scale") is None:
         raise ModelConfigError(f"{path}: metadata granite.logit_scale is missing; re-convert the model")
-    attention = _f32(get("attention.scale", 0.0))
-    return {"logits_scaling": logits, "residual_multiplier": _f32(get("residual_scale", 0.0)) or 1.0,
-            "embedding_multiplier": _f32(get("embedding_scale", 0.0)) or 1.0,
-            "attention_multiplier": attention or None}
+    scales = {}
+    for key, field in (("logit_scale", "logits_scaling"), ("residual_scale", "residual_multiplier"),
+                       ("embedding_scale", "embedding_multiplier"),
+                       ("attention.scale", "attention_multiplier")):
+        v = _f32(get(key, 0.0))
+        if not math.isfinite(v) or v < 0 or (v == 0 and key == "logit_scale"):
+            raise ModelConfigError(f"{path}: granite.{key} {v} must be a positive number; re-convert the "
+                                   "model")
+        scales[field] = v or MULTIPLIERS[field]  # 0: scales nothing (llama.cpp's), or 1 / sqrt(head_dim)
+    return scales
 
 
 def _rope_factors(reader, name: str, pairs: int, path: Path) -> list[float]:

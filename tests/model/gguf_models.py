@@ -13,6 +13,7 @@ import numpy as np
 from sandwich_tvm.bench.baselines.llamacpp import _permute
 from sandwich_tvm.model.checkpoint import random_checkpoint
 from sandwich_tvm.model.config import LlamaConfig
+from sandwich_tvm.model.gguf import PERMUTED_ARCHITECTURES
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -99,8 +100,9 @@ def write_gguf(path: Path, cfg: LlamaConfig, state: dict[str, np.ndarray], *, qt
         name = gguf_name(hf)
         if name in drop:
             continue
-        # llama.cpp permutes a Llama's q/k rows and their biases; a Qwen2's stay HF's
-        if arch == "llama" and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+        # llama.cpp permutes a Llama's (and a Granite's) q/k rows and their biases; a Qwen2's stay HF's
+        permuted = arch in PERMUTED_ARCHITECTURES and name.startswith("blk.")
+        if permuted and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
             arr = _permute(arr, heads)
         kind = qtype if arr.ndim == 2 else "F32"

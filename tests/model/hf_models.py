@@ -111,14 +111,16 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             tie_word_embeddings=False)
 
 
-def edited_config(model_dir: Path, out: Path, fields: dict):
-    """The config of ``model_dir``'s config.json with ``fields`` changed, written to ``out``."""
+def edited_config(model_dir: Path, out: Path, fields: dict, drop: tuple[str, ...] = ()):
+    """The config of ``model_dir``'s config.json with ``fields`` changed and the keys ``drop``
+    left out, written to ``out``."""
     import json
 
     from sandwich_tvm.model.config import load_config
 
+    raw = json.loads((model_dir / "config.json").read_text()) | fields
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(json.loads((model_dir / "config.json").read_text()) | fields))
+    (out / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in drop}))
     return load_config(out)
 
 

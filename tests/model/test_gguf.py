@@ -539,7 +539,7 @@ def test_truncated_gguf_is_one_line_error(tmp_path, source):
     ("layers", "missing for the 3 layers the metadata describes"),
     ("fewer-layers", r"blk\.1\.\w+\.weight has shape .* describes 1 layers"),
     ("dropped", "'model.layers.1.mlp.down_proj.weight' is missing"),
-    ("bias", "'blk.0.attn_output.bias' is not part of a Llama 2/3, .*Phi-3, Granite model"),
+    ("bias", "'blk.0.attn_output.bias' is not part of a Llama 2/3, .*Phi-3, dense Granite 3 model"),
     ("some-biases", "'model.layers.0.self_attn.k_proj.bias' and 4 more are missing"),
 ])
 def test_tensors_disagreeing_with_metadata(tmp_path, source, case, match):

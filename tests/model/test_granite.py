@@ -106,7 +106,8 @@ def test_granite_matches_hf_from_its_directory_its_gguf_and_the_stock_build(gran
 
 
 def test_llamacpp_on_a_granite_gguf_gives_hfs_greedy_tokens(granite, tmp_path_factory):
-    """llama.cpp's granite graph on the GGUF our writer makes: transformers' greedy tokens."""
+    """llama.cpp's granite graph on the GGUF our writer makes: transformers' greedy tokens, and its
+    logits at the last position (which the logit scale divides)."""
     import os
 
     from sandwich_tvm.bench.baselines import llamacpp
@@ -121,6 +122,8 @@ def test_llamacpp_on_a_granite_gguf_gives_hfs_greedy_tokens(granite, tmp_path_fa
     os.sched_setaffinity(0, CPUS)
     run = llamacpp.LlamaCpp(_gguf(tmp_path_factory.getbasetemp()), threads=len(CPUS), context=256)
     assert run.generate(tokens[:30], STEPS)[2] == tokens[30:]
+    want = hf_logits(hf, tokens[:-1])[-1]  # the last position llama.cpp evaluated: the logit scale too
+    np.testing.assert_allclose(run.logits(), want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
 
 
 def test_granite_configs_and_ggufs_are_read_and_refused_as_they_should_be(granite, tmp_path):
@@ -135,7 +138,7 @@ def test_granite_configs_and_ggufs_are_read_and_refused_as_they_should_be(granit
     def config(name: str, fields: dict):
         return edited_config(model_dir, tmp_path / name, fields)
 
-    bare = config("bare", dict.fromkeys(MULTIPLIERS))
+    bare = edited_config(model_dir, tmp_path / "bare", {}, drop=tuple(MULTIPLIERS))
     assert bare.granite and bare.attention_scale == 1.0 and bare.logits_scaling == 1.0
     llama = config("llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     assert not llama.granite and llama.attention_scale == 0.25
@@ -151,6 +154,8 @@ def test_granite_configs_and_ggufs_are_read_and_refused_as_they_should_be(granit
                                   meta=with_scales))
     assert read.attention_scale == 0.25 and read.logits_scaling == 2.5 and read.residual_multiplier == 0.4
     for name, meta, match in (("no-logit", {}, "granite.logit_scale is missing"),
+                              ("negative", with_scales | {"granite.residual_scale": -0.5},
+                               "granite.residual_scale -0.5 must be a positive number; re-convert"),
                               ("nope", with_scales | {"granite.rope.scaling.finetuned": False},
                                "without RoPE .* is not supported")):
         path = write_gguf(tmp_path / f"{name}.gguf", cfg, state, arch="granite", meta=meta)

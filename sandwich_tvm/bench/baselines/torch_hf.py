@@ -47,7 +47,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
 
     if spec not in PRESETS:
         path = model_path(spec)
-        if path.suffix == ".gguf" and cfg.granite:  # transformers' GGUF reader has no granite
+        if path.suffix == ".gguf" and _architecture(path) == "granite":  # transformers' reader has none
             return _holding(cfg, {n: _values(t) for n, t in read_checkpoint(path).items()})
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
             config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -62,11 +62,16 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     return _holding(cfg, random_checkpoint(cfg, seed))
 
 
-def _values(t) -> np.ndarray:
-    """A checkpoint tensor's fp32 values (a GGUF's blocks dequantized, as transformers would)."""
-    from ...kernels.quant import QuantBlocks
+def _architecture(path) -> str:
+    from ...model.gguf import metadata, open_gguf
 
-    return np.asarray(t.qtype.dequantize(t.raw) if isinstance(t, QuantBlocks) else t, np.float32)
+    return str(metadata(open_gguf(path), "general.architecture"))
+
+
+def _values(t) -> np.ndarray:
+    """A checkpoint tensor's fp32 values: the file's own (a GGUF's blocks dequantized, as
+    transformers would, not the regrouped blocks our kernels read)."""
+    return np.asarray(t, np.float32)
 
 
 def _holding(cfg: LlamaConfig, state: dict[str, np.ndarray]):
