@@ -31,9 +31,9 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3 or Phi-3 checkpoint (HF
-    field names where they exist). It describes the checkpoint only: the dtypes a run computes and
-    stores in are the run spec's."""
+    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3 or Granite checkpoint
+    (HF field names where they exist). It describes the checkpoint only: the dtypes a run computes
+    and stores in are the run spec's (and LongRoPE's factor set is the run's context's)."""
 
     name: str
     hidden_size: int
