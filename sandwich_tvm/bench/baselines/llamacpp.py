@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ...model.config import LlamaConfig, yarn_mscale
+from ...model.gguf import PERMUTED_ARCHITECTURES
 from ...model.rope import inv_freq, linear_factor, uses_longrope, uses_yarn
 
 
@@ -155,7 +156,7 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
             qkv = ()
         for x, heads in qkv:
             rows = state[p + f"self_attn.{x}_proj.weight"]  # a Qwen's q/k stay HF's: NeoX RoPE
-            put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch in ("llama", "granite")
+            put(b + f"attn_{x}.weight", _permute(rows, heads) if heads and arch in PERMUTED_ARCHITECTURES
                 else rows)
             if cfg.qkv_bias:
                 put(b + f"attn_{x}.bias", state[p + f"self_attn.{x}_proj.bias"])

@@ -48,7 +48,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     if spec not in PRESETS:
         path = model_path(spec)
         if path.suffix == ".gguf" and _architecture(path) == "granite":  # transformers' reader has none
-            return _holding(cfg, {n: _values(t) for n, t in read_checkpoint(path).items()})
+            return _holding(cfg, read_checkpoint(path))  # the file's own values, dequantized
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
             config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             config.head_dim = cfg.head_dim  # transformers' GGUF reader skips attention.key_length
@@ -68,14 +68,9 @@ def _architecture(path) -> str:
     return str(metadata(open_gguf(path), "general.architecture"))
 
 
-def _values(t) -> np.ndarray:
-    """A checkpoint tensor's fp32 values: the file's own (a GGUF's blocks dequantized, as
-    transformers would, not the regrouped blocks our kernels read)."""
-    return np.asarray(t, np.float32)
-
-
 def _holding(cfg: LlamaConfig, state: dict[str, np.ndarray]):
-    """transformers' class for ``cfg`` holding ``state`` (HF names), fp32."""
+    """transformers' class for ``cfg`` holding ``state`` (HF names; a GGUF's blocks as the file's
+    values, ``QuantBlocks.__array__``, not the regrouped blocks our kernels read), fp32."""
     import torch
     import transformers
 
