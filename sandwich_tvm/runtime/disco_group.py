@@ -174,12 +174,13 @@ class DiscoGroup:
             self.session = di.ProcessSession(num_workers=world, entrypoint=entrypoint)
         finally:
             os.sched_setaffinity(0, before)
-        workers = _workers(entrypoint, exclude=earlier)
+        workers = _await_workers(entrypoint, earlier, world - 1)
         self._readers = _hold_pipes([fd for _, fd in workers.values()])
         if sorted(workers) != list(range(1, world)):
             self._failed = True
+            lost = _unmatched(earlier, {pid for pid, _ in workers.values()})
             self.close()
-            raise DiscoError(f"started {len(workers)} of {world - 1} worker processes")
+            raise DiscoError(f"started {len(workers)} of {world - 1} worker processes{lost}")
         self.pids += [workers[r][0] for r in range(1, world)]
 
     # ------------------------------------------------------------------ calls
@@ -319,6 +320,43 @@ def _children() -> set[int]:
     import psutil
 
     return {c.pid for c in psutil.Process().children()}
+
+
+def _await_workers(entrypoint: str, exclude: set[int], count: int,
+                   wait_s: float = 5.0) -> dict[int, tuple[int, int]]:
+    """``_workers`` once all ``count`` are found, a worker has exited, or ``wait_s`` has passed
+    (a worker process is in /proc with its command line once ``ProcessSession`` returns, but
+    a busy machine has been seen to need a second look)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = _workers(entrypoint, exclude)
+        pids = _children() - exclude
+        if len(found) >= count or time.monotonic() > deadline or not all(map(_alive, pids)):
+            return found
+        time.sleep(0.05)
+
+
+def _unmatched(exclude: set[int], matched: set[int]) -> str:
+    """What the new children that are not matched workers are: pid, command line and state
+    (with an exit status where one is known), for a start that found too few workers."""
+    import psutil
+
+    told = []
+    for child in psutil.Process().children():
+        if child.pid in exclude | matched:
+            continue
+        try:
+            what = f"{' '.join(child.cmdline()[-6:])!r}, {child.status()}"
+        except psutil.ZombieProcess:
+            what = "exited"
+        except psutil.Error as err:
+            what = type(err).__name__
+        with contextlib.suppress(ChildProcessError, OSError):
+            info = os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None:
+                what += f", exit status {info.si_status}"
+        told.append(f"pid {child.pid} ({what})")
+    return f"; new child processes not matched: {', '.join(told)}" if told else "; no new child process"
 
 
 def _workers(entrypoint: str, exclude: set[int]) -> dict[int, tuple[int, int]]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import inspect
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from sandwich_tvm.collective.shm import ShmGroup
-from sandwich_tvm.runtime import tp_worker
+from sandwich_tvm.runtime import disco_group, tp_worker
 from sandwich_tvm.runtime.disco_group import DiscoError, DiscoGroup
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.interface import ServingEngine
@@ -77,6 +79,24 @@ def test_a_rank_that_cannot_start_is_named():
         assert f"rank 0: {missing}" in str(err.value) and f"rank 1: {missing}" in str(err.value)
     finally:
         disco.close()
+
+
+def test_a_worker_that_dies_at_start_is_not_waited_for_and_its_exit_status_is_told():
+    """The start's diagnosis: a new child that exited ends the wait for workers at once, and the
+    error names its pid, command line and exit status."""
+    earlier = disco_group._children()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    try:
+        while disco_group._alive(child.pid):
+            time.sleep(0.01)
+        start = time.monotonic()
+        assert disco_group._await_workers(tp_worker.ENTRYPOINT, earlier, 1, wait_s=30) == {}
+        assert time.monotonic() - start < 5
+        told = disco_group._unmatched(earlier, set())
+        assert f"pid {child.pid} (exited, exit status 3)" in told
+    finally:
+        child.wait()
+    assert disco_group._unmatched(earlier, set()) == "; no new child process"
 
 
 def test_both_engines_have_the_engine_interface():
