@@ -280,6 +280,8 @@ class RunSpec:
         rope = ""
         if uses_longrope(self.config):
             rope = f" (LongRoPE's {'long' if self.config.rope_scaling.get('long') else 'short'} factors)"
+        if self.config.sliding_window:
+            rope += f", sliding window {self.config.sliding_window}"
         return (f"{self.config.name}: {build}, context {self.context}{rope}, KV cache {self.kv_tokens} "
                 f"tokens, batch {self.max_batch}; {self.plan.describe()}")
 
@@ -330,6 +332,9 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     wider: tuple[tuple[int, str, str], ...] = ()
     if stock:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
+        if cfg.sliding_window:  # TVM's kernels have no window: the context is capped within it
+            cfg = replace(cfg, sliding_window=None, max_position_embeddings=min(
+                cfg.max_position_embeddings, cfg.sliding_window))
     else:
         weight_dtype, note = resolve_weight_dtype(dtype)
         own = gguf_auto_dtype(model) if dtype == "auto" else None

@@ -66,13 +66,16 @@ def _f32_buffers(**shapes: tuple[int, ...]) -> str:
 
 
 def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # noqa: N803
-                  dtype: str = "float32") -> str:
+                  dtype: str = "float32", window: int = 0) -> str:
     """One tile of ``ROWS`` query rows against every visible key. ``page`` = 0: keys ragged in
     ``k``/``v`` (``kv_indptr``); else keys in the paged cache (``pages``, ``page_indptr``,
     ``page_values``, ``length_info``), each key block's pages and slots looked up once. Q, K, V
     and the output are ``dtype``; everything is computed in fp32. int8 rows (``kv_int8``): each
     row's scale is read once (q per row, k and v per key), K's applied to the key's scores and
-    V's to its loads; the output row is quantized again."""
+    V's to its loads; the output row is quantized again. ``window`` > 0: a row sees only the
+    last ``window`` positions, itself included (``lo[r]``, its first visible key: by index among
+    a sequence's new keys, by position -- ``q_rope_position`` against the pages' first,
+    ``k_rope_pos_offset`` -- in the pages), and key blocks wholly before the tile's are skipped."""
     q8 = dtype == "int8"
     qlen = "(q_indptr[b + 1] - q_indptr[b])"
     if page:
@@ -98,9 +101,15 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
     vj = load_f32(vrow.format(j="j").format(f"dc * {DCOLS} + c"), dtype) + (" * vsc[j]" if q8 else "")
     qscale, kscale, kapply, ostore = "", "", "", f"""for dd in range({d}):
             output[q_indptr[b] + tok[r], hd[r], dd] = {store_as("acc[dd, r] / sm[r]", dtype)}"""
-    scales = ""
+    scales, first, kb0, seen = "", "", "0", ""
+    if window:  # rows are in token order within a tile, so row 0's first key is the tile's
+        own = ("q_rope_position[q_indptr[b] + tok[r]] + 1 - k_rope_pos_offset[b]" if page else "vis[r]")
+        first = f"\n    lo[r] = {own} - {window}"
+        kb0 = f"T.min(T.max(lo[0], 0) // {KEYS}, (vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS})"
+        seen = " and kb * {KEYS} + j >= lo[r]".replace("{KEYS}", str(KEYS))
+        scales = f'lo = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")\n'
     if q8:
-        scales = _f32_buffers(qsc=(ROWS,), ksc=(KEYS,), vsc=(KEYS,), ob=(d,), oz=(2,))
+        scales += _f32_buffers(qsc=(ROWS,), ksc=(KEYS,), vsc=(KEYS,), ob=(d,), oz=(2,))
         qscale = f"\n    qsc[r] = {scale_expr(qrow, d)}"
         kscale = (f"\n        ksc[j] = {scale_expr(krow.format(j='j'), d)}"
                   f"\n        vsc[j] = {scale_expr(vrow.format(j='j'), d)}")
@@ -129,14 +138,14 @@ ks = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
 {scales}for r in range({ROWS}):
     tok[r] = {row} // {group}
     hd[r] = {kvh} * {group} + {row} % {group}{qscale}
-    vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen})
+    vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen}){first}
     mx[r] = T.float32(-5e4)
     sm[r] = T.float32(1)
 for dd in range({d}):
     for r in range({ROWS}):
         qt[dd, r] = {qload} * sm_scale * T.float32({LOG2E!r})
         acc[dd, r] = T.float32(0)
-for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
+for kb in range({kb0}, (vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
     for j in range({KEYS}):
         {keys}{kscale}
     for jt in range({KEYS // KTILE}):
@@ -151,7 +160,7 @@ for kb in range((vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS}):
         mn[r] = mx[r]
     for j in range({KEYS}):
         for r in T.vectorized({ROWS}):
-            s[j, r] = T.if_then_else(kb * {KEYS} + j < vis[r], s[j, r], T.float32(-1e30))
+            s[j, r] = T.if_then_else(kb * {KEYS} + j < vis[r]{seen}, s[j, r], T.float32(-1e30))
             mn[r] = T.max(mn[r], s[j, r])
     for r in T.vectorized({ROWS}):
         sc[r] = T.max(mx[r] - mn[r], T.float32(-126))
@@ -217,14 +226,15 @@ def batch_prefill_ragged_kv(var_q: T.handle, var_q_indptr: T.handle, var_k: T.ha
 
 @cache
 def prefill_ragged_primfunc(h_kv: int, h_q: int, d: int, dtype: str = "float32",
-                            isa: str | None = None) -> tvm.tirx.PrimFunc:
-    """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys."""
+                            isa: str | None = None, window: int = 0) -> tvm.tirx.PrimFunc:
+    """``batch_prefill_ragged_kv``: every sequence's new tokens against its new keys (within a
+    sliding ``window`` of positions where one is given)."""
     check_kv_dtype(dtype)
     if d % DCOLS:
         raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
     group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, dtype=dtype), " " * 12)
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, dtype=dtype, window=window), " " * 12)
     root = f'''
 for b in range(batch_size):
     for task in T.parallel(({ntiles}) * {h_kv}):
@@ -275,17 +285,17 @@ def batch_prefill_paged_kv_cpu(var_q: T.handle, var_q_indptr: T.handle, var_page
 
 @cache
 def prefill_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, isa: str | None = None,
-                           dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    """``batch_prefill_paged_kv_cpu`` (no sliding window): every sequence's new tokens against
-    the keys already in its pages (a chunked prompt's earlier chunks), with the log-sum-exp the
-    cache merges with the ragged part. TVM's CPU version walks every page of the whole cache,
-    serially, for each query row and head."""
+                           dtype: str = "float32", window: int = 0) -> tvm.tirx.PrimFunc:
+    """``batch_prefill_paged_kv_cpu``: every sequence's new tokens against the keys already in
+    its pages (a chunked prompt's earlier chunks), with the log-sum-exp the cache merges with
+    the ragged part; ``window`` > 0, only the keys within that many positions of each token.
+    TVM's CPU version walks every page of the whole cache, serially, for each query row and head."""
     check_kv_dtype(dtype)
     if d % DCOLS:
         raise ValueError(f"attention kernel needs head_dim % {DCOLS} == 0 (got {d})")
     group, rows = h_q // h_kv, 2 * ISAS[isa or host_isa()].lanes
     ntiles = f"((q_indptr[b + 1] - q_indptr[b]) * {group} + {rows - 1}) // {rows}"
-    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page, dtype), " " * 12)
+    body = textwrap.indent(_prefill_body(h_kv, group, d, rows, page, dtype, window), " " * 12)
     root = f'''
 for b in range(batch_size):
     for task in T.parallel(({ntiles}) * {h_kv}):
@@ -296,10 +306,21 @@ for b in range(batch_size):
 
 
 def _decode_body(h_kv: int, group: int, d: int, page: int, split: int, LANES: int,  # noqa: N803
-                 dtype: str = "float32") -> str:
+                 dtype: str = "float32", window: int = 0) -> str:
+    """One chunk of one sequence's pages. ``window`` > 0: the chunks cut only the pages that
+    hold a key within ``window`` positions of the query (``lo[0]``, the first such key), and a
+    page's keys before it are masked."""
     h_q = h_kv * group
     b, c = f"(task // {split})", f"(task % {split})"
     npages = f"(page_table_indptr[{b} + 1] - page_table_indptr[{b}])"
+    first, pages_from, seen, masked = "", "0", "", "s[h, j]"
+    if window:
+        first = (f'lo = T.sblock_alloc_buffer((1,), "int32", scope="global")\n'
+                 f"lo[0] = q_rope_position[{b}] + 1 - k_rope_pos_offset[{b}] - {window}\n")
+        pages_from = f"T.min(T.max(lo[0], 0) // {page}, {npages})"
+        seen = f" and p * {page} + j >= lo[0]"
+        masked = f"T.if_then_else(p * {page} + j >= lo[0], s[h, j], T.float32(-1e30))"
+    span = f"({npages} - {pages_from})"
     keys = f"T.if_then_else(p == {npages} - 1, length_info[{b}], {page})"
     base = f"page_table_values[page_table_indptr[{b}] + p]"
     hq, i = f"kvh * {group} + h", f"dd * {LANES} + l"
@@ -328,12 +349,12 @@ mx = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
 sm = T.sblock_alloc_buffer(({h_q},), "float32", scope="global")
 mn = T.sblock_alloc_buffer(({group},), "float32", scope="global")
 sc = T.sblock_alloc_buffer(({group},), "float32", scope="global")
-{scales}for h in range({h_q}):{qscale}
+{scales}{first}for h in range({h_q}):{qscale}
     mx[h] = T.float32(-5e4)
     sm[h] = T.float32(1)
     for i in T.vectorized({d}):
         cacc[{b}, {c}, h, i] = T.float32(0)
-for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
+for p in range({pages_from} + {span} * {c} // {split}, {pages_from} + {span} * ({c} + 1) // {split}):
     for kvh in range({h_kv}):
         for j in range({keys}):{kscale}
             for h in T.unroll({group}):
@@ -348,13 +369,13 @@ for p in range({npages} * {c} // {split}, {npages} * ({c} + 1) // {split}):
         for h in range({group}):
             mn[h] = mx[{hq}]
             for j in range({keys}):
-                mn[h] = T.max(mn[h], s[h, j])
+                mn[h] = T.max(mn[h], {masked})
             sc[h] = T.max(mx[{hq}] - mn[h], T.float32(-126))
             sc[h] = {exp2("sc[h]")}
             mx[{hq}] = mn[h]
             for j in T.vectorized({page}):
                 s[h, j] = T.max(s[h, j] - mn[h], T.float32(-126))
-                s[h, j] = T.if_then_else(j < {keys}, {exp2("s[h, j]")}, T.float32(0))
+                s[h, j] = T.if_then_else(j < {keys}{seen}, {exp2("s[h, j]")}, T.float32(0))
             sm[{hq}] = sm[{hq}] * sc[h]
             for j in range({page}):
                 sm[{hq}] = sm[{hq}] + s[h, j]
@@ -404,12 +425,14 @@ lse[{b}, {h}] = st[0] + T.log2(st[1])
 
 @cache
 def decode_paged_primfunc(h_kv: int, h_q: int, d: int, page: int = 16, split: int = 4,
-                          isa: str | None = None, dtype: str = "float32") -> tvm.tirx.PrimFunc:
-    """``batch_decode_paged_kv_cpu`` (no sliding window): one query token per sequence against
-    its paged K/V, each sequence's pages cut into ``split`` chunks that run in parallel."""
+                          isa: str | None = None, dtype: str = "float32",
+                          window: int = 0) -> tvm.tirx.PrimFunc:
+    """``batch_decode_paged_kv_cpu``: one query token per sequence against its paged K/V (the
+    last ``window`` positions where one is given), each sequence's pages cut into ``split``
+    chunks that run in parallel."""
     check_kv_dtype(dtype)
     group, lanes = h_q // h_kv, vector_lanes(isa or host_isa(), d)
-    body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes, dtype), " " * 16)
+    body = textwrap.indent(_decode_body(h_kv, group, d, page, split, lanes, dtype, window), " " * 16)
     merge = textwrap.indent(_merge_body(h_q, d, split, dtype), " " * 16)
     w = row_width(d, dtype)
     src = f'''

@@ -69,6 +69,10 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # every layer's attention sees only the last ``sliding_window`` positions, its own included
+    # (Mistral 7B v0.1's 4096, Phi-3-mini's 2047; transformers' ``kv_idx > q_idx - window``);
+    # None: the whole context
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -121,7 +125,7 @@ class LlamaConfig:
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
-        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim"):
+        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim", "sliding_window"):
             if not out[flag]:
                 del out[flag]
         for key, default in MULTIPLIERS.items():
@@ -150,6 +154,9 @@ def shape_problems(cfg: dict) -> list[str]:
     elif (d or h // heads) % 2:
         how = "" if d is not None else " (hidden_size / num_attention_heads)"
         bad.append(f"head_dim {d or h // heads}{how} is odd; RoPE rotates pairs")
+    window = cfg.get("sliding_window")
+    if window is not None and (not _is_int(window) or window < 1):
+        bad.append(f"sliding_window must be a positive integer, got {window!r}")
     rot = cfg.get("rotary_dim")
     if rot is not None and (not _is_int(rot) or rot < 2 or rot % 2 or (not bad and rot > (d or h // heads))):
         bad.append(f"rotary_dim {rot!r} must be an even number of a head's {d or h // heads} dimensions; "
@@ -382,6 +389,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
                _llama3_scaling(rope, where) if kind == "llama3" else
                _linear_of(rope, where) if kind == "linear" else
                _yarn_of(rope, f.int("max_position_embeddings", 2048), where) if kind == "yarn" else None)
+    context, window = _attended_context(f, scaling, qwen2 or qwen3)
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -389,7 +397,8 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         num_key_value_heads=f.int("num_key_value_heads", heads),
         intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"),
-        max_position_embeddings=_attended_context(f, scaling, qwen2 or qwen3),
+        max_position_embeddings=context,
+        sliding_window=window,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5),
@@ -408,17 +417,28 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     return LlamaConfig(name=name, **kwargs)
 
 
-def _attended_context(f: _Fields, scaling: dict | None = None, qwen: bool = False) -> int:
-    """The context the model attends over whole: ``max_position_embeddings`` (YaRN's extended
-    one where that is longer, ``yarn_context``), capped at a Mistral's or Phi-3's
-    ``sliding_window`` (within it, sliding-window attention is full attention, so capping the
-    context keeps every run exact).
-    Qwen2 and Qwen3 name a window that only ``use_sliding_window`` turns on."""
+def _attended_context(f: _Fields, scaling: dict | None = None, qwen: bool = False) -> tuple[int, int | None]:
+    """(the context, the sliding attention window or None): ``max_position_embeddings`` (YaRN's
+    extended one where that is longer, ``yarn_context``) and a Mistral's or Phi-3's
+    ``sliding_window``, which the attention kernels apply (None where it spans the context).
+    Qwen2 and Qwen3 name a window that only ``use_sliding_window`` turns on, and then only for
+    the layers from ``max_window_layers`` (or those ``layer_types`` names): all of them slide
+    or none does, or, mixed, the context is capped at the window, within which sliding-window
+    attention is full attention (every run stays exact)."""
     most = yarn_context(f.int("max_position_embeddings", 2048), scaling)
-    window = f.raw.get("sliding_window")
-    if qwen and not f.raw.get("use_sliding_window"):
-        window = None
-    return most if window is None else min(most, f.int("sliding_window"))
+    if f.raw.get("sliding_window") is None or (qwen and not f.raw.get("use_sliding_window")):
+        return most, None
+    window = f.int("sliding_window")
+    if qwen:
+        layers = f.int("num_hidden_layers")
+        kinds = f.raw.get("layer_types") or ["sliding_attention" if i >= f.int("max_window_layers", 28, 0)
+                                             else "full_attention" for i in range(layers)]
+        sliding = {k == "sliding_attention" for k in kinds}
+        if sliding == {False}:
+            return most, None
+        if sliding == {True, False}:
+            return min(most, window), None
+    return most, (window if window < most else None)
 
 
 def _linear_of(rope: dict, where: Path | str) -> dict | None:

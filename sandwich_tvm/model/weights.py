@@ -148,8 +148,9 @@ def checkpoint_key(model_dir: Path, layout: str, cfg: LlamaConfig | None = None)
     hashed the same way after its header (metadata and tensor table).
     """
     h = hashlib.sha256(f"{FORMAT}|{layout}".encode())
-    if cfg is not None:  # the weights of any context (LongRoPE's set changes no weight)
-        h.update(json.dumps({k: v for k, v in at_context(cfg, 0).to_dict().items() if k != "name"},
+    if cfg is not None:  # the weights of any context (LongRoPE's set, a window: no weight changes)
+        fields = at_context(cfg, 0).to_dict().items()
+        h.update(json.dumps({k: v for k, v in fields if k not in ("name", "sliding_window")},
                             sort_keys=True, default=str).encode())
     model_dir = model_path(model_dir)
     if model_dir.suffix == ".gguf":  # its header, then the same whole-or-sampled data

@@ -204,3 +204,95 @@ def test_attention_and_norm_build_with_the_isas_vector_registers(isa):
     for name, func in funcs.items():
         asm = assembly(tvm.compile(tvm.IRModule({name: func}), target=isa_target(isa, 2)))
         assert VECTOR_REGISTER[isa] in asm, name
+
+
+def _windowed(q, k, v, q_pos, k_pos, window):
+    """numpy attention of one sequence's queries at positions ``q_pos`` over keys at ``k_pos``:
+    a key is seen when it is at most ``window`` - 1 positions before the query (or the query
+    itself), as transformers' sliding-window mask; None where a query sees no key."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1).astype(np.float64), np.repeat(v, group, axis=1).astype(np.float64)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) / np.sqrt(q.shape[-1])
+    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    s[:, ~seen] = -np.inf
+    m = np.maximum(s.max(-1, keepdims=True), -1e30)  # a row that sees nothing: no NaN
+    p = np.exp(s - m)
+    total = np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("hqk,khd->qhd", p / total, v), ((np.log(total) + m)[..., 0] / np.log(2)).T, seen.any(1)
+
+
+@pytest.mark.parametrize("dtype", sorted(OUT_TOL))
+@pytest.mark.parametrize("window", [1, 5, 37])
+def test_a_sliding_window_sees_only_the_last_window_positions(dtype, window):
+    """Ragged (new keys by index), paged (by position: pages from ``k_rope_pos_offset``, tokens at
+    ``q_rope_position``) and decode kernels with a window give numpy's attention over the keys
+    within it; a token whose window holds none of a depth's keys gets nothing from it (an
+    output of zeros whose log-sum-exp the cache's merge weighs as nothing)."""
+    h_kv, h_q, page = 2, 8, 16
+    rng = np.random.default_rng(window)
+    rtol, atol = OUT_TOL[dtype]
+    target = host_target()
+
+    ragged = tvm.compile(prefill_ragged_primfunc(h_kv, h_q, D, dtype, window=window), target=target)
+    seqs = [(1, 0), (17, 0), (70, 3), (300, 0)]
+    qs, ks, vs, q_indptr, out, lse = run_ragged(ragged["batch_prefill_ragged_kv"], rng, seqs, h_kv, h_q, 1,
+                                                dtype, scale=2)
+    for i, (n, pre) in enumerate(seqs):
+        positions = np.arange(pre + n)
+        want, want_lse, _ = _windowed(qs[i], ks[i], vs[i], positions[pre:], positions, window)
+        rows = slice(q_indptr[i], q_indptr[i + 1])
+        np.testing.assert_allclose(out.numpy()[rows].astype(np.float32), want, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
+
+    # (new tokens, keys in pages, the pages' first position): a depth's block can start anywhere
+    seqs = [(1, 16, 0), (17, 40, 100), (70, 33, 7), (40, 300, 5)]
+    npages = [-(-k // page) for _, k, _ in seqs]
+    pages = (rng.standard_normal((sum(npages) + 5, 2, h_kv, page, D), dtype=np.float32) * 2).astype(dtype)
+    table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
+    indptr = np.cumsum([0] + npages).astype(np.int32)
+    last = np.array([k - (p - 1) * page for (_, k, _), p in zip(seqs, npages, strict=True)], np.int32)
+    k_off = np.array([o for _, _, o in seqs], np.int32)
+    q_pos = np.concatenate([np.arange(o + k, o + k + n) for n, k, o in seqs]).astype(np.int32)
+    q = (rng.standard_normal((len(q_pos), h_q, D), dtype=np.float32) * 2).astype(dtype)
+    q_indptr = np.cumsum([0] + [n for n, _, _ in seqs]).astype(np.int32)
+    paged = tvm.compile(prefill_paged_primfunc(h_kv, h_q, D, page, dtype=dtype, window=window), target=target)
+    kinds = set()
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    args = [q, q_indptr, pages, indptr, table, last, k_off, q_pos]
+    paged["batch_prefill_paged_kv_cpu"](*[tvm.runtime.tensor(a) for a in args], out, lse, 0, 0, 1.0, 1e4,
+                                        1 / np.sqrt(D))
+    for b, (_, keys, o) in enumerate(seqs):
+        own = pages[table[indptr[b]:indptr[b + 1]]]
+        k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:keys] for i in (0, 1))
+        rows = slice(q_indptr[b], q_indptr[b + 1])
+        want, want_lse, sees = _windowed(q[rows], k, v, q_pos[rows], np.arange(o, o + keys), window)
+        got = out.numpy()[rows].astype(np.float32)
+        np.testing.assert_allclose(got[sees], want[sees], rtol=rtol, atol=atol)
+        np.testing.assert_allclose(lse.numpy()[rows][sees], want_lse[sees], rtol=1e-4, atol=1e-4)
+        assert np.all(np.abs(got[~sees]) < 1e-30) and np.all(lse.numpy()[rows][~sees] < -1e4)
+        kinds.update(sees.tolist())
+    assert kinds == ({True, False} if window > 1 else {False})  # a window of 1 sees only its own key
+
+    lengths, offsets = [1, 16, 17, 100, 333], [0, 3, 40, 0, 1000]
+    npages = [-(-n // page) for n in lengths]
+    pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32).astype(dtype)
+    table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
+    indptr = np.cumsum([0] + npages).astype(np.int32)
+    last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages, strict=True)], np.int32)
+    k_off = np.array(offsets, np.int32)
+    q_pos = np.array([o + n - 1 for n, o in zip(lengths, offsets, strict=True)], np.int32)  # the last key's
+    q = (rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2).astype(dtype)
+    decode = tvm.compile(decode_paged_primfunc(h_kv, h_q, D, page, 3, dtype=dtype, window=window),
+                         target=target)
+    out = tvm.runtime.tensor(np.zeros_like(q))
+    lse = tvm.runtime.tensor(np.zeros(q.shape[:2], np.float32))
+    args = [q, pages, indptr, table, last, k_off, q_pos]
+    decode["batch_decode_paged_kv_cpu"](*[tvm.runtime.tensor(a) for a in args], out, lse, 0, 1.0, 1e4,
+                                        1 / np.sqrt(D))
+    for b, (n, o) in enumerate(zip(lengths, offsets, strict=True)):
+        own = pages[table[indptr[b]:indptr[b + 1]]]
+        k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:n] for i in (0, 1))
+        want, want_lse, _ = _windowed(q[b:b + 1], k, v, q_pos[b:b + 1], np.arange(o, o + n), window)
+        np.testing.assert_allclose(out.numpy()[b].astype(np.float32), want[0], rtol=rtol, atol=atol)
+        np.testing.assert_allclose(lse.numpy()[b], want_lse[0], rtol=1e-4, atol=1e-4)

@@ -109,13 +109,22 @@ def test_presets_are_validated_too():
 
 def test_an_explicit_head_dim_and_mistral(tmp_path):
     """Heads wider than the hidden states (Mistral-Nemo: 32 x 128 != 5120) are read, kept in the
-    config's dict only where explicit, and a Mistral's sliding window caps the context (within
-    it, its attention is full attention)."""
+    config's dict only where explicit, and a Mistral's sliding window is kept beside its whole
+    context (the attention kernels apply it); one as long as the context is none."""
     mistral = GOOD | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 40,
                       "head_dim": 16, "sliding_window": 96}
     (tmp_path / "config.json").write_text(json.dumps(mistral))
     cfg = load_config(tmp_path)
-    assert (cfg.head_dim, cfg.explicit_head_dim, cfg.max_position_embeddings) == (16, True, 96)
+    assert (cfg.head_dim, cfg.explicit_head_dim, cfg.max_position_embeddings, cfg.sliding_window) == (
+        16, True, 128, 96)
+    assert cfg.to_dict()["sliding_window"] == 96 and type(cfg)(**cfg.to_dict()) == cfg
+    (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": 128}))
+    whole = load_config(tmp_path)
+    assert whole.sliding_window is None and "sliding_window" not in whole.to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": 0}))
+    with pytest.raises(ModelConfigError, match="sliding_window must be >= 1, got 0"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
     assert cfg.layer_params() == 40 * 16 * (4 + 2 * 2) + 4 * 16 * 40 + 3 * 40 * 128
     assert type(cfg)(**cfg.to_dict()) == cfg and cfg.to_dict()["head_dim"] == 16
     (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": None, "head_dim": 10,

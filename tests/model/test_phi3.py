@@ -145,17 +145,18 @@ def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_facto
 
 
 def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp_path):
-    """A Phi-3's window caps the context as a Mistral's does (HF masks the positions a window
-    back, so within it every run is exact); a llama GGUF with a fused attn_qkv and a phi3 GGUF
-    without one are refused in one line; a checkpoint without its fused gate_up says which tensor
-    is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones (LongRoPE and a
+    """A Phi-3's window is kept beside its context as a Mistral's is; a llama GGUF with a fused
+    attn_qkv and a phi3 GGUF without one are refused in one line; a checkpoint without its fused
+    gate_up says which tensor is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones (LongRoPE and a
     partial rotary: ``test_longrope.py``)."""
     model_dir, _ = phi3
 
     def config(name: str, fields: dict):
         return edited_config(model_dir, tmp_path / name, fields)
 
-    assert config("window", {"sliding_window": 47}).max_position_embeddings == 47
+    windowed = config("window", {"sliding_window": 47})
+    whole = load_config(model_dir).max_position_embeddings
+    assert (windowed.sliding_window, windowed.max_position_embeddings) == (47, whole)
 
     cfg = load_config(model_dir)
     state = {k: v for k, v in read_checkpoint(model_dir).items() if k != GATE_UP}

@@ -189,16 +189,27 @@ def test_the_torch_baseline_builds_a_qwen_preset_with_its_biases_or_norms(monkey
 
 
 def test_qwen2_configs_and_checkpoints_are_read_and_refused_as_they_should_be(qwen2, tmp_path):
-    """A window ``use_sliding_window`` turns on caps the context (exact within it), one it leaves
-    off does not; a Llama with
+    """A window ``use_sliding_window`` turns on is the model's where every layer slides (from
+    ``max_window_layers``, or as ``layer_types`` names them), caps the context where only some
+    do (exact within it: there the layers attend alike), is nothing where none does or where it
+    is left off; a Llama with
     ``attention_bias`` (o_proj's too) is refused; a Qwen2 checkpoint without its biases says which
     tensor is missing."""
     model_dir, _ = qwen2
     raw = json.loads((model_dir / "config.json").read_text())
     (tmp_path / "on").mkdir()
-    windowed = raw | {"use_sliding_window": True, "sliding_window": 64}
-    (tmp_path / "on" / "config.json").write_text(json.dumps(windowed))
-    assert load_config(tmp_path / "on").max_position_embeddings == 64
+    # transformers writes layer_types (all full here, the window being off): as it reads them, they win
+    windowed = {k: v for k, v in raw.items() if k != "layer_types"} | {"use_sliding_window": True,
+                                                                       "sliding_window": 64}
+    assert raw["layer_types"] == ["full_attention"] * raw["num_hidden_layers"]
+    layers = raw["num_hidden_layers"]
+    for fields, want in [({"max_window_layers": 0}, (256, 64)), ({"max_window_layers": 1}, (64, None)),
+                         ({"max_window_layers": layers}, (256, None)), ({}, (256, None)),  # 28 by default
+                         ({"layer_types": ["sliding_attention"] * layers, "max_window_layers": 1},
+                          (256, 64))]:
+        (tmp_path / "on" / "config.json").write_text(json.dumps(windowed | fields))
+        cfg = load_config(tmp_path / "on")
+        assert (cfg.max_position_embeddings, cfg.sliding_window) == want, fields
     # a window named but off (DeepSeek-R1-Distill-Qwen's config), and the architecture without a model_type
     (tmp_path / "off").mkdir()
     off = raw | {"use_sliding_window": False, "sliding_window": 64}

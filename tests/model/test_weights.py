@@ -73,7 +73,7 @@ def test_packed_params_and_cache(ckpt, isa):
 
 def test_a_mistral_checkpoint_loads_as_a_llama(tmp_path):
     """transformers' MistralForCausalLM (Mistral-Nemo's kind: heads wider than the hidden states,
-    a sliding window) loads as the Llama it is, its context capped at the window."""
+    a sliding window) loads as the Llama it is, with its window beside its whole context."""
     import torch
     import transformers
 
@@ -83,7 +83,8 @@ def test_a_mistral_checkpoint_loads_as_a_llama(tmp_path):
         num_key_value_heads=2, head_dim=16, vocab_size=64, max_position_embeddings=256, sliding_window=128))
     hf.save_pretrained(tmp_path)
     cfg = load_config(tmp_path)
-    assert (cfg.head_dim, cfg.max_position_embeddings, cfg.num_key_value_heads) == (16, 128, 2)
+    assert (cfg.head_dim, cfg.max_position_embeddings, cfg.num_key_value_heads) == (16, 256, 2)
+    assert cfg.sliding_window == 128
     params = params_for(cfg, ISA)
     names = [n for n, _ in params]
     loaded = load_params(tmp_path, cfg, params, ISA)
