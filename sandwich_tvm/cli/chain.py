@@ -50,7 +50,7 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
     results = {}
     no_stock = args.no_stock
     if not no_stock and (kind := stock_rope_problem(cfg)):
-        console.print(f"[yellow]note:[/] TVM's stock build does not scale RoPE by {kind} as the model does; "
+        console.print(f"[yellow]note:[/] TVM's stock build does not compute {kind} as the model does; "
                       "skipping it")
         no_stock = True
     for stock in ([False] if no_stock else [False, True]):

@@ -213,8 +213,8 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
     if stock and (kind := stock_rope_problem(cfg)):
-        raise CompileError(f"{cfg.name} scales RoPE by {kind}, which TVM's stock build does not do as "
-                           "transformers and llama.cpp do (no attention factor); run it without --stock")
+        raise CompileError(f"{cfg.name} has {kind}, which TVM's stock build does not compute as "
+                           "transformers and llama.cpp do; run it without --stock")
     part = model_part(spec, stage)
     try:
         key = build_key(spec, part)

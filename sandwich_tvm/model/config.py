@@ -15,10 +15,11 @@ from typing import Any
 # Mistral is Llama with an optional sliding attention window (none since Mistral 7B v0.2); Qwen2
 # (Qwen2, Qwen2.5, DeepSeek-R1's Qwen distillations) is Llama with biases on q, k and v; Qwen3 is
 # Llama with an RMSNorm over every q and k head before RoPE; Phi-3 is Llama whose checkpoint holds
-# q|k|v and gate|up as one matrix each; Granite is Llama with four scalar multipliers
+# q|k|v and gate|up as one matrix each; Granite is Llama with four scalar multipliers; SmolLM3 is
+# Llama whose every fourth layer attends without RoPE
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+                           "Phi3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
 # Granite's scalars and what each is when a model has none (``attention_multiplier`` None:
 # 1 / sqrt(head_dim))
 MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
@@ -31,7 +32,7 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3 or Granite checkpoint
+    """The shape of a Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3, Granite or SmolLM3 checkpoint
     (HF field names where they exist). It describes the checkpoint only: the dtypes a run computes
     and stores in are the run spec's (and LongRoPE's factor set is the run's context's)."""
 
@@ -73,6 +74,9 @@ class LlamaConfig:
     # (Mistral 7B v0.1's 4096, Phi-3-mini's 2047; transformers' ``kv_idx > q_idx - window``);
     # None: the whole context
     sliding_window: int | None = None
+    # the layers (by index) whose attention takes no RoPE (SmolLM3's every fourth: HF's
+    # ``no_rope_layers`` flags 0); RoPE then turns q and k in the graph, the cache runs without it
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         problems = shape_problems(asdict(self))
@@ -80,6 +84,7 @@ class LlamaConfig:
             raise ModelConfigError(f"model {self.name!r}: " + "; ".join(problems))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))  # hashable, read from JSON too
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's Linear layers (qkv, o, gate_up, down)."""
@@ -125,7 +130,8 @@ class LlamaConfig:
         out = asdict(self)
         if not self.explicit_head_dim:
             del out["head_dim"]
-        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim", "sliding_window"):
+        for flag in ("qkv_bias", "qk_norm", "fused_checkpoint", "rotary_dim", "sliding_window",
+                     "nope_layers"):
             if not out[flag]:
                 del out[flag]
         for key, default in MULTIPLIERS.items():
@@ -154,6 +160,10 @@ def shape_problems(cfg: dict) -> list[str]:
     elif (d or h // heads) % 2:
         how = "" if d is not None else " (hidden_size / num_attention_heads)"
         bad.append(f"head_dim {d or h // heads}{how} is odd; RoPE rotates pairs")
+    nope = cfg.get("nope_layers") or ()
+    layers = cfg["num_hidden_layers"]
+    if any(not _is_int(i) or not 0 <= i < layers for i in nope) or len(set(nope)) < len(nope):
+        bad.append(f"nope_layers {list(nope)} must name distinct layers 0..{cfg['num_hidden_layers'] - 1}")
     window = cfg.get("sliding_window")
     if window is not None and (not _is_int(window) or window < 1):
         bad.append(f"sliding_window must be a positive integer, got {window!r}")
@@ -349,6 +359,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     qwen2 = "Qwen2ForCausalLM" in archs or raw.get("model_type") == "qwen2"
     qwen3 = "Qwen3ForCausalLM" in archs or raw.get("model_type") == "qwen3"
     phi3 = "Phi3ForCausalLM" in archs or raw.get("model_type") == "phi3"
+    nope = _nope_layers(f) if "SmolLM3ForCausalLM" in archs or raw.get("model_type") == "smollm3" else ()
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
@@ -389,7 +400,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
                _llama3_scaling(rope, where) if kind == "llama3" else
                _linear_of(rope, where) if kind == "linear" else
                _yarn_of(rope, f.int("max_position_embeddings", 2048), where) if kind == "yarn" else None)
-    context, window = _attended_context(f, scaling, qwen2 or qwen3)
+    context, window = _attended_context(f, scaling, _sliding_layers(f, qwen2 or qwen3, nope))
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -408,6 +419,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         qk_norm=qwen3,
         fused_checkpoint=phi3,
         rotary_dim=None if rotary_dim == (head_dim or hidden // heads) else rotary_dim,
+        nope_layers=nope,
     )
     if "GraniteForCausalLM" in archs or raw.get("model_type") == "granite":  # transformers' defaults
         kwargs |= {k: f.float(k, 1.0) for k in MULTIPLIERS}
@@ -417,27 +429,51 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     return LlamaConfig(name=name, **kwargs)
 
 
-def _attended_context(f: _Fields, scaling: dict | None = None, qwen: bool = False) -> tuple[int, int | None]:
+def _nope_layers(f: _Fields) -> tuple[int, ...]:
+    """A SmolLM3's layers without RoPE: ``no_rope_layers`` (a flag per layer, 0 for none), or,
+    as transformers fills it in, every ``no_rope_layer_interval``-th layer (4 by default)."""
+    layers = f.int("num_hidden_layers")
+    flags = f.raw.get("no_rope_layers")
+    if flags is None:
+        every = f.int("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % every != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(v not in (0, 1) for v in flags):
+        raise f.fail(f"no_rope_layers must hold a 0 or 1 for each of the {layers} layers, got {flags!r}")
+    return tuple(i for i, uses in enumerate(flags) if not uses)
+
+
+def _sliding_layers(f: _Fields, qwen: bool, nope: tuple[int, ...]) -> list[bool] | None:
+    """Which layers a window slides over, where a model says so per layer (None: every layer,
+    as a Mistral's and a Phi-3's; [] where it names no window or leaves it off). Qwen2 and Qwen3
+    name a window that only ``use_sliding_window`` turns on, and then only for the layers from
+    ``max_window_layers``; a SmolLM3's slides only over its layers without RoPE. Where
+    ``layer_types`` names them, as transformers writes it, it wins."""
+    archs = f.raw.get("architectures") or []
+    smollm3 = "SmolLM3ForCausalLM" in archs or f.raw.get("model_type") == "smollm3"
+    if not (qwen or smollm3):
+        return None
+    if not f.raw.get("use_sliding_window") or f.raw.get("sliding_window") is None:
+        return []
+    layers = f.int("num_hidden_layers")
+    if f.raw.get("layer_types") is not None:
+        return [k == "sliding_attention" for k in f.raw["layer_types"]]
+    if qwen:
+        return [i >= f.int("max_window_layers", 28, 0) for i in range(layers)]
+    return [i in nope for i in range(layers)]
+
+
+def _attended_context(f: _Fields, scaling: dict | None, sliding: list[bool] | None) -> tuple[int, int | None]:
     """(the context, the sliding attention window or None): ``max_position_embeddings`` (YaRN's
-    extended one where that is longer, ``yarn_context``) and a Mistral's or Phi-3's
-    ``sliding_window``, which the attention kernels apply (None where it spans the context).
-    Qwen2 and Qwen3 name a window that only ``use_sliding_window`` turns on, and then only for
-    the layers from ``max_window_layers`` (or those ``layer_types`` names): all of them slide
-    or none does, or, mixed, the context is capped at the window, within which sliding-window
-    attention is full attention (every run stays exact)."""
+    extended one where that is longer, ``yarn_context``) and the ``sliding_window`` over the
+    layers ``sliding`` names (None: all of them), which the attention kernels apply (None where
+    it spans the context). Where only some layers slide, the context is capped at the window,
+    within which sliding-window attention is full attention (every run stays exact)."""
     most = yarn_context(f.int("max_position_embeddings", 2048), scaling)
-    if f.raw.get("sliding_window") is None or (qwen and not f.raw.get("use_sliding_window")):
+    if f.raw.get("sliding_window") is None or sliding == [] or (sliding and not any(sliding)):
         return most, None
     window = f.int("sliding_window")
-    if qwen:
-        layers = f.int("num_hidden_layers")
-        kinds = f.raw.get("layer_types") or ["sliding_attention" if i >= f.int("max_window_layers", 28, 0)
-                                             else "full_attention" for i in range(layers)]
-        sliding = {k == "sliding_attention" for k in kinds}
-        if sliding == {False}:
-            return most, None
-        if sliding == {True, False}:
-            return min(most, window), None
+    if sliding and not all(sliding):
+        return min(most, window), None
     return most, (window if window < most else None)
 
 

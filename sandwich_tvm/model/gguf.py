@@ -45,11 +45,13 @@ from .config import (
 # with an RMSNorm over each q and k head; phi3: Llama with q|k|v and gate|up fused. Their q/k rows
 # are as HF holds them (llama.cpp ropes them in NeoX's rotate-half order). granite: Llama (its q/k
 # rows permuted as a Llama's) with four scalars, llama.cpp's embedding, residual, attention and
-# logit scales
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite")
-PERMUTED_ARCHITECTURES = ("llama", "granite")  # q/k rows in llama.cpp's interleaved RoPE order
+# logit scales; smollm3: Llama (rows permuted) whose every fourth layer takes no RoPE, as llama.cpp
+# fixes it (``NOPE_EVERY``; no key says so)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "granite", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "granite", "smollm3")  # q/k rows in llama.cpp's interleaved RoPE order
+NOPE_EVERY = 4
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # a phi3's LongRoPE sets
-FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, dense Granite 3"
+FAMILIES = "Llama 2/3, TinyLlama, SmolLM2, SmolLM3, Mistral, Qwen2, Qwen3, Phi-3, dense Granite 3"
 # the quantized types the kernels read as they are: GGML type -> the weight dtype holding its blocks
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", **{k: d for k, (d, _) in REGROUPED.items()}}
 NATIVE_TYPES = ("F32", "F16", "BF16", *KERNEL_TYPES)  # loaded without going through floats
@@ -164,6 +166,8 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
                   qkv_bias=any(n.endswith(".attn_q.bias") for n in names),  # the layers without: missing
                   qk_norm=arch == "qwen3",  # which llama.cpp requires: a file without them is incomplete
                   fused_checkpoint=arch == "phi3")
+    if arch == "smollm3":
+        kwargs["nope_layers"] = tuple(i for i in range(get("block_count")) if (i + 1) % NOPE_EVERY == 0)
     if (arch == "phi3") != any(n.endswith(".attn_qkv.weight") for n in names):  # --fuse-qkv, or a split phi3
         held = "separate attn_q/k/v" if arch == "phi3" else "a fused attn_qkv"
         raise ModelConfigError(f"{path}: a {arch} GGUF with {held} is not supported; convert it as "

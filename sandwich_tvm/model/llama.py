@@ -1,8 +1,9 @@
-"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3 and Granite on ``tvm.relax.frontend.nn``
+"""Llama 2/3/3.2, TinyLlama, Mistral, Qwen2, Qwen3, Phi-3, Granite and SmolLM3 on ``tvm.relax.frontend.nn``
 with TVM's paged KV cache.
 
 The layout follows MLC-LLM's model files: fused ``qkv_proj`` and ``gate_up_proj``, RoPE and
-attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included), and the exported
+attention inside ``TIRPagedKVCache`` (Llama-3 and linear scaling included; RoPE in the graph for
+a model with layers without it, SmolLM3's), and the exported
 functions ``prefill``, ``decode``, ``batch_prefill``, ``batch_decode`` and
 ``create_paged_kv_cache``. With a ``KernelSet`` every Linear calls Sandwich's dynamic-m
 kernels on prepacked weights (prefill and decode kernels on the same weight); without one it
@@ -31,12 +32,13 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from ..kernels.codegen import fuses_silu_mul
 from ..kernels.kv_int8 import row_width
 from ..kernels.packing import WeightLayout
+from ..kernels.rope import rope_rows_primfunc
 from ..tvm_compat import host_target
 from .config import LlamaConfig
 from .linear import KernelSet, PackedLinear, packed_matmul, packed_parameter
 from .norm import RMSNorm
 from .parallel import Shard, allreduce, check_tp, gather_last, shard_hint
-from .rope import linear_factor
+from .rope import attention_factor, inv_freq, linear_factor
 from .separation import ACT_DTYPE, WEIGHTS, Role, attend_cache, attend_remote
 from .stages import Stage
 
@@ -123,6 +125,10 @@ class Attention(nn.Module):
                               at=(layer, "o"))
         # Granite's: o_proj's output times residual_multiplier, as its input (exact for any weight type)
         self.residual_scale, self.sm_scale = cfg.residual_multiplier, cfg.attention_scale
+        # a model with layers without RoPE (SmolLM3): the others turn q and k here, not in the cache
+        self.rope = (rope_rows_primfunc(self.heads, self.kv_heads, d, tuple(float(f) for f in inv_freq(cfg)),
+                                        attention_factor(cfg))
+                     if cfg.nope_layers and layer not in cfg.nope_layers else None)
 
     def forward(self, x: nn.Tensor, kv: PagedKVCache, layer_id: int, residual: nn.Tensor) -> nn.Tensor:
         """``residual + o_proj(attention(x))``; separated, attention runs on the attention rank."""
@@ -132,6 +138,8 @@ class Attention(nn.Module):
             qkv = qkv + self.qkv_bias
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv, b, s)
+        if self.rope is not None:
+            qkv = self._turn(qkv, kv, b, s)
         if self.separated:
             out = attend_remote(qkv, self.heads, self.head_dim)
             return _project(self.o_proj, _scaled(out, self.residual_scale), residual, self.tp)
@@ -139,6 +147,15 @@ class Attention(nn.Module):
         out = attend_cache(kv, layer_id, qkv, self.heads, self.kv_dtype, self.sm_scale)
         out = _scaled(op.reshape(out, (b, s, self.heads * self.head_dim)), self.residual_scale)
         return _project(self.o_proj, out, residual, self.tp)
+
+    def _turn(self, qkv: nn.Tensor, kv: PagedKVCache, b, s) -> nn.Tensor:
+        """``qkv`` with its q and k heads turned by RoPE to each token's position in its
+        sequence (the cache's query positions)."""
+        heads, d = self.heads + 2 * self.kv_heads, self.head_dim
+        rows = op.reshape(qkv, (b * s, heads, d))
+        out = op.tensor_ir_op(self.rope, "rope_rows", args=[rows, kv.get_query_positions(b * s)],
+                              out=nn.Tensor.placeholder((b * s, heads, d), ACT_DTYPE))
+        return op.reshape(out, (b, s, heads * d))
 
     def _norm_heads(self, qkv: nn.Tensor, b, s) -> nn.Tensor:
         """``qkv`` with its q heads and its k heads RMS-normalized (Qwen3's, before RoPE). The
@@ -365,7 +382,9 @@ def paged_kv_cache(cfg: LlamaConfig, layers: int, kv_dtype: str, tp: int, max_ba
         qk_head_dim=row_width(cfg.head_dim, kv_dtype),
         v_head_dim=row_width(cfg.head_dim, kv_dtype), mla_original_qk_head_dim=0,
         mla_original_v_head_dim=0,
-        rope_mode=RopeMode.NORMAL, rope_scale=1 if linear_factor(cfg) == 1 else 1.0 / linear_factor(cfg),
+        # a model with layers without RoPE turns q and k in its graph (``Attention.rope``)
+        rope_mode=RopeMode.NONE if cfg.nope_layers else RopeMode.NORMAL,
+        rope_scale=1 if linear_factor(cfg) == 1 else 1.0 / linear_factor(cfg),
         rope_theta=cfg.rope_theta,
         # TVM's own RoPE (the stock build's) takes Llama-3's scaling; linear is rope_scale; YaRN and
         # LongRoPE have none of its (compile_model refuses them), Sandwich's fused_rope replaces it

@@ -72,9 +72,11 @@ def uses_longrope(cfg: LlamaConfig) -> bool:
 
 
 def stock_rope_problem(cfg: LlamaConfig) -> str | None:
-    """The RoPE scaling TVM's stock build does not compute as transformers and llama.cpp do
-    (YaRN, LongRoPE: no attention factor, its own choice of LongRoPE's set), or None."""
-    return "YaRN" if uses_yarn(cfg) else "LongRoPE" if uses_longrope(cfg) else None
+    """The RoPE TVM's stock build does not compute as transformers and llama.cpp do (YaRN,
+    LongRoPE: no attention factor, its own choice of LongRoPE's set; layers without RoPE: its
+    cache turns every layer's), or None."""
+    return ("RoPE scaled by YaRN" if uses_yarn(cfg) else "RoPE scaled by LongRoPE" if uses_longrope(cfg)
+            else "layers without RoPE" if cfg.nope_layers else None)
 
 
 def at_context(cfg: LlamaConfig, context: int) -> LlamaConfig:

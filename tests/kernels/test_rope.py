@@ -1,6 +1,6 @@
-"""The ``fused_rope`` kernel (``kernels.rope``) against numpy, turning a whole head or its leading
-dimensions only (Phi-4-mini's partial rotary), with an attention factor on cos and sin, in every
-KV cache dtype."""
+"""The ``fused_rope`` and ``rope_rows`` kernels (``kernels.rope``) against numpy, turning a whole
+head or its leading dimensions only (Phi-4-mini's partial rotary), with an attention factor on cos
+and sin, in every KV cache dtype."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from sandwich_tvm.kernels.kv_int8 import pack_rows, unpack_rows
 from sandwich_tvm.kernels.packing import numpy_dtype
-from sandwich_tvm.kernels.rope import rope_primfunc
+from sandwich_tvm.kernels.rope import rope_primfunc, rope_rows_primfunc
 from sandwich_tvm.tvm_compat import host_target, tvm
 
 pytestmark = pytest.mark.compile
@@ -63,3 +63,21 @@ def test_rope_turns_the_leading_pairs_and_passes_the_rest(pairs, dtype):
     got = unpack_rows(got) if dtype == "int8" else got.astype(np.float32)
     off = (tol if dtype == "int8" else 0) * np.abs(want).max(-1, keepdims=True) + 1e-6
     assert np.all(np.abs(got - want) <= off)
+
+
+@pytest.mark.parametrize("pairs", [D // 2, 6], ids=["whole-head", "partial"])
+def test_rope_rows_turns_q_and_k_in_the_graph_and_passes_v(pairs):
+    """``rope_rows`` (a model with layers without RoPE turns the others' q and k in its graph):
+    the same turn as numpy's at each token's position, v and the unturned dimensions as they are."""
+    freqs = 1.0 / (10000.0 ** (np.arange(0, 2 * pairs, 2) / (2 * pairs)))
+    rng = np.random.default_rng(pairs + 1)
+    x = rng.standard_normal((N, H_Q + 2 * H_KV, D), dtype=np.float32) * 3
+    pos = rng.permutation(300)[:N].astype(np.int32)
+    run = tvm.compile(rope_rows_primfunc(H_Q, H_KV, D, tuple(float(f) for f in freqs), 1.2),
+                      target=host_target())
+    out = tvm.runtime.tensor(np.zeros_like(x))
+    run(tvm.runtime.tensor(x), tvm.runtime.tensor(pos), out)
+    got = out.numpy()
+    want = _reference(x[:, :H_Q + H_KV], pos, freqs, 1.2)
+    np.testing.assert_allclose(got[:, :H_Q + H_KV], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got[:, H_Q + H_KV:], x[:, H_Q + H_KV:])

@@ -147,8 +147,8 @@ def test_a_q8_0_phi3_gguf_runs_its_fused_blocks_as_they_are(phi3, tmp_path_facto
 def test_phi3_configs_and_ggufs_are_read_and_refused_as_they_should_be(phi3, tmp_path):
     """A Phi-3's window is kept beside its context as a Mistral's is; a llama GGUF with a fused
     attn_qkv and a phi3 GGUF without one are refused in one line; a checkpoint without its fused
-    gate_up says which tensor is missing; a Phi-3 GGUF's and importance matrix's names are the fused ones (LongRoPE and a
-    partial rotary: ``test_longrope.py``)."""
+    gate_up says which tensor is missing; a Phi-3 GGUF's and importance matrix's names are the
+    fused ones (LongRoPE and a partial rotary: ``test_longrope.py``)."""
     model_dir, _ = phi3
 
     def config(name: str, fields: dict):

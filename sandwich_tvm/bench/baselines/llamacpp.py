@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ...model.config import LlamaConfig, yarn_mscale
-from ...model.gguf import PERMUTED_ARCHITECTURES
+from ...model.gguf import NOPE_EVERY, PERMUTED_ARCHITECTURES
 from ...model.rope import inv_freq, linear_factor, uses_longrope, uses_yarn
 
 
@@ -66,12 +66,16 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    # as llama.cpp's conversion names a Qwen2, a Qwen3 and a Phi-3
+    # as llama.cpp's conversion names a Qwen2, a Qwen3, a Phi-3, a Granite and a SmolLM3
     arch = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "phi3" if cfg.fused_checkpoint
-            else "granite" if cfg.granite else "llama")
-    if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint + cfg.granite > 1:
+            else "granite" if cfg.granite else "smollm3" if cfg.nope_layers else "llama")
+    if cfg.qk_norm + cfg.qkv_bias + cfg.fused_checkpoint + cfg.granite + bool(cfg.nope_layers) > 1:
         raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for more than one of q/k "
-                         "norms, q/k/v biases, fused matrices and Granite's multipliers")
+                         "norms, q/k/v biases, fused matrices, Granite's multipliers and layers without RoPE")
+    every = tuple(i for i in range(cfg.num_hidden_layers) if (i + 1) % NOPE_EVERY == 0)
+    if cfg.nope_layers and cfg.nope_layers != every:
+        raise ValueError(f"{cfg.name}: llama.cpp's smollm3 takes RoPE out of every {NOPE_EVERY}th layer "
+                         f"only, not layers {list(cfg.nope_layers)}")
     if arch == "phi3" and cfg.explicit_head_dim:
         raise ValueError(f"{cfg.name}: llama.cpp's phi3 takes heads x head_dim == hidden_size only")
     w = gguf.GGUFWriter(str(tmp), arch)

@@ -38,6 +38,7 @@ def with_rope_scaling(model, cfg: LlamaConfig):
 def hf_model(spec: str, cfg: LlamaConfig, seed: int):
     """The same weights in transformers' ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` for q/k/v
     biases, ``Qwen3ForCausalLM`` for q/k norms, ``Phi3ForCausalLM`` for fused matrices,
+    ``SmolLM3ForCausalLM`` for layers without RoPE,
     ``GraniteForCausalLM`` for Granite's multipliers; a checkpoint's own class), fp32."""
     import torch
     import transformers
@@ -47,7 +48,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
 
     if spec not in PRESETS:
         path = model_path(spec)
-        if path.suffix == ".gguf" and _architecture(path) == "granite":  # transformers' reader has none
+        if path.suffix == ".gguf" and _architecture(path) in ("granite", "smollm3"):  # transformers' has none
             return _holding(cfg, read_checkpoint(path))  # the file's own values, dequantized
         if path.suffix == ".gguf":  # transformers dequantizes it to fp32, as our loader does
             config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -89,6 +90,10 @@ def _holding(cfg: LlamaConfig, state: dict[str, np.ndarray]):
         multipliers = {k: getattr(cfg, k) for k in MULTIPLIERS}
         multipliers["attention_multiplier"] = cfg.attention_scale  # transformers' default is 1
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(**fields, **multipliers))
+    elif cfg.nope_layers:
+        flags = [int(i not in cfg.nope_layers) for i in range(cfg.num_hidden_layers)]
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+            **fields, no_rope_layers=flags, pad_token_id=None))  # its default: a 128k-vocabulary id
     elif cfg.fused_checkpoint:
         head_dim = fields.pop("head_dim")  # not a Phi3Config argument, but its attention reads it
         original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
