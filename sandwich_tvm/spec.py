@@ -179,7 +179,8 @@ def check_context(cfg: LlamaConfig, tokens: int, *, option: str = "--context", k
         raise SpecError(f"{option} {tokens} must be at least 1 token")
     if option == "--context" and tokens > cfg.max_position_embeddings:
         raise SpecError(f"{option} {tokens} exceeds the model's context of {cfg.max_position_embeddings} "
-                        "tokens (max_position_embeddings, YaRN's longer one or a sliding window); lower it")
+                        "tokens (max_position_embeddings, YaRN's longer one, or a window only some layers "
+                        "slide over); lower it")
     if available is None:
         import psutil
 
@@ -332,9 +333,6 @@ def resolve_run_spec(model: str | Path, *, dtype: str = DEFAULT_DTYPE, kv_dtype:
     wider: tuple[tuple[int, str, str], ...] = ()
     if stock:
         weight_dtype, note, kv_dtype = "float32", "TVM's stock build", "float32"
-        if cfg.sliding_window:  # TVM's kernels have no window: the context is capped within it
-            cfg = replace(cfg, sliding_window=None, max_position_embeddings=min(
-                cfg.max_position_embeddings, cfg.sliding_window))
     else:
         weight_dtype, note = resolve_weight_dtype(dtype)
         own = gguf_auto_dtype(model) if dtype == "auto" else None

@@ -36,7 +36,7 @@ from ..host import cpu_flags, host_isa, host_signature, last_level_cache_bytes
 from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
-from ..model.rope import stock_rope_problem
+from ..model.rope import stock_problem
 from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes, layer_weight_bytes
 from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
@@ -156,7 +156,11 @@ def llamacpp_runner(args, cfg: LlamaConfig, prompts: list[int], threads: int, no
     if kinds and set(kinds) != {own}:  # the user's own file in other types (Q4_K_M): named by them
         dtype = "GGUF " + "/".join(kind for kind, _ in kinds.most_common())
     # our context (llama.cpp rounds it up to 256): LongRoPE's set, chosen by it, is the same
-    engine = LlamaCpp(path, threads, context=max(prompts) + args.new_tokens + 1, locked=locked)
+    context = max(prompts) + args.new_tokens + 1
+    if cfg.sliding_window and context > cfg.sliding_window and "window" not in " ".join(notes):
+        notes.append(f"llama.cpp attends to every key: its GGUF of this model holds no sliding window, "
+                     f"which Sandwich applies ({cfg.sliding_window} positions, under the context {context})")
+    engine = LlamaCpp(path, threads, context=context, locked=locked)
     engine.generate(synthetic_prompt(8, cfg.vocab_size), 3)  # warm-up
     name = LLAMACPP_ROWS["llamacpp-mlock" if locked else "llamacpp"]
     memory = ({"weights_memory": "locked (use_mlock, use_mmap=False)", "memlock_limit": engine.memlock_limit}
@@ -258,7 +262,7 @@ def bench_e2e(args, console: Console) -> dict:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}")
-    if "stock" in systems and (kind := stock_rope_problem(cfg)):
+    if "stock" in systems and (kind := stock_problem(cfg)):
         systems.remove("stock")
         notes.append(f"TVM's stock build left out: it does not compute {kind} as the model does")
     # Every system but the stock build takes its turn in each round (bench/rounds.py): decode is

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..host import save_atomic
 from ..model.config import PRESETS
-from ..model.rope import stock_rope_problem
+from ..model.rope import stock_problem
 from ..model.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..runtime.loader import open_engine
 from ..spec import RunSpec
@@ -49,7 +49,7 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
     stop = set(tok.eos_ids) if tok is not None else set()
     results = {}
     no_stock = args.no_stock
-    if not no_stock and (kind := stock_rope_problem(cfg)):
+    if not no_stock and (kind := stock_problem(cfg)):
         console.print(f"[yellow]note:[/] TVM's stock build does not compute {kind} as the model does; "
                       "skipping it")
         no_stock = True

@@ -28,7 +28,7 @@ from ..model.config import LlamaConfig
 from ..model.linear import KernelSet
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import Shard, ShardError
-from ..model.rope import stock_rope_problem
+from ..model.rope import stock_problem
 from ..model.separation import ATTENTION, WEIGHTS, AttentionRank, Role
 from ..model.shapes import linear_shapes
 from ..model.stages import Stage, split_layers
@@ -212,9 +212,9 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     baseline."""
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
-    if stock and (kind := stock_rope_problem(cfg)):
+    if stock and (kind := stock_problem(cfg)):
         raise CompileError(f"{cfg.name} has {kind}, which TVM's stock build does not compute as "
-                           "transformers and llama.cpp do; run it without --stock")
+                           "transformers does; run it without --stock")
     part = model_part(spec, stage)
     try:
         key = build_key(spec, part)

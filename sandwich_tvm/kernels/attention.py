@@ -75,7 +75,8 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
     V's to its loads; the output row is quantized again. ``window`` > 0: a row sees only the
     last ``window`` positions, itself included (``lo[r]``, its first visible key: by index among
     a sequence's new keys, by position -- ``q_rope_position`` against the pages' first,
-    ``k_rope_pos_offset`` -- in the pages), and key blocks wholly before the tile's are skipped."""
+    ``k_rope_pos_offset`` -- in the pages), and key blocks before every row's are skipped (the
+    least ``lo``: a paged chunk can hold several sequences' tokens, not in position order)."""
     q8 = dtype == "int8"
     qlen = "(q_indptr[b + 1] - q_indptr[b])"
     if page:
@@ -101,13 +102,18 @@ def _prefill_body(h_kv: int, group: int, d: int, ROWS: int, page: int = 0,  # no
     vj = load_f32(vrow.format(j="j").format(f"dc * {DCOLS} + c"), dtype) + (" * vsc[j]" if q8 else "")
     qscale, kscale, kapply, ostore = "", "", "", f"""for dd in range({d}):
             output[q_indptr[b] + tok[r], hd[r], dd] = {store_as("acc[dd, r] / sm[r]", dtype)}"""
-    scales, first, kb0, seen = "", "", "0", ""
-    if window:  # rows are in token order within a tile, so row 0's first key is the tile's
+    scales, first, lowest, kb0, seen = "", "", "", "0", ""
+    if window:  # a tile may hold several sequences (TVM merges a shared block's): the least lo
         own = ("q_rope_position[q_indptr[b] + tok[r]] + 1 - k_rope_pos_offset[b]" if page else "vis[r]")
         first = f"\n    lo[r] = {own} - {window}"
-        kb0 = f"T.min(T.max(lo[0], 0) // {KEYS}, (vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS})"
+        lowest = f"""lo0[0] = lo[0]
+for r in range(1, {ROWS}):
+    lo0[0] = T.min(lo0[0], lo[r])
+"""
+        kb0 = f"T.min(T.max(lo0[0], 0) // {KEYS}, (vis[{ROWS - 1}] + {KEYS - 1}) // {KEYS})"
         seen = " and kb * {KEYS} + j >= lo[r]".replace("{KEYS}", str(KEYS))
-        scales = f'lo = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")\n'
+        scales = (f'lo = T.sblock_alloc_buffer(({ROWS},), "int32", scope="global")\n'
+                  'lo0 = T.sblock_alloc_buffer((1,), "int32", scope="global")\n')
     if q8:
         scales += _f32_buffers(qsc=(ROWS,), ksc=(KEYS,), vsc=(KEYS,), ob=(d,), oz=(2,))
         qscale = f"\n    qsc[r] = {scale_expr(qrow, d)}"
@@ -141,7 +147,7 @@ ks = T.sblock_alloc_buffer(({KEYS},), "int32", scope="global")
     vis[r] = T.if_then_else(causal > 0, {klen} - {qlen} + tok[r] + 1, {klen}){first}
     mx[r] = T.float32(-5e4)
     sm[r] = T.float32(1)
-for dd in range({d}):
+{lowest}for dd in range({d}):
     for r in range({ROWS}):
         qt[dd, r] = {qload} * sm_scale * T.float32({LOG2E!r})
         acc[dd, r] = T.float32(0)

@@ -400,6 +400,9 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
                _llama3_scaling(rope, where) if kind == "llama3" else
                _linear_of(rope, where) if kind == "linear" else
                _yarn_of(rope, f.int("max_position_embeddings", 2048), where) if kind == "yarn" else None)
+    mistral = "MistralForCausalLM" in archs or raw.get("model_type") == "mistral"
+    if (mistral or qwen2 or qwen3) and "sliding_window" not in raw:  # transformers' default for them
+        f = _Fields(raw | {"sliding_window": 4096}, where)
     context, window = _attended_context(f, scaling, _sliding_layers(f, qwen2 or qwen3, nope))
     kwargs = dict(
         hidden_size=hidden,

@@ -71,12 +71,13 @@ def uses_longrope(cfg: LlamaConfig) -> bool:
     return bool(cfg.rope_scaling) and cfg.rope_scaling.get("rope_type") == "longrope"
 
 
-def stock_rope_problem(cfg: LlamaConfig) -> str | None:
-    """The RoPE TVM's stock build does not compute as transformers and llama.cpp do (YaRN,
+def stock_problem(cfg: LlamaConfig) -> str | None:
+    """What of the model TVM's stock build does not compute as transformers does (YaRN,
     LongRoPE: no attention factor, its own choice of LongRoPE's set; layers without RoPE: its
-    cache turns every layer's), or None."""
+    cache turns every layer's; a sliding window: its kernels attend to every key), or None."""
     return ("RoPE scaled by YaRN" if uses_yarn(cfg) else "RoPE scaled by LongRoPE" if uses_longrope(cfg)
-            else "layers without RoPE" if cfg.nope_layers else None)
+            else "layers without RoPE" if cfg.nope_layers else "a sliding window" if cfg.sliding_window
+            else None)
 
 
 def at_context(cfg: LlamaConfig, context: int) -> LlamaConfig:

@@ -221,6 +221,16 @@ def _windowed(q, k, v, q_pos, k_pos, window):
     return np.einsum("hqk,khd->qhd", p / total, v), ((np.log(total) + m)[..., 0] / np.log(2)).T, seen.any(1)
 
 
+def test_windowed_kernels_build_for_every_kv_dtype():
+    """bf16 and int8 rows share the window's generated code; it builds for them too (their
+    arithmetic is checked without a window in this file and ``test_attention_int8``)."""
+    for dtype in ("bfloat16", "int8"):
+        for func in (prefill_ragged_primfunc(2, 8, D, dtype, window=5),
+                     prefill_paged_primfunc(2, 8, D, 16, dtype=dtype, window=5),
+                     decode_paged_primfunc(2, 8, D, 16, 3, dtype=dtype, window=5)):
+            tvm.compile(func, target=host_target())
+
+
 @pytest.mark.parametrize("dtype", sorted(OUT_TOL))
 @pytest.mark.parametrize("window", [1, 5, 37])
 def test_a_sliding_window_sees_only_the_last_window_positions(dtype, window):
@@ -244,17 +254,20 @@ def test_a_sliding_window_sees_only_the_last_window_positions(dtype, window):
         np.testing.assert_allclose(out.numpy()[rows].astype(np.float32), want, rtol=rtol, atol=atol)
         np.testing.assert_allclose(lse.numpy()[rows], want_lse, rtol=1e-4, atol=1e-4)
 
-    # (new tokens, keys in pages, the pages' first position): a depth's block can start anywhere
-    seqs = [(1, 16, 0), (17, 40, 100), (70, 33, 7), (40, 300, 5)]
+    # (the tokens' positions, keys in pages, the pages' first position): a depth's block can start
+    # anywhere, and TVM merges the sequences that share a block into one chunk, whose tokens need
+    # not be in position order (a further one first: the tile's least visible key is not row 0's)
+    seqs = [(np.arange(16, 17), 16, 0), (np.arange(140, 157), 40, 100), (np.arange(40, 110), 33, 7),
+            (np.arange(305, 345), 300, 5), (np.r_[60:65, 32:40], 32, 0)]
     npages = [-(-k // page) for _, k, _ in seqs]
     pages = (rng.standard_normal((sum(npages) + 5, 2, h_kv, page, D), dtype=np.float32) * 2).astype(dtype)
     table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
     indptr = np.cumsum([0] + npages).astype(np.int32)
     last = np.array([k - (p - 1) * page for (_, k, _), p in zip(seqs, npages, strict=True)], np.int32)
     k_off = np.array([o for _, _, o in seqs], np.int32)
-    q_pos = np.concatenate([np.arange(o + k, o + k + n) for n, k, o in seqs]).astype(np.int32)
+    q_pos = np.concatenate([p for p, _, _ in seqs]).astype(np.int32)
     q = (rng.standard_normal((len(q_pos), h_q, D), dtype=np.float32) * 2).astype(dtype)
-    q_indptr = np.cumsum([0] + [n for n, _, _ in seqs]).astype(np.int32)
+    q_indptr = np.cumsum([0] + [len(p) for p, _, _ in seqs]).astype(np.int32)
     paged = tvm.compile(prefill_paged_primfunc(h_kv, h_q, D, page, dtype=dtype, window=window), target=target)
     kinds = set()
     out = tvm.runtime.tensor(np.zeros_like(q))
@@ -274,14 +287,15 @@ def test_a_sliding_window_sees_only_the_last_window_positions(dtype, window):
         kinds.update(sees.tolist())
     assert kinds == ({True, False} if window > 1 else {False})  # a window of 1 sees only its own key
 
-    lengths, offsets = [1, 16, 17, 100, 333], [0, 3, 40, 0, 1000]
+    # the last case's query is 50 positions past its keys: a depth wholly before a short window
+    lengths, offsets, ahead = [1, 16, 17, 100, 333, 20], [0, 3, 40, 0, 1000, 0], [0, 0, 0, 0, 0, 50]
     npages = [-(-n // page) for n in lengths]
     pages = rng.standard_normal((sum(npages) + 3, 2, h_kv, page, D), dtype=np.float32).astype(dtype)
     table = rng.permutation(len(pages))[:sum(npages)].astype(np.int32)
     indptr = np.cumsum([0] + npages).astype(np.int32)
     last = np.array([n - (p - 1) * page for n, p in zip(lengths, npages, strict=True)], np.int32)
     k_off = np.array(offsets, np.int32)
-    q_pos = np.array([o + n - 1 for n, o in zip(lengths, offsets, strict=True)], np.int32)  # the last key's
+    q_pos = (np.array(offsets) + np.array(lengths) - 1 + np.array(ahead)).astype(np.int32)
     q = (rng.standard_normal((len(lengths), h_q, D), dtype=np.float32) * 2).astype(dtype)
     decode = tvm.compile(decode_paged_primfunc(h_kv, h_q, D, page, 3, dtype=dtype, window=window),
                          target=target)
@@ -293,6 +307,10 @@ def test_a_sliding_window_sees_only_the_last_window_positions(dtype, window):
     for b, (n, o) in enumerate(zip(lengths, offsets, strict=True)):
         own = pages[table[indptr[b]:indptr[b + 1]]]
         k, v = (own[:, i].transpose(0, 2, 1, 3).reshape(-1, h_kv, D)[:n] for i in (0, 1))
-        want, want_lse, _ = _windowed(q[b:b + 1], k, v, q_pos[b:b + 1], np.arange(o, o + n), window)
+        want, want_lse, sees = _windowed(q[b:b + 1], k, v, q_pos[b:b + 1], np.arange(o, o + n), window)
+        if not sees[0]:  # nothing from this depth: zeros, weighed as nothing by the merge
+            assert np.all(out.numpy()[b] == 0) and np.all(lse.numpy()[b] < -1e4)
+            continue
         np.testing.assert_allclose(out.numpy()[b].astype(np.float32), want[0], rtol=rtol, atol=atol)
         np.testing.assert_allclose(lse.numpy()[b], want_lse[0], rtol=1e-4, atol=1e-4)
+    assert ahead[-1] >= window  # the last case saw nothing: checked as such

@@ -121,6 +121,9 @@ def test_an_explicit_head_dim_and_mistral(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": 128}))
     whole = load_config(tmp_path)
     assert whole.sliding_window is None and "sliding_window" not in whole.to_dict()
+    unnamed = {k: v for k, v in mistral.items() if k != "sliding_window"} | {"max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(unnamed))
+    assert load_config(tmp_path).sliding_window == 4096  # transformers' MistralConfig default
     (tmp_path / "config.json").write_text(json.dumps(mistral | {"sliding_window": 0}))
     with pytest.raises(ModelConfigError, match="sliding_window must be >= 1, got 0"):
         load_config(tmp_path)

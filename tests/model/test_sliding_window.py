@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sandwich_tvm.compiler.artifact import CompileError, compile_model
 from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.runtime.batch import BatchEngine
@@ -61,8 +62,8 @@ def test_a_window_shorter_than_the_prompt_gives_hfs_tokens(tmp_path_factory, pre
     with the prompt in one prefill call and in chunks of 5 (each chunk's tokens against the
     earlier chunks' pages), then requests forked from a cached 20-token prefix (their first
     tokens see part of the shared page, the later ones none of it) give HF's tokens. Without the
-    window HF's logits differ (it matters), and TVM's stock build, whose kernels have none, runs
-    a context capped at the window."""
+    window HF's logits differ (it matters), and TVM's stock build, whose kernels have none, is
+    refused."""
     import transformers
 
     model_dir = _checkpoint(tmp_path_factory.getbasetemp())
@@ -102,6 +103,5 @@ def test_a_window_shorter_than_the_prompt_gives_hfs_tokens(tmp_path_factory, pre
     assert batch.scheduler.prefix.hit_tokens >= 2 * 16  # a whole shared page each
     assert got == {rid: _hf_greedy(hf, prompt, 8) for rid, prompt in asks.items()}
 
-    stock = resolve_run_spec(model_dir, stock=True)
-    capped = (stock.config.sliding_window, stock.config.max_position_embeddings, stock.context)
-    assert capped == (None, WINDOW, WINDOW)
+    with pytest.raises(CompileError, match="a sliding window, which TVM's stock build does not compute"):
+        compile_model(resolve_run_spec(model_dir, stock=True))
