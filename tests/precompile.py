@@ -30,12 +30,23 @@ os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})  # not the par
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 done = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # anything printed while compiling stays off the answers
+import queue, threading
 from sandwich_tvm.compiler.artifact import compile_model
-while True:
-    try:
-        ticket, spec = pickle.load(sys.stdin.buffer)
-    except EOFError:
-        break
+todo = queue.Queue()  # read as soon as written: the parent never blocks on a full pipe
+
+
+def read():
+    while True:
+        try:
+            todo.put(pickle.load(sys.stdin.buffer))
+        except EOFError:
+            todo.put(None)
+            return
+
+
+threading.Thread(target=read, daemon=True).start()
+while (item := todo.get()) is not None:
+    ticket, spec = item
     try:
         for part in (range(spec.plan.parts) if spec.plan.parts else [None]):  # stages or sides: each
             compile_model(spec, stage=part)

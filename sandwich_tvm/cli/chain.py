@@ -50,8 +50,8 @@ def compare_with_stock(args: argparse.Namespace, spec: RunSpec, console: Console
     results = {}
     no_stock = args.no_stock
     if not no_stock and (kind := stock_problem(cfg)):
-        console.print(f"[yellow]note:[/] TVM's stock build does not compute {kind} as the model does; "
-                      "skipping it")
+        console.print(f"[yellow]note:[/] TVM's stock build cannot run this model as transformers does "
+                      f"({kind}); skipping it")
         no_stock = True
     for stock in ([False] if no_stock else [False, True]):
         name = "tvm-stock" if stock else "sandwich"

@@ -213,8 +213,8 @@ def compile_model(spec: RunSpec, *, out: Path | None = None, force: bool = False
     cfg, plan, stock, max_batch = spec.config, spec.plan, spec.stock, spec.max_batch
     kv_dtype, dtype, root = spec.kv_dtype, spec.weight_dtype, spec.records
     if stock and (kind := stock_problem(cfg)):
-        raise CompileError(f"{cfg.name} has {kind}, which TVM's stock build does not compute as "
-                           "transformers does; run it without --stock")
+        raise CompileError(f"TVM's stock build cannot run {cfg.name} as transformers does: {kind}; run it "
+                           "without --stock")
     part = model_part(spec, stage)
     try:
         key = build_key(spec, part)

@@ -359,12 +359,13 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     qwen2 = "Qwen2ForCausalLM" in archs or raw.get("model_type") == "qwen2"
     qwen3 = "Qwen3ForCausalLM" in archs or raw.get("model_type") == "qwen3"
     phi3 = "Phi3ForCausalLM" in archs or raw.get("model_type") == "phi3"
-    nope = _nope_layers(f) if "SmolLM3ForCausalLM" in archs or raw.get("model_type") == "smollm3" else ()
+    smollm3 = "SmolLM3ForCausalLM" in archs or raw.get("model_type") == "smollm3"
+    nope = _nope_layers(f) if smollm3 else ()
     unsupported = [k for k in ("attention_bias", "mlp_bias") if raw.get(k)]
     if unsupported or raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{where}: {unsupported or raw.get('hidden_act')} is not supported "
-                               "(Llama, Qwen3 and Phi-3 use no biases, Qwen2 biases on q, k and v only, "
-                               "all SiLU)")
+                               "(Llama, Qwen3, Phi-3, Granite and SmolLM3 use no biases, Qwen2 biases on "
+                               "q, k and v only, all SiLU)")
     # transformers >= 5 writes "rope_parameters" (theta inside); older files "rope_theta"/"rope_scaling".
     rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope_raw, dict):
@@ -415,8 +416,9 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
         sliding_window=window,
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
-        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        # transformers' defaults where a file leaves them out (it omits a value equal to them)
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6 if smollm3 else 1e-5),
+        tie_word_embeddings=f.bool("tie_word_embeddings", smollm3),
         head_dim=head_dim,
         qkv_bias=qwen2,
         qk_norm=qwen3,
@@ -433,16 +435,17 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
 
 
 def _nope_layers(f: _Fields) -> tuple[int, ...]:
-    """A SmolLM3's layers without RoPE: ``no_rope_layers`` (a flag per layer, 0 for none), or,
-    as transformers fills it in, every ``no_rope_layer_interval``-th layer (4 by default)."""
+    """A SmolLM3's layers without RoPE: ``no_rope_layers`` (a flag per layer, 0 for none; a longer
+    list's first ones), or, as transformers fills it in, every ``no_rope_layer_interval``-th layer
+    (4 by default)."""
     layers = f.int("num_hidden_layers")
     flags = f.raw.get("no_rope_layers")
     if flags is None:
         every = f.int("no_rope_layer_interval", 4)
         flags = [int((i + 1) % every != 0) for i in range(layers)]
-    if not isinstance(flags, list) or len(flags) != layers or any(v not in (0, 1) for v in flags):
+    if not isinstance(flags, list) or len(flags) < layers or any(v not in (0, 1) for v in flags):
         raise f.fail(f"no_rope_layers must hold a 0 or 1 for each of the {layers} layers, got {flags!r}")
-    return tuple(i for i, uses in enumerate(flags) if not uses)
+    return tuple(i for i, uses in enumerate(flags[:layers]) if not uses)  # transformers reads the first
 
 
 def _sliding_layers(f: _Fields, qwen: bool, nope: tuple[int, ...]) -> list[bool] | None:

@@ -129,7 +129,7 @@ def metadata(reader, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     """The ``LlamaConfig`` a GGUF's metadata describes (named ``name``, else ``general.name`` or
-    the file stem); an architecture other than llama, qwen2, qwen3 or phi3, or a Llama variant
+    the file stem); an architecture not in ``SUPPORTED_ARCHITECTURES``, or a Llama variant
     the model does not run (experts, per-layer head counts, RoPE scaling other than Llama-3's,
     linear or YaRN), is a ``ModelConfigError``."""
     reader = open_gguf(path)
@@ -238,6 +238,9 @@ def gguf_config(path: Path, name: str | None = None) -> LlamaConfig:
     elif scaling != "yarn" and float(get("rope.scaling.attn_factor", 1.0)) != 1.0:  # llama.cpp: cos, sin x it
         raise ModelConfigError(f"{path}: {arch}.rope.scaling.attn_factor {get('rope.scaling.attn_factor')} "
                                "scales RoPE's cos and sin outside YaRN and LongRoPE; not supported")
+    if "rope_freqs.weight" in names and arch == "smollm3":
+        raise ModelConfigError(f"{path}: per-frequency RoPE factors (rope_freqs) in a smollm3 GGUF are not "
+                               "supported (llama.cpp's smollm3 does not read them)")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         kwargs["rope_scaling"] = llama3_scaling(np.asarray(t.data, np.float64).ravel(), kwargs["rope_theta"],

@@ -72,12 +72,16 @@ def uses_longrope(cfg: LlamaConfig) -> bool:
 
 
 def stock_problem(cfg: LlamaConfig) -> str | None:
-    """What of the model TVM's stock build does not compute as transformers does (YaRN,
-    LongRoPE: no attention factor, its own choice of LongRoPE's set; layers without RoPE: its
-    cache turns every layer's; a sliding window: its kernels attend to every key), or None."""
-    return ("RoPE scaled by YaRN" if uses_yarn(cfg) else "RoPE scaled by LongRoPE" if uses_longrope(cfg)
-            else "layers without RoPE" if cfg.nope_layers else "a sliding window" if cfg.sliding_window
-            else None)
+    """Why TVM's stock build cannot run the model as transformers does, or None."""
+    if uses_yarn(cfg):
+        return "its RoPE has no YaRN attention factor"
+    if uses_longrope(cfg):
+        return "its RoPE has no LongRoPE attention factor and picks its own factor set"
+    if cfg.nope_layers:
+        return "its cache turns every layer by RoPE (layers without it need Sandwich's RoPE in the graph)"
+    if cfg.sliding_window:
+        return "its attention kernels have no sliding window"
+    return None
 
 
 def at_context(cfg: LlamaConfig, context: int) -> LlamaConfig:

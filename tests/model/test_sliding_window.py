@@ -103,5 +103,5 @@ def test_a_window_shorter_than_the_prompt_gives_hfs_tokens(tmp_path_factory, pre
     assert batch.scheduler.prefix.hit_tokens >= 2 * 16  # a whole shared page each
     assert got == {rid: _hf_greedy(hf, prompt, 8) for rid, prompt in asks.items()}
 
-    with pytest.raises(CompileError, match="a sliding window, which TVM's stock build does not compute"):
+    with pytest.raises(CompileError, match="stock build cannot run .*no sliding window"):
         compile_model(resolve_run_spec(model_dir, stock=True))

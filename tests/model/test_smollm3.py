@@ -89,7 +89,7 @@ def test_smollm3_gives_hfs_logits_and_tokens(tmp_path_factory, precompiler):
     spec = _spec(model_dir)
     cfg = spec.config
     assert cfg.nope_layers == (3,) and cfg.tie_word_embeddings and cfg.to_dict()["nope_layers"] == (3,)
-    with pytest.raises(CompileError, match="layers without RoPE, which TVM's stock build does not"):
+    with pytest.raises(CompileError, match="stock build cannot run .*layers without it need"):
         compile_model(RunSpec(cfg.name, cfg, PLAN, stock=True, kv_dtype="float32"))
     compiled = precompiler.build(spec)
     params = load_params(model_dir, cfg, compiled.params, host_isa())
@@ -168,9 +168,10 @@ def test_llamacpp_on_a_smollm3_gguf_gives_hfs_greedy_tokens(tmp_path_factory):
 
 
 def test_smollm3_configs_are_read_and_refused_as_they_should_be(tmp_path):
-    """``no_rope_layers`` as written, or every ``no_rope_layer_interval``-th layer; a window, which
-    SmolLM3 slides only over its layers without RoPE, caps the context; a flag list of the wrong
-    length is refused in one line."""
+    """``no_rope_layers`` as written (a longer list's first flags), or every
+    ``no_rope_layer_interval``-th layer; a window, which SmolLM3 slides only over its layers without
+    RoPE, caps the context; too short a flag list is refused in one line; transformers' SmolLM3
+    defaults (tied embeddings, eps 1e-6) where the file leaves them out."""
     import transformers
 
     model_dir = save_tiny_hf(tmp_path / "m", "SmolLM3ForCausalLM", transformers.SmolLM3Config(**FIELDS), 1)
@@ -183,3 +184,8 @@ def test_smollm3_configs_are_read_and_refused_as_they_should_be(tmp_path):
     assert (windowed.max_position_embeddings, windowed.sliding_window) == (32, None)
     with pytest.raises(ModelConfigError, match="no_rope_layers must hold a 0 or 1 for each of the 4 layers"):
         edited_config(model_dir, tmp_path / "bad", {"no_rope_layers": [1, 0]})
+    # a longer list's first flags, as transformers reads it; its defaults where a file leaves them out
+    longer = edited_config(model_dir, tmp_path / "long", {"no_rope_layers": [1, 1, 0, 1, 0]})
+    assert longer.nope_layers == (2,)
+    bare = edited_config(model_dir, tmp_path / "bare", {}, drop=("tie_word_embeddings", "rms_norm_eps"))
+    assert (bare.tie_word_embeddings, bare.rms_norm_eps) == (True, 1e-6)

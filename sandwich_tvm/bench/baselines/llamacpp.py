@@ -73,6 +73,9 @@ def write_gguf(cfg: LlamaConfig, state: dict[str, np.ndarray], path: Path, dtype
         raise ValueError(f"{cfg.name}: this writer names no llama.cpp architecture for more than one of q/k "
                          "norms, q/k/v biases, fused matrices, Granite's multipliers and layers without RoPE")
     every = tuple(i for i in range(cfg.num_hidden_layers) if (i + 1) % NOPE_EVERY == 0)
+    if cfg.nope_layers and (cfg.rope_scaling or {}).get("rope_type") == "llama3":
+        raise ValueError(f"{cfg.name}: llama.cpp's smollm3 reads no per-frequency factors (rope_freqs), "
+                         "which Llama-3's RoPE scaling is written as")
     if cfg.nope_layers and cfg.nope_layers != every:
         raise ValueError(f"{cfg.name}: llama.cpp's smollm3 takes RoPE out of every {NOPE_EVERY}th layer "
                          f"only, not layers {list(cfg.nope_layers)}")

@@ -58,7 +58,7 @@ def hf_model(spec: str, cfg: LlamaConfig, seed: int):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32).eval()
             return with_rope_scaling(model, cfg)
-        # Llama, Mistral, Qwen2, Qwen3, Phi-3 or Granite, as its config.json says
+        # Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite or SmolLM3, as its config.json says
         return transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     return _holding(cfg, random_checkpoint(cfg, seed))
 
