@@ -210,3 +210,15 @@ def write_imatrix(path: Path, cfg, *, counts: float = 64.0, k_of=None, skip: tup
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llamacpp_gguf(model_dir: Path, path: Path) -> Path:
+    """``model_dir``'s checkpoint as the GGUF (F32) the benchmarks write for llama.cpp, at
+    ``path``, written once a session."""
+    from sandwich_tvm.bench.baselines import llamacpp
+    from sandwich_tvm.model.checkpoint import read_checkpoint
+    from sandwich_tvm.model.config import load_config
+
+    if not path.is_file():
+        llamacpp.write_gguf(load_config(model_dir), read_checkpoint(model_dir), path)
+    return path

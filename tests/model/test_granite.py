@@ -18,7 +18,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import warm_up
-from .gguf_models import write_gguf
+from .gguf_models import llamacpp_gguf, write_gguf
 from .hf_models import (
     TINY,
     edited_config,
@@ -49,14 +49,7 @@ def _checkpoint(base: Path) -> Path:
 
 
 def _gguf(base: Path) -> Path:
-    from sandwich_tvm.bench.baselines import llamacpp
-    from sandwich_tvm.model.checkpoint import read_checkpoint
-
-    path = base / "gguf" / "tiny-granite.gguf"
-    if not path.is_file():
-        model_dir = _checkpoint(base)
-        llamacpp.write_gguf(load_config(model_dir), read_checkpoint(model_dir), path)
-    return path
+    return llamacpp_gguf(_checkpoint(base), base / "gguf" / "tiny-granite.gguf")
 
 
 def _spec(model_dir: Path, stock: bool = False) -> RunSpec:

@@ -21,7 +21,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
 from ..precompile import warm_up
-from .gguf_models import write_gguf
+from .gguf_models import llamacpp_gguf, write_gguf
 from .hf_models import TINY, edited_config, greedy_matches_hf, save_tiny_hf, torch_baseline_reads_gguf_as
 
 CPUS = tuple(sorted(PROCESS_CPUS))
@@ -104,14 +104,7 @@ def _gguf(base: Path) -> Path:
     """The session's LongRoPE Phi-3 as the F32 GGUF our writer makes (llama.cpp's conversion's
     keys: ``rope_factors_long/short``, ``rope.dimension_count`` 12, the original context and the
     attention factor)."""
-    from sandwich_tvm.bench.baselines import llamacpp
-    from sandwich_tvm.model.checkpoint import read_checkpoint
-
-    path = base / "gguf" / "tiny-phi-longrope.gguf"
-    if not path.is_file():
-        model_dir = _checkpoint(base)
-        llamacpp.write_gguf(load_config(model_dir), read_checkpoint(model_dir), path)
-    return path
+    return llamacpp_gguf(_checkpoint(base), base / "gguf" / "tiny-phi-longrope.gguf")
 
 
 def _hf_greedy(hf, vocab: int, prompt_len: int) -> list[int]:

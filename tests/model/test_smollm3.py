@@ -22,6 +22,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
+from .gguf_models import llamacpp_gguf
 from .hf_models import (
     TINY,
     edited_config,
@@ -52,14 +53,7 @@ def _checkpoint(base: Path) -> Path:
 
 def _gguf(base: Path) -> Path:
     """The SmolLM3 as llama.cpp's ``smollm3`` GGUF (F32), by the benchmarks' writer."""
-    from sandwich_tvm.bench.baselines import llamacpp
-    from sandwich_tvm.model.checkpoint import read_checkpoint
-
-    path = base / "gguf" / "tiny-smollm3.gguf"
-    if not path.is_file():
-        model_dir = _checkpoint(base)
-        llamacpp.write_gguf(load_config(model_dir), read_checkpoint(model_dir), path)
-    return path
+    return llamacpp_gguf(_checkpoint(base), base / "gguf" / "tiny-smollm3.gguf")
 
 
 def _spec(model_dir: Path, kv_dtype: str = "float32") -> RunSpec:
