@@ -163,7 +163,7 @@ def shape_problems(cfg: dict) -> list[str]:
     nope = cfg.get("nope_layers") or ()
     layers = cfg["num_hidden_layers"]
     if any(not _is_int(i) or not 0 <= i < layers for i in nope) or len(set(nope)) < len(nope):
-        bad.append(f"nope_layers {list(nope)} must name distinct layers 0..{cfg['num_hidden_layers'] - 1}")
+        bad.append(f"nope_layers {list(nope)} must name distinct layers 0..{layers - 1}")
     window = cfg.get("sliding_window")
     if window is not None and (not _is_int(window) or window < 1):
         bad.append(f"sliding_window must be a positive integer, got {window!r}")
