@@ -404,7 +404,7 @@ def from_hf_dict(raw: Any, name: str, where: Path | str = "config.json") -> Llam
     mistral = "MistralForCausalLM" in archs or raw.get("model_type") == "mistral"
     if (mistral or qwen2 or qwen3) and "sliding_window" not in raw:  # transformers' default for them
         f = _Fields(raw | {"sliding_window": 4096}, where)
-    context, window = _attended_context(f, scaling, _sliding_layers(f, qwen2 or qwen3, nope))
+    context, window = _attended_context(f, scaling, _sliding_layers(f, qwen2 or qwen3, smollm3, nope))
     kwargs = dict(
         hidden_size=hidden,
         num_hidden_layers=f.int("num_hidden_layers"),
@@ -448,14 +448,12 @@ def _nope_layers(f: _Fields) -> tuple[int, ...]:
     return tuple(i for i, uses in enumerate(flags[:layers]) if not uses)  # transformers reads the first
 
 
-def _sliding_layers(f: _Fields, qwen: bool, nope: tuple[int, ...]) -> list[bool] | None:
+def _sliding_layers(f: _Fields, qwen: bool, smollm3: bool, nope: tuple[int, ...]) -> list[bool] | None:
     """Which layers a window slides over, where a model says so per layer (None: every layer,
     as a Mistral's and a Phi-3's; [] where it names no window or leaves it off). Qwen2 and Qwen3
     name a window that only ``use_sliding_window`` turns on, and then only for the layers from
     ``max_window_layers``; a SmolLM3's slides only over its layers without RoPE. Where
     ``layer_types`` names them, as transformers writes it, it wins."""
-    archs = f.raw.get("architectures") or []
-    smollm3 = "SmolLM3ForCausalLM" in archs or f.raw.get("model_type") == "smollm3"
     if not (qwen or smollm3):
         return None
     if not f.raw.get("use_sliding_window") or f.raw.get("sliding_window") is None:

@@ -132,6 +132,14 @@ def hf_logits(hf, tokens: list[int]) -> np.ndarray:
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
+def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    """A transformers model's ``steps`` greedy tokens after ``prompt``."""
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
 def greedy_matches_hf(engine, hf, vocab: int, steps: int, prompt_len: int = 30) -> list[int]:
     """The engine's greedy run of ``steps`` tokens after a seeded ``prompt_len``-token prompt,
     against HF's logits over the same tokens (1e-4) and its argmax; the engine's tokens."""

@@ -21,7 +21,7 @@ from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
 
 from ..precompile import warm_up
-from .hf_models import TINY, greedy_matches_hf, hf_logits, save_tiny_hf
+from .hf_models import TINY, greedy_matches_hf, hf_greedy, hf_logits, save_tiny_hf
 
 torch = pytest.importorskip("torch")
 CPUS = tuple(sorted(PROCESS_CPUS))
@@ -47,13 +47,6 @@ def _spec(model_dir: Path) -> RunSpec:
 
 warm_up(__name__, "test_a_window_shorter_than_the_prompt_gives_hfs_tokens",
         lambda base: [_spec(_checkpoint(base))])
-
-
-def _hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
-    return tokens[len(prompt):]
 
 
 @pytest.mark.compile
@@ -101,7 +94,7 @@ def test_a_window_shorter_than_the_prompt_gives_hfs_tokens(tmp_path_factory, pre
                 if event.token is not None:
                     got[event.request_id].append(event.token)
     assert batch.scheduler.prefix.hit_tokens >= 2 * 16  # a whole shared page each
-    assert got == {rid: _hf_greedy(hf, prompt, 8) for rid, prompt in asks.items()}
+    assert got == {rid: hf_greedy(hf, prompt, 8) for rid, prompt in asks.items()}
 
     with pytest.raises(CompileError, match="stock build cannot run .*no sliding window"):
         compile_model(resolve_run_spec(model_dir, stock=True))

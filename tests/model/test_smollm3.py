@@ -27,6 +27,7 @@ from .hf_models import (
     TINY,
     edited_config,
     greedy_matches_hf,
+    hf_greedy,
     hf_logits,
     save_tiny_hf,
     torch_baseline_reads_gguf_as,
@@ -110,10 +111,7 @@ def test_smollm3_gives_hfs_logits_and_tokens(tmp_path_factory, precompiler):
             if event.token is not None:
                 got[event.request_id].append(event.token)
     for rid, prompt in asks.items():
-        seq = list(prompt)
-        for _ in range(6):
-            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
-        assert got[rid] == seq[len(prompt):], rid
+        assert got[rid] == hf_greedy(hf, prompt, 6), rid
 
     path = _gguf(tmp_path_factory.getbasetemp())
     from_gguf = load_config(path)
@@ -153,9 +151,8 @@ def test_llamacpp_on_a_smollm3_gguf_gives_hfs_greedy_tokens(tmp_path_factory):
         pytest.skip(why)
     model_dir = _checkpoint(tmp_path_factory.getbasetemp())
     hf = transformers.SmolLM3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 211, 30)]
-    for _ in range(12):
-        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 211, 30)]
+    tokens = prompt + hf_greedy(hf, prompt, 12)
     os.sched_setaffinity(0, CPUS)
     run = llamacpp.LlamaCpp(_gguf(tmp_path_factory.getbasetemp()), threads=len(CPUS), context=256)
     assert run.generate(tokens[:30], 12)[2] == tokens[30:]
