@@ -34,7 +34,7 @@ FORBIDDEN = {
     # the product's front-end never imports the harness; the harness may use the product
     "cli": {"bench"},
 }
-HOST_MODULES = ("host.py", "tvm_compat.py", "memory.py")
+HOST_MODULES = ("host.py", "tvm_compat.py", "memory.py", "interrupts.py")
 
 
 def _imported_packages(source: str, rel: Path) -> set[str]:

@@ -6,19 +6,12 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import signal
 import sys
 
+from .. import interrupts
 from ..host import HostError
 
 _interrupted = False
-_sigint = False  # Ctrl-C arrived, even where TVM's C++ turned its KeyboardInterrupt into an error
-
-
-def _on_sigint(signum, frame) -> None:
-    global _sigint
-    _sigint = True
-    signal.default_int_handler(signum, frame)
 
 
 def _exit_130_if_interrupted() -> None:
@@ -37,11 +30,12 @@ def _exit_130_if_interrupted() -> None:
 def _is_interrupt(err: BaseException) -> bool:
     """Whether ``err`` is a KeyboardInterrupt in other clothes: one in its chain, or one TVM's FFI
     carried through C++, whose message holds the Python traceback (naming the interrupt or the
-    handler that raised it: the FFI may report it as a bare RuntimeError)."""
+    handler that raised it), or a bare one: the FFI may report it as a RuntimeError with no text."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         text = str(err)
-        if isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in text or _on_sigint.__name__ in text:
+        if (isinstance(err, KeyboardInterrupt) or "KeyboardInterrupt" in text
+                or interrupts.on_sigint.__name__ in text or (type(err) is RuntimeError and not text.strip())):
             return True
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -53,8 +47,7 @@ def run(module: str) -> int:
     environment) and run its ``main``."""
     global _interrupted
     atexit.register(_exit_130_if_interrupted)  # before the imports: runs after their handlers
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+    interrupts.watch()
     try:
         return importlib.import_module(f"sandwich_tvm.{module}").main()
     except HostError as err:
@@ -64,7 +57,7 @@ def run(module: str) -> int:
         # a Python callback of TVM's (the tuner's builder, runner, search) interrupted: TVM's FFI
         # hands the KeyboardInterrupt back as a RuntimeError, at times a bare one; the user asked
         # to stop all the same. An error that does not show itself as the interrupt is named.
-        if not _sigint:
+        if not interrupts.requested():
             raise
         _interrupted = True
         print("interrupted" if _is_interrupt(err) else

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tvm.s_tir import meta_schedule as ms  # noqa: E402,I001
 
+from .. import interrupts
 from ..host import cpu_flags, file_lock, host_signature, require_own_cpu
 from ..tvm_compat import host_isa, host_target, preload_tensor_intrinsics, tvm
 from .database import (
@@ -100,6 +101,7 @@ class MetaScheduleSearch:
                        database=self.database, cost_model=None)
         workload = self.database.commit_workload(mod) if self.database is not None else None
         while (cands := ctx.generate_measure_candidates()) is not None:
+            interrupts.check()  # a callback's error report may have swallowed Ctrl-C
             built = self.builder.build([ms.builder.BuilderInput(c.sch.mod, self.target) for c in cands])
             futures = self.runner.run([
                 ms.runner.RunnerInput(b.artifact_path, "llvm", c.args_info)

@@ -10,6 +10,7 @@ import numpy as np
 from tvm.ir.utils import derived_object  # noqa: E402,I001
 from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
+from ... import interrupts
 from ...host import cold_weight_bytes
 from ...tvm_compat import tvm
 from ..packing import numpy_dtype
@@ -77,6 +78,7 @@ class InProcessRunner(ms.runner.PyRunner):
     def run(self, runner_inputs):
         futures = []
         for inp in runner_inputs:
+            interrupts.check()
             mod = self.cache.modules.get(inp.artifact_path)
             if mod is None:
                 futures.append(_Done(ms.runner.RunnerResult(None, f"no artifact {inp.artifact_path}")))

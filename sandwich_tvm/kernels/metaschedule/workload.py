@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tvm import te
 
+from ... import interrupts
 from ...tvm_compat import tvm
 from ..codegen import Bucket, linear_primfunc
 from ..packing import WeightLayout
@@ -74,6 +75,8 @@ def _linear_block(sch: tvm.s_tir.Schedule) -> tvm.s_tir.schedule.SBlockRV | None
     try:
         return sch.get_sblock(BLOCK, func_name="main")
     except Exception:  # noqa: BLE001 - not our pattern
+        if interrupts.requested():  # Ctrl-C that TVM handed back as an error
+            raise
         return None
 
 
