@@ -29,8 +29,26 @@ def quick_peaks(monkeypatch):
     monkeypatch.setattr(microbench, "sgemm_gflops", lambda _cpu: 1.0)
 
 
+def _default_record(root, n: int, k: int, dtype: str, max_m: int) -> None:
+    """A record of the default schedules in ``root``, as a tuning would leave it (in no time):
+    for the tests that check what bench gemm times, not its tuning (the others tune on the spot)."""
+    import os
+
+    from sandwich_tvm.host import cpu_flags, host_isa
+    from sandwich_tvm.kernels.defaults import default_schedule
+    from sandwich_tvm.kernels.microkernel import kernel_isa
+    from sandwich_tvm.kernels.schedule import GemmShape
+    from sandwich_tvm.kernels.tuner import tune_gemm
+
+    threads, isa = len(os.sched_getaffinity(0)), kernel_isa(host_isa(), dtype, cpu_flags())
+    shape = GemmShape(n, k, dtype)
+    tune_gemm(n, k, threads=threads, max_m=max_m, root=root, dtype=dtype,
+              search_one=lambda p, _mks, _top: (default_schedule(shape, p.m, threads, isa), 1.0))
+
+
 def test_bench_gemm_reports_every_library_and_metaschedule(tmp_path, capsys):
     plot = tmp_path / "gemm.png"
+    _default_record(tmp_path, 40, 72, "float32", 3)
     assert bench.main(["gemm", "--n", "40", "--k", "72", "--m", "1,3", "--schedules", str(tmp_path),
                        "--metaschedule-trials", "4", "--rounds", "2", "--metaschedule-m", "3", "--json",
                        "--plot", str(plot)]) == 0
@@ -66,6 +84,7 @@ def test_bench_gemm_times_a_quantized_weight_against_its_dequantized_values(tmp_
     from sandwich_tvm.kernels.microkernel import ISAS, kernel_isa
     from sandwich_tvm.tvm_compat import host_isa
 
+    _default_record(tmp_path, 40, 96, "q8_0", 3)
     assert bench.main(["gemm", "--n", "40", "--k", "96", "--m", "1,3", "--dtype", "q8_0", "--schedules",
                        str(tmp_path), "--rounds", "1", "--hot-weights", "--json",
                        "--plot", str(tmp_path / "q.png")]) == 0
