@@ -28,12 +28,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from ..cli.args import positive_int
+
+if TYPE_CHECKING:
+    from ..spec import RunSpec
 
 DEFAULT_CONFIGS = "float32,bfloat16,q8_0,q4_0,q4_1"
 LLAMACPP_ROW = "llama.cpp llama-perplexity"
@@ -235,31 +239,39 @@ def summarize(nlls: Sequence[float]) -> dict:
     return {"tokens": len(nlls), "nll": mean, "ppl": math.exp(mean)}
 
 
+def perplexity_specs(model: str, configs: list[Config], window: int, imatrix: Path | None = None
+                     ) -> tuple[RunSpec, list[tuple[Config, RunSpec]]]:
+    """The fp32 run's spec and each config's: one sequence of ``window`` tokens, all on the fp32
+    run's plan (``imatrix`` for the configs that ask for it)."""
+    from ..spec import resolve_run_spec
+
+    base = resolve_run_spec(model, dtype="float32", kv_dtype="float32", needed_tokens=window, max_batch=1)
+    specs = []
+    for c in configs:
+        spec = resolve_run_spec(model, dtype=c.dtype, activations=c.activations, kv_dtype=c.kv_dtype,
+                                needed_tokens=window, max_batch=1, imatrix=imatrix if c.imatrix else None)
+        specs.append((c, replace(spec, plan=base.plan)))
+    return base, specs
+
+
 def main_perplexity(args: argparse.Namespace, console: Console) -> int:
     from ..cli.common import print_error
     from ..cli.options import LOAD_ERRORS
     from ..host import host_signature
     from ..model.tokenizer import load_model_tokenizer
     from ..runtime.loader import open_engine
-    from ..spec import SpecError, gguf_quant_type, resolve_activations, resolve_run_spec
+    from ..spec import SpecError, gguf_quant_type, resolve_activations
 
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     try:
         configs = ([Config.parse(c) for c in args.configs.split(",")] if args.configs else None)
-        base = resolve_run_spec(args.model, dtype="float32", kv_dtype="float32",
-                                needed_tokens=args.window, max_batch=1)
         if configs is None:
             configs = default_configs(resolve_activations("auto", "q8_0"))
         requantized = [d for d in dict.fromkeys(c.dtype for c in configs)
                        if d in ("q4_0", "q4_1") and d != gguf_quant_type(args.model)]
         if args.imatrix:
             configs += [replace(c, imatrix=True) for c in configs if c.dtype in requantized]
-        specs = []
-        for c in configs:
-            spec = resolve_run_spec(args.model, dtype=c.dtype, activations=c.activations, kv_dtype=c.kv_dtype,
-                                    needed_tokens=args.window, max_batch=1,
-                                    imatrix=args.imatrix if c.imatrix else None)
-            specs.append((c, replace(spec, plan=base.plan)))
+        base, specs = perplexity_specs(args.model, configs, args.window, args.imatrix)
         tok = load_model_tokenizer(args.model)
     except (SpecError, ValueError, *LOAD_ERRORS) as exc:
         print_error(console, exc)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sandwich_tvm.bench.perplexity import Config, _nll, engine_nll, sharegpt_text, windows
+from sandwich_tvm.bench.perplexity import Config, _nll, engine_nll, perplexity_specs, sharegpt_text, windows
+
+from ..precompile import warm_up
 
 
 def test_config_and_windows():
@@ -60,16 +63,34 @@ def test_engine_nll_teacher_forces_every_window():
     assert eng.calls == [("start", 0), ("stop", 0)] * 2
 
 
+def _ppl_model(base: Path) -> Path:
+    """A random gqa-small with a byte-level tokenizer, written once a session."""
+    from ..model.hf_models import byte_level_tokenizer, write_hf_model
+
+    out = base / "ppl-gqa-small"
+    if not (out / "tokenizer.json").is_file():
+        write_hf_model("gqa-small", out, seed=1)
+        byte_level_tokenizer().save(str(out / "tokenizer.json"))
+    return out
+
+
+def _ppl_specs(base: Path) -> list:
+    """What the fp32 test builds: the float32 and q8_0 rows' models."""
+    return [s for _, s in perplexity_specs(str(_ppl_model(base)), [Config("float32"), Config("q8_0")], 48)[1]]
+
+
+warm_up(__name__, "test_fp32_perplexity_equals_transformers", _ppl_specs)
+
+
 @pytest.mark.compile
-def test_fp32_perplexity_equals_transformers(tmp_path, capsys):
+def test_fp32_perplexity_equals_transformers(precompiler, tmp_path_factory, capsys):
     pytest.importorskip("torch")
     from sandwich_tvm.bench.cli import main
 
-    from ..model.hf_models import byte_level_tokenizer, write_hf_model
-
-    write_hf_model("gqa-small", tmp_path, seed=1)
-    byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    rc = main(["perplexity", "--model", str(tmp_path), "--configs", "float32,q8_0", "--tokens", "96",
+    base = tmp_path_factory.getbasetemp()
+    for spec in _ppl_specs(base):
+        precompiler.ready(spec)
+    rc = main(["perplexity", "--model", str(_ppl_model(base)), "--configs", "float32,q8_0", "--tokens", "96",
                "--window", "48", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)

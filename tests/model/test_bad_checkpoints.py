@@ -21,7 +21,8 @@ from sandwich_tvm.model.weights import load_params
 from sandwich_tvm.spec import SpecError, check_context, kv_cache_bytes, run_context
 from sandwich_tvm.tvm_compat import PROCESS_CPUS
 
-from .hf_models import byte_level_tokenizer, write_hf_model
+from ..precompile import generate_spec, warm_up
+from .hf_models import byte_level_tokenizer, hf_checkpoint, write_hf_model
 
 pytest.importorskip("torch")
 
@@ -158,14 +159,27 @@ def test_context_beyond_the_model_or_memory_fails_before_compiling(small, tmp_pa
     assert "GiB of memory is available; lower --context" in capsys.readouterr().err
 
 
+def _huge_args(base: Path) -> list[str]:
+    """``generate`` on gqa-small claiming 1e9 positions, on a plan of every core to prefill and
+    one to decode (both written once a session)."""
+    out = base / "huge-context"
+    plan = out / "plans.json"
+    if not plan.is_file():
+        src = hf_checkpoint(base, "gqa-small")
+        variant(src, out / "huge", read_checkpoint(src), max_position_embeddings=1e9)
+        cpus = sorted(PROCESS_CPUS)
+        plan.write_text(json.dumps({"plans": [{"tp": 1, "prefill_cpus": [cpus], "decode_cpus": [cpus[:1]]}]}))
+    return ["--model", str(out / "huge"), "--plan", str(plan), "--prompt-len", "6", "--dtype", "float32"]
+
+
+warm_up(__name__, "test_huge_context_model_runs_with_a_small_cache_and_strict_json",
+        lambda base: [generate_spec([*_huge_args(base), "--max-new-tokens", "2"])])
+
+
 @pytest.mark.compile
-def test_huge_context_model_runs_with_a_small_cache_and_strict_json(small, tmp_path, capsys):
-    model_dir, _, _ = small
-    huge = variant(model_dir, tmp_path / "huge", read_checkpoint(model_dir), max_position_embeddings=1e9)
-    cpus = sorted(PROCESS_CPUS)
-    plan = tmp_path / "plans.json"
-    plan.write_text(json.dumps({"plans": [{"tp": 1, "prefill_cpus": [cpus], "decode_cpus": [cpus[:1]]}]}))
-    base = ["--model", str(huge), "--plan", str(plan), "--prompt-len", "6", "--dtype", "float32"]
+def test_huge_context_model_runs_with_a_small_cache_and_strict_json(precompiler, tmp_path_factory, capsys):
+    base = _huge_args(tmp_path_factory.getbasetemp())
+    precompiler.ready(generate_spec([*base, "--max-new-tokens", "2"]))
     assert generate_cli.main([*base, "--max-new-tokens", "2"]) == 0
     assert "KV cache: 256 tokens" in capsys.readouterr().err
     for new in (1, 0):

@@ -859,8 +859,29 @@ def test_smollm2_greedy_matches_transformers(precompiler):
         assert ours == want, (text, tok.decode(ours), tok.decode(want))
 
 
+def _q4_k_gguf(base: Path) -> Path:
+    """The Q4_K test's GGUF (layer 1's ``attn_v`` and ``ffn_down`` in Q8_0), written once a session."""
+    path = base / "tiny-q4_k" / "tiny-q4_k.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok = tiny_tokenizer()
+        cfg = _k_config(tok.get_vocab_size())
+        write_gguf(path, cfg, random_checkpoint(cfg, seed=6), qtype="Q4_K", tokenizer=tok,
+                   kinds={"blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
+    return path
+
+
+def _q4_k_spec(path: Path):
+    from sandwich_tvm.spec import resolve_run_spec
+
+    return resolve_run_spec(path, activations="float32", kv_dtype="float32", needed_tokens=64, max_batch=1)
+
+
+warm_up(__name__, "test_q4_k_gguf_matches_transformers", lambda base: [_q4_k_spec(_q4_k_gguf(base))])
+
+
 @pytest.mark.compile
-def test_q4_k_gguf_matches_transformers(tmp_path, tok):
+def test_q4_k_gguf_matches_transformers(precompiler, tmp_path_factory, tok):
     """Our engine on a Q4_K GGUF whose layer 1 holds ``attn_v`` and ``ffn_down`` in Q8_0, as a
     Q4_K_M holds some in Q6_K (``--dtype auto``: the Q4_K blocks run as q4_1, layer 1's qkv and
     down in q8_0; fp32 activations and KV cache), gives HF transformers' logits on the weights
@@ -871,12 +892,11 @@ def test_q4_k_gguf_matches_transformers(tmp_path, tok):
     pytest.importorskip("accelerate", reason="transformers reads GGUF weights through accelerate")
     from sandwich_tvm.kernels.quant import QTYPES, QuantBlocks
     from sandwich_tvm.runtime.loader import open_engine
-    from sandwich_tvm.spec import resolve_run_spec
 
     cfg = _k_config(tok.get_vocab_size())
-    path = write_gguf(tmp_path / "tiny-q4_k.gguf", cfg, random_checkpoint(cfg, seed=6), qtype="Q4_K",
-                      tokenizer=tok, kinds={"blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_down.weight": "Q8_0"})
-    spec = resolve_run_spec(path, activations="float32", kv_dtype="float32", needed_tokens=64, max_batch=1)
+    path = _q4_k_gguf(tmp_path_factory.getbasetemp())
+    spec = _q4_k_spec(path)
+    precompiler.ready(spec)
     assert spec.weight_dtype == "q4_1" and spec.wider_linears == ((1, "down", "q8_0"), (1, "qkv", "q8_0"))
     engine, compiled = open_engine(spec)
     kinds = {(i, name): compiled.layouts[f"model.layers.{i}.{name}.weight"].dtype
@@ -887,7 +907,7 @@ def test_q4_k_gguf_matches_transformers(tmp_path, tok):
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab_size, 21)]
     logits: list[np.ndarray] = []
     ours = engine.generate(prompt, 16, logits_out=logits).tokens
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     runs_model = type(hf)(hf.config).eval()
     state, q8 = read_checkpoint(path), QTYPES["q8_0"]
