@@ -5,6 +5,7 @@ compiled: our model and TVM's stock build against HF transformers on the same we
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ import pytest
 from sandwich_tvm.model.config import LlamaConfig, ModelConfigError, load_config
 from sandwich_tvm.model.rope import inv_freq, linear_factor
 
+from ..precompile import warm_up
 from .gguf_models import tiny_config, tiny_tokenizer, write_gguf
-from .hf_models import write_hf_model
+from .hf_models import hf_checkpoint, write_hf_model
 
 
 def _hf_dir(tmp_path, rope) -> str:
@@ -69,24 +71,41 @@ def test_linear_scaling_from_a_gguf(tmp_path, keys):
     assert load_config(again).rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
+def _linear_rope_specs(base: Path) -> list:
+    """The linear-RoPE checkpoint's builds, ours and the stock one (in that order)."""
+    from sandwich_tvm.spec import RunSpec
+    from sandwich_tvm.topology.plan import ExecPlan
+    from sandwich_tvm.tvm_compat import PROCESS_CPUS
+
+    cfg = load_config(hf_checkpoint(base, "mha-linear-rope", seed=3))
+    cpus = tuple(sorted(PROCESS_CPUS))
+    return [RunSpec(cfg.name, cfg, ExecPlan(cpus, cpus, "test"), stock=stock, kv_dtype="float32", max_batch=1)
+            for stock in (False, True)]
+
+
+warm_up(__name__, "test_linear_scaling_matches_hf", _linear_rope_specs)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("stock", [False, True], ids=["sandwich", "stock"])
-def test_linear_scaling_matches_hf(tmp_path, stock):
+def test_linear_scaling_matches_hf(precompiler, tmp_path_factory, stock):
     torch = pytest.importorskip("torch")
+    import transformers
+
     from sandwich_tvm.compiler.artifact import compile_model
     from sandwich_tvm.model.weights import load_params
     from sandwich_tvm.runtime.engine import Engine
-    from sandwich_tvm.spec import RunSpec
-    from sandwich_tvm.topology.plan import ExecPlan
-    from sandwich_tvm.tvm_compat import PROCESS_CPUS, host_isa
+    from sandwich_tvm.tvm_compat import host_isa
 
-    hf = write_hf_model("mha-linear-rope", tmp_path, seed=3)
-    cfg = load_config(tmp_path)
+    base = tmp_path_factory.getbasetemp()
+    path = hf_checkpoint(base, "mha-linear-rope", seed=3)
+    hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    spec = _linear_rope_specs(base)[int(stock)]
+    cfg, plan = spec.config, spec.plan
     assert linear_factor(cfg) == 4.0
-    cpus = tuple(sorted(PROCESS_CPUS))
-    plan = ExecPlan(cpus, cpus, "test")
-    compiled = compile_model(RunSpec(cfg.name, cfg, plan, stock=stock, kv_dtype="float32", max_batch=1))
-    params = load_params(tmp_path, cfg, compiled.params, host_isa(), layouts=compiled.layouts)
+    precompiler.ready(spec)
+    compiled = compile_model(spec)
+    params = load_params(path, cfg, compiled.params, host_isa(), layouts=compiled.layouts)
     engine = Engine(compiled, params, plan)
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 60)]
     logits: list[np.ndarray] = []

@@ -4,6 +4,7 @@ between two steps, over the same weights and KV cache, and greedy tokens do not 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,15 @@ from sandwich_tvm.kernels.database import KernelRecord, save_record
 from sandwich_tvm.kernels.microkernel import kernel_isa, microkernels
 from sandwich_tvm.kernels.schedule import GemmSchedule, Polymerization, Slice
 from sandwich_tvm.kernels.search import Problem, Tuned, caps
+from sandwich_tvm.model.config import load_config
 from sandwich_tvm.model.shapes import linear_shapes
 from sandwich_tvm.runtime.engine import Engine, EngineError
 from sandwich_tvm.spec import RunSpec
+from sandwich_tvm.topology.plan import ExecPlan
 from sandwich_tvm.tvm_compat import host_isa
+
+from ..model.hf_models import hf_checkpoint
+from ..precompile import warm_up
 
 pytestmark = pytest.mark.compile
 
@@ -35,12 +41,23 @@ def split_k_records(cfg, threads: int, root) -> None:
         save_record(KernelRecord(shape, threads, host_signature(), [Tuned(1, sch, 1.0, True)]), root)
 
 
-def test_a_swap_mid_generation_keeps_the_greedy_tokens(tiny_model, tmp_path):
+def _split_k_spec(base: Path) -> RunSpec:
+    """``tiny_model``'s build on split-k records (written once a session)."""
+    cfg, plan, root = load_config(hf_checkpoint(base, "mha-untied")), ExecPlan.all_cpus(), base / "split-k"
+    if not root.is_dir():
+        for threads in {plan.prefill_threads, plan.decode_threads}:
+            split_k_records(cfg, threads, root)
+    return RunSpec(cfg.name, cfg, plan, max_batch=8, kv_dtype="float32", records=root)
+
+
+warm_up(__name__, "test_a_swap_mid_generation_keeps_the_greedy_tokens", lambda base: [_split_k_spec(base)])
+
+
+def test_a_swap_mid_generation_keeps_the_greedy_tokens(tiny_model, precompiler, tmp_path_factory):
     _, compiled, params, plan = tiny_model
-    cfg = compiled.config
-    for threads in {plan.prefill_threads, plan.decode_threads}:
-        split_k_records(cfg, threads, tmp_path)
-    spec = RunSpec(cfg.name, cfg, plan, max_batch=8, kv_dtype="float32", records=tmp_path)
+    spec = _split_k_spec(tmp_path_factory.getbasetemp())
+    assert spec.plan == plan and spec.config == compiled.config
+    precompiler.ready(spec)
     tuned = compile_model(spec)
     assert tuned.path != compiled.path and tuned.meta["kernels"] != compiled.meta["kernels"]
     prompt = [3, 17, 5, 9, 28, 2, 11]
