@@ -13,7 +13,7 @@ from __future__ import annotations
 import faulthandler
 import signal
 
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 60.0  # above serve's orderly stop (its tuning worker, then the engine)
 _requested = False
 
 
@@ -22,7 +22,10 @@ def on_sigint(signum, frame) -> None:
     global _requested
     if not _requested:
         _requested = True
-        faulthandler.dump_traceback_later(STOP_GRACE_S, exit=True)
+        try:
+            faulthandler.dump_traceback_later(STOP_GRACE_S, exit=True)
+        except (AttributeError, ValueError, OSError):  # sys.stderr closed or not a file: fd 2
+            faulthandler.dump_traceback_later(STOP_GRACE_S, exit=True, file=2)
     signal.default_int_handler(signum, frame)
 
 

@@ -14,12 +14,16 @@ from sandwich_tvm import interrupts
 interrupts.STOP_GRACE_S = 1.0
 interrupts.watch()
 def swallowing_loop():
+    ready = False
     while True:
         try:
-            time.sleep(0.05)
+            if not ready:
+                ready = True
+                print("ready", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(0.05)
         except KeyboardInterrupt:  # what a callback's error report does to Ctrl-C
             print("swallowed", interrupts.requested(), file=sys.stderr, flush=True)
-print("ready", file=sys.stderr, flush=True)
 swallowing_loop()
 """
 

@@ -49,7 +49,7 @@ def run(module: str) -> int:
     atexit.register(_exit_130_if_interrupted)  # before the imports: runs after their handlers
     interrupts.watch()
     try:
-        return importlib.import_module(f"sandwich_tvm.{module}").main()
+        rc = importlib.import_module(f"sandwich_tvm.{module}").main()
     except HostError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -67,3 +67,8 @@ def run(module: str) -> int:
         _interrupted = True
         print("interrupted", file=sys.stderr)
         return 130
+    if rc and interrupts.requested():  # an error the interrupt caused, reported as the command's own
+        _interrupted = True
+        print("interrupted", file=sys.stderr)
+        return 130
+    return rc

@@ -20,8 +20,9 @@ def _ctrl_c_reaches_it() -> None:  # a background test run ignores SIGINT; a ter
 
 def test_ctrl_c_while_tuning_ends_with_130_and_keeps_the_measurements(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sandwich_tvm.tune", "kernels", "--model", "llama-34m", "--dtype", "float32",
-         "--search", "full", "--max-m", "64", "--threads", "1", "--records", str(tmp_path)],
+        [sys.executable, "-X", "faulthandler", "-m", "sandwich_tvm.tune", "kernels", "--model", "llama-34m",
+         "--dtype", "float32", "--search", "full", "--max-m", "64", "--threads", "1",
+         "--records", str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_reaches_it)
     try:
         deadline = time.monotonic() + 300
@@ -29,12 +30,15 @@ def test_ctrl_c_while_tuning_ends_with_130_and_keeps_the_measurements(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # every thread's stack (faulthandler, without the GIL)
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"still running 120 s after Ctrl-C:\n{proc.communicate(timeout=60)[1][-8000:]}")
     finally:
         proc.kill()
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert list(tmp_path.glob("*/t1/measured/*.jsonl"))
-
 
 
 def test_the_builder_lets_ctrl_c_through_where_it_reports_any_other_error(monkeypatch):
