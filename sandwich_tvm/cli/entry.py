@@ -42,10 +42,17 @@ def _is_interrupt(err: BaseException) -> bool:
     return False
 
 
+def _stopped(message: str = "interrupted") -> int:
+    """Ctrl-C ended the command: say so, and leave with status 130 (``_exit_130_if_interrupted``)."""
+    global _interrupted
+    _interrupted = True
+    print(message, file=sys.stderr)
+    return 130
+
+
 def run(module: str) -> int:
     """Import ``sandwich_tvm.<module>`` (e.g. ``cli.generate``; importing TVM checks the
     environment) and run its ``main``."""
-    global _interrupted
     atexit.register(_exit_130_if_interrupted)  # before the imports: runs after their handlers
     interrupts.watch()
     try:
@@ -59,16 +66,10 @@ def run(module: str) -> int:
         # to stop all the same. An error that does not show itself as the interrupt is named.
         if not interrupts.requested():
             raise
-        _interrupted = True
-        print("interrupted" if _is_interrupt(err) else
-              f"interrupted ({type(err).__name__} raised while stopping)", file=sys.stderr)
-        return 130
+        return _stopped("interrupted" if _is_interrupt(err) else
+                        f"interrupted ({type(err).__name__} raised while stopping)")
     except KeyboardInterrupt:
-        _interrupted = True
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _stopped()
     if rc and interrupts.requested():  # an error the interrupt caused, reported as the command's own
-        _interrupted = True
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _stopped()
     return rc
