@@ -76,6 +76,10 @@ def add_e2e_parser(sub) -> None:
                    help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
                         "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
                         "ratios to 'sandwich'")
+    e.add_argument("--also-records", type=Path, default=None, metavar="DIR",
+                   help="also run Sandwich on the kernel records in DIR (e.g. a new tuning against the "
+                        "shipped records), its requests interleaved with the main run's; rows 'sandwich "
+                        "records', with ratios to 'sandwich'")
     e.add_argument("--llamacpp-dtype", choices=["float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
                    default=None,
                    help="the GGUF llama.cpp runs (default: the precision Sandwich runs, --dtype), e.g. "
@@ -284,6 +288,12 @@ def bench_e2e(args, console: Console) -> dict:
     if dtype_name:
         other = dataclasses.replace(spec, weight_dtype=args.also_dtype, wider_linears=())  # all in that type
         runners.append((dtype_name, tvm_runner(args, other, prompts, log, name=dtype_name)))
+    records_name = "sandwich records" if args.also_records is not None else None
+    if records_name:
+        if not args.also_records.is_dir():
+            raise SystemExit(f"--also-records {args.also_records}: no such directory of kernel records")
+        other = dataclasses.replace(spec, records=args.also_records)
+        runners.append((records_name, tvm_runner(args, other, prompts, log, name=records_name)))
     for system, row_name in LLAMACPP_ROWS.items():
         if system in systems:
             run = llamacpp_runner(args, cfg, prompts, threads, notes, log, spec.weight_dtype,
@@ -315,6 +325,8 @@ def bench_e2e(args, console: Console) -> dict:
         preds[also_name] = predict(spec.weight_dtype, also, wider=spec.wider_linears)
     if dtype_name:
         preds[dtype_name] = predict(args.also_dtype, plan)
+    if records_name:
+        preds[records_name] = predict(spec.weight_dtype, plan, wider=spec.wider_linears)
     del runners, turns
     gc.collect()  # free those weights before the stock build's (Llama-3.2-1B is 5 GB in fp32)
     if "stock" in systems:
@@ -339,7 +351,7 @@ def bench_e2e(args, console: Console) -> dict:
             if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
                 r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
                 r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
-        if r["system"] in (also_name, dtype_name):
+        if r["system"] in (also_name, dtype_name, records_name):
             base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
             r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
@@ -351,6 +363,7 @@ def bench_e2e(args, console: Console) -> dict:
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.name, "plan": plan.describe(),
             "threads": threads, "processes": plan.processes,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
+            "also_records": None if args.also_records is None else str(args.also_records),
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
             "wider_linears": [list(w) for w in spec.wider_linears],  # (layer, Linear, dtype) held wider
             "new_tokens": args.new_tokens, "rows": rows, "notes": notes, "repeat": max(1, args.repeat),

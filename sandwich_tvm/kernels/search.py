@@ -356,6 +356,41 @@ def neighbours(p: Problem, s: GemmSchedule) -> list[GemmSchedule]:
     return list(dict.fromkeys(out))
 
 
+PLAY_OFF = (4, 2)  # finalists (their micro-kernels' best) and rounds of ``confirmed``'s play-off
+
+
+def confirmed(search: Search, top: int = PLAY_OFF[0], rounds: int = PLAY_OFF[1]) -> Search:
+    """``search``, then a play-off: the best schedule of each of its ``top`` fastest micro-kernels
+    timed again side by side, ``rounds`` times in alternating order; the best mean of those
+    timings wins. A search measures one candidate after another, and a VM's memory bandwidth
+    drifts between phases over minutes, so a tile timed in a fast phase could beat a better one
+    timed in a slow one (a q4_0 GEMV's two-panel tile over its one-panel tile, 0.7x as fast side
+    by side). Re-timing needs no build: every finalist is built already."""
+    seen: dict[GemmSchedule, float] = {}
+    batch = next(search)
+    try:
+        while True:
+            gs = yield batch
+            for sch, g in zip(batch, gs, strict=False):
+                seen[sch] = max(g, seen.get(sch, 0.0))
+            batch = search.send(gs)
+    except StopIteration as done:
+        result = done.value
+    best: dict[MicroKernel, GemmSchedule] = {}
+    for sch in sorted((x for x in seen if seen[x] > 0), key=lambda x: -seen[x]):
+        best.setdefault(sch.mk, sch)
+    finalists = list(best.values())[:top]
+    if len(finalists) < 2:
+        return result
+    order = [sch for r in range(rounds) for sch in (finalists if r % 2 == 0 else finalists[::-1])]
+    gs = yield order
+    timed: dict[GemmSchedule, list[float]] = {}
+    for sch, g in zip(order, gs, strict=True):
+        timed.setdefault(sch, []).append(g)
+    win = max(finalists, key=lambda x: sum(timed[x]))
+    return win, sum(timed[win]) / len(timed[win])
+
+
 def measure_all(cands: Sequence[GemmSchedule]) -> Search:
     """Measure ``cands`` in one batch; the fastest wins."""
     gs = yield list(cands)

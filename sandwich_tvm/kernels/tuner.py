@@ -82,7 +82,7 @@ class MetaScheduleSearch:
         """GFLOPS of each of ``cands`` at ``p`` (0 for one that failed to build or run)."""
         got: dict[GemmSchedule, float] = {}
         strategy = SandwichSearchStrategy(
-            p.threads, search=lambda _q: measure_all(cands),
+            p.threads, search=lambda _q: measure_all(cands), confirm=False,
             on_measured=lambda _m, schs, gs: got.update(zip(schs, gs, strict=False)))
         self._run(p, [cands[0].mk], strategy)
         return [got.get(c, 0.0) for c in cands]

@@ -12,6 +12,7 @@ from sandwich_tvm.kernels.search import (
     Problem,
     SequenceTuner,
     caps,
+    confirmed,
     fast_start,
     model_score,
     refine,
@@ -209,3 +210,40 @@ def test_reuse_is_rechecked_at_powers_of_two():
     last = next(t for t in tuned if t.m == refined[-2])
     after = [t for t in tuned if refined[-2] < t.m < 2048]
     assert after and all(t.schedule == last.schedule and not t.searched for t in after)
+
+
+def test_a_play_off_overrules_a_tile_timed_in_a_fast_memory_phase():
+    """The slice search times one micro-kernel after the other. The memory phase flips between
+    them: the 1x32 tile is timed fast although it is the slower one side by side. The play-off
+    re-times each micro-kernel's best, alternating, and keeps the 1x16 tile (at its side-by-side
+    speed); without it the search keeps the 1x32 tile."""
+    p = Problem(m=1, n=4096, k=2048, threads=2)
+    one, two = MicroKernel("avx512", 1, 16), MicroKernel("avx512", 1, 32)
+    speed = {one: 60.0, two: 45.0}  # side by side
+    play_offs = []
+
+    def measure(batch: list[GemmSchedule]) -> list[float]:
+        if len(batch) == 4 and {s.mk for s in batch} == {one, two}:  # the play-off: side by side
+            play_offs.append([s.mk for s in batch])
+            return [speed[s.mk] for s in batch]
+        # alone, the 1x32 tile met the host's memory in a fast phase
+        return [speed[s.mk] * (1.5 if s.mk == two else 1.0) for s in batch]
+
+    best, g = run_search(slice_search(p, [one, two]), measure)
+    assert best.mk == two and not play_offs  # the fast phase fooled the plain search
+    best, g = run_search(confirmed(slice_search(p, [one, two])), measure)
+    assert best.mk == one and g == 60.0
+    assert play_offs == [[two, one, one, two]]  # each finalist twice, the order reversed
+
+
+def test_a_play_off_needs_two_micro_kernels():
+    p = Problem(m=1, n=4096, k=2048, threads=2)
+    batches = []
+
+    def measure(batch):
+        batches.append(batch)
+        return [float(s.slice.kc) for s in batch]
+
+    best, _ = run_search(confirmed(fast_start(p, MK, Polymerization(1, 2, 1))), measure)
+    assert all(len(b) == 1 for b in batches)  # no play-off batch: one micro-kernel, nothing to re-time
+    assert best.slice.kc == max(s.slice.kc for b in batches for s in b)

@@ -13,7 +13,7 @@ from tvm.ir.utils import derived_object  # noqa: E402,I001
 from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
 from ..schedule import GemmSchedule
-from ..search import Problem, Search, refine, slice_search
+from ..search import Problem, Search, confirmed, refine, slice_search
 from .workload import annotate, schedule_of, workload_shape
 
 
@@ -25,13 +25,14 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
     def __init__(self, threads: int, finetune_top: int = 2, start: GemmSchedule | None = None,
                  alternatives: Sequence[GemmSchedule] = (),
                  on_measured: Callable[[int, Sequence[GemmSchedule], list[float]], None] | None = None,
-                 search: Callable[[Problem], Search] | None = None) -> None:
+                 search: Callable[[Problem], Search] | None = None, confirm: bool = True) -> None:
         super().__init__()
         self.threads = threads
         self.finetune_top = finetune_top
         self.start, self.alternatives = start, tuple(alternatives)
         self.on_measured = on_measured  # (m, schedules, GFLOPS) of every timed batch
         self.search = search  # a search of its own (``ranked``) instead of slice_search / refine
+        self.confirm = confirm  # end with the finalists' play-off (``search.confirmed``)
         self.best: tuple[GemmSchedule, float] | None = None
 
     def _initialize_with_tune_context(self, context) -> None:
@@ -48,6 +49,8 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
             self._search = slice_search(problem, mks, self.finetune_top)
         else:
             self._search = refine(problem, self.start, self.alternatives)
+        if self.confirm:
+            self._search = confirmed(self._search)
         self._pending: list[GemmSchedule] | None = next(self._search)
         self.best = None
 
@@ -75,8 +78,10 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
                 self.best = (s, g)
         try:
             self._pending = self._search.send(gflops)
-        except StopIteration:
+        except StopIteration as done:  # the search's own pick (a play-off may overrule the fastest timing)
             self._pending = None
+            if done.value is not None:
+                self.best = done.value
 
     def clone(self):
         return SandwichSearchStrategy(self.threads, self.finetune_top, self.start, self.alternatives,
