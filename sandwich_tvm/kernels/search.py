@@ -367,8 +367,8 @@ def confirmed(search: Search, top: int = PLAY_OFF[0], rounds: int = PLAY_OFF[1])
     timed in a slow one (a q4_0 GEMV's two-panel tile over its one-panel tile, 0.7x as fast side
     by side). Re-timing needs no build: every finalist is built already."""
     seen: dict[GemmSchedule, float] = {}
-    batch = next(search)
     try:
+        batch = next(search)
         while True:
             gs = yield batch
             for sch, g in zip(batch, gs, strict=False):
