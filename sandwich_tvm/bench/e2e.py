@@ -253,6 +253,8 @@ def with_bandwidth(profile, cores: int, gbs: float):
 def bench_e2e(args, console: Console) -> dict:
     from ..topology.plan import ExecPlan
 
+    if args.also_records is not None and not args.also_records.is_dir():
+        raise SystemExit(f"--also-records {args.also_records}: no such directory of kernel records")
     prompts = [int(x) for x in args.prompts.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
@@ -290,8 +292,6 @@ def bench_e2e(args, console: Console) -> dict:
         runners.append((dtype_name, tvm_runner(args, other, prompts, log, name=dtype_name)))
     records_name = "sandwich records" if args.also_records is not None else None
     if records_name:
-        if not args.also_records.is_dir():
-            raise SystemExit(f"--also-records {args.also_records}: no such directory of kernel records")
         other = dataclasses.replace(spec, records=args.also_records)
         runners.append((records_name, tvm_runner(args, other, prompts, log, name=records_name)))
     for system, row_name in LLAMACPP_ROWS.items():

@@ -140,21 +140,30 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys, p
     precompiler.ready(_e2e_spec(model_dir))
     precompiler.ready(_default_spec(model_dir))  # the --also-dtype bfloat16 run
     plot = tmp_path / "e2e.png"
+    (tmp_path / "records").mkdir()
+    with pytest.raises(SystemExit, match="no such directory of kernel records"):
+        bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
+                        "--systems", "sandwich", "--also-records", str(tmp_path / "missing")])
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                            "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
                            "--repeat", "2", "--cached-profile", "--dtype", "float32",
-                           "--also-dtype", "bfloat16", "--plot", str(plot)])
+                           "--also-dtype", "bfloat16", "--also-records", str(tmp_path / "records"),
+                           "--plot", str(plot)])
     assert code == 0 and plot.stat().st_size > 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
     assert len(out["bandwidth_samples_gbs"]) == 8  # before and after each of 2 x 2 requests
     assert all(r["decode_bandwidth_gbs"] > 0 for r in rows)  # sampled per prompt length
     assert [(r["prompt"], r["system"], r["weights"]) for r in rows] == [
-        (8, "sandwich", "float32"), (8, "sandwich bfloat16", "bfloat16"),
-        (24, "sandwich", "float32"), (24, "sandwich bfloat16", "bfloat16")]
-    for r in rows[1::2]:  # the --also-dtype rows, interleaved and paired with the main run's
-        assert r["tpot_ratio_vs_sandwich"] > 0 and r["predicted_tpot_ms"] > 0
-        assert len(r["tpot_runs_ms"]) == 2
+        (p, system, dtype) for p in (8, 24) for system, dtype in (
+            ("sandwich", "float32"), ("sandwich bfloat16", "bfloat16"), ("sandwich records", "float32"))]
+    for r in rows:  # the --also-dtype and --also-records rows, interleaved and paired with the main run's
+        if r["system"] != "sandwich":
+            assert r["tpot_ratio_vs_sandwich"] > 0 and r["predicted_tpot_ms"] > 0
+            assert len(r["tpot_runs_ms"]) == 2
+        if r["system"] == "sandwich records":  # an empty records folder: the same default kernels
+            assert r["same_tokens_as_sandwich"] is True
+    assert out["also_records"] == str(tmp_path / "records")
     for r in rows:
         assert r["output_tokens"] == 4
         assert r["ttft_ms"] > 0 and r["predicted_ttft_ms"] > 0 and r["predicted_tpot_ms"] > 0
