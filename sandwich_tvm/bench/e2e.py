@@ -257,6 +257,11 @@ def bench_e2e(args, console: Console) -> dict:
         raise SystemExit(f"--also-records {args.also_records}: no such directory of kernel records")
     prompts = [int(x) for x in args.prompts.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    also_given = [f"--{n.replace('_', '-')}" for n in ("also_plan", "also_dtype", "also_records")
+                  if getattr(args, n) is not None]
+    if also_given and "sandwich" not in systems:
+        raise SystemExit(f"{', '.join(also_given)} runs against Sandwich's main run: add sandwich to "
+                         "--systems")
     log = (lambda _m: None) if args.json else (lambda m: console.print(f"[dim]{m}[/]"))
     context = max(prompts) + args.new_tokens + 1
     spec = spec_from_args(args, log, context=context, prefill_chunk=context)
@@ -311,9 +316,10 @@ def bench_e2e(args, console: Console) -> dict:
             gbs[p] = float(np.median(probe.samples[first:]))
     # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
 
-    def predict(dtype: str, on, refresh: bool = False, wider: tuple = ()) -> list[dict]:
+    def predict(dtype: str, on, refresh: bool = False, wider: tuple = (), records: Path | None = spec.records
+                ) -> list[dict]:
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
-        kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, spec.records)
+        kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
                          gemm_speedup=float(pairs), weight_bytes=layer_weight_bytes(cfg, dtype, wider),
                          head_bytes=DTYPE_BYTES[head_dtype(dtype)],
@@ -326,7 +332,8 @@ def bench_e2e(args, console: Console) -> dict:
     if dtype_name:
         preds[dtype_name] = predict(args.also_dtype, plan)
     if records_name:
-        preds[records_name] = predict(spec.weight_dtype, plan, wider=spec.wider_linears)
+        preds[records_name] = predict(spec.weight_dtype, plan, wider=spec.wider_linears,
+                                      records=args.also_records)
     del runners, turns
     gc.collect()  # free those weights before the stock build's (Llama-3.2-1B is 5 GB in fp32)
     if "stock" in systems:

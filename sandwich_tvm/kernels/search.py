@@ -380,15 +380,19 @@ def confirmed(search: Search, top: int = PLAY_OFF[0], rounds: int = PLAY_OFF[1])
     for sch in sorted((x for x in seen if seen[x] > 0), key=lambda x: -seen[x]):
         best.setdefault(sch.mk, sch)
     finalists = list(best.values())[:top]
-    if len(finalists) < 2:
+    if len(finalists) < 2 or rounds < 1:
         return result
     order = [sch for r in range(rounds) for sch in (finalists if r % 2 == 0 else finalists[::-1])]
     gs = yield order
-    timed: dict[GemmSchedule, list[float]] = {}
+    timed: dict[GemmSchedule, list[float]] = {sch: [] for sch in finalists}
     for sch, g in zip(order, gs, strict=True):
-        timed.setdefault(sch, []).append(g)
-    win = max(finalists, key=lambda x: sum(timed[x]))
-    return win, sum(timed[win]) / len(timed[win])
+        if g > 0:  # a failed run (0) is no timing
+            timed[sch].append(g)
+    mean = {sch: sum(ts) / len(ts) for sch, ts in timed.items() if ts}
+    if not mean:
+        return result
+    win = max(mean, key=mean.__getitem__)
+    return win, mean[win]
 
 
 def measure_all(cands: Sequence[GemmSchedule]) -> Search:

@@ -247,3 +247,19 @@ def test_a_play_off_needs_two_micro_kernels():
     best, _ = run_search(confirmed(fast_start(p, MK, Polymerization(1, 2, 1))), measure)
     assert all(len(b) == 1 for b in batches)  # no play-off batch: one micro-kernel, nothing to re-time
     assert best.slice.kc == max(s.slice.kc for b in batches for s in b)
+
+
+def test_a_play_off_whose_runs_all_fail_keeps_the_searchs_pick():
+    p = Problem(m=1, n=4096, k=2048, threads=2)
+    one, two = MicroKernel("avx512", 1, 16), MicroKernel("avx512", 1, 32)
+    calls = []
+
+    def measure(batch):
+        calls.append(len(batch))
+        return [0.0] * len(batch) if len(calls) > 1 and len(batch) == 4 else [
+            60.0 if s.mk == one else 50.0 for s in batch]
+
+    plain = run_search(slice_search(p, [one, two]), measure)
+    calls.clear()
+    assert run_search(confirmed(slice_search(p, [one, two])), measure) == plain
+    assert calls[-1] == 4  # the play-off ran, and every one of its timings failed

@@ -144,6 +144,9 @@ def test_bench_e2e_reports_measured_and_predicted(model_dir, tmp_path, capsys, p
     with pytest.raises(SystemExit, match="no such directory of kernel records"):
         bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                         "--systems", "sandwich", "--also-records", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="--also-records runs against Sandwich's main run"):
+        bench_cli.main(["e2e", "--model", str(model_dir), "--systems", "torch", "--also-records",
+                        str(tmp_path / "records")])
     code = bench_cli.main(["e2e", "--model", str(model_dir), "--plan", str(model_dir / "plans.json"),
                            "--prompts", "8,24", "--new-tokens", "4", "--systems", "sandwich", "--json",
                            "--repeat", "2", "--cached-profile", "--dtype", "float32",

@@ -85,4 +85,4 @@ class SandwichSearchStrategy(ms.search_strategy.PySearchStrategy):
 
     def clone(self):
         return SandwichSearchStrategy(self.threads, self.finetune_top, self.start, self.alternatives,
-                                      self.on_measured, self.search)
+                                      self.on_measured, self.search, self.confirm)
