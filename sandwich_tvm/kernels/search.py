@@ -364,8 +364,8 @@ def confirmed(search: Search, top: int = PLAY_OFF[0], rounds: int = PLAY_OFF[1])
     timed again side by side, ``rounds`` times in alternating order; the best mean of those
     timings wins. A search measures one candidate after another, and a VM's memory bandwidth
     drifts between phases over minutes, so a tile timed in a fast phase could beat a better one
-    timed in a slow one (a q4_0 GEMV's two-panel tile over its one-panel tile, 0.7x as fast side
-    by side). Re-timing needs no build: every finalist is built already."""
+    timed in a slow one (the Zen 5's q4_0 gate_up at m = 1 kept a two-panel tile; the one-panel
+    tile ran 1.33x as fast side by side). Re-timing needs no build: every finalist is built."""
     seen: dict[GemmSchedule, float] = {}
     try:
         batch = next(search)
