@@ -285,20 +285,20 @@ def bench_e2e(args, console: Console) -> dict:
 
         probe = BandwidthProbe(list(plan.all_decode_cpus))
         runners.append(("sandwich", tvm_runner(args, spec, prompts, log, probe)))
+    # Sandwich's other runs, each paired with the main one: row name -> its spec
+    variants: dict[str, RunSpec] = {}
     also = ExecPlan.from_file(args.also_plan) if args.also_plan is not None else None
-    also_name = (None if also is None else "sandwich wa" if also.wa else f"sandwich tp{also.tp}"
-                 if also.pp == 1 else f"sandwich pp{also.pp}")
     if also is not None:
         log(f"also: {also.describe()}")
-        runners.append((also_name, tvm_runner(args, spec.with_plan(also), prompts, log, name=also_name)))
-    dtype_name = f"sandwich {args.also_dtype}" if args.also_dtype else None
-    if dtype_name:
-        other = dataclasses.replace(spec, weight_dtype=args.also_dtype, wider_linears=())  # all in that type
-        runners.append((dtype_name, tvm_runner(args, other, prompts, log, name=dtype_name)))
-    records_name = "sandwich records" if args.also_records is not None else None
-    if records_name:
-        other = dataclasses.replace(spec, records=args.also_records)
-        runners.append((records_name, tvm_runner(args, other, prompts, log, name=records_name)))
+        name = ("sandwich wa" if also.wa else f"sandwich tp{also.tp}" if also.pp == 1
+                else f"sandwich pp{also.pp}")
+        variants[name] = spec.with_plan(also)
+    if args.also_dtype:  # every Linear in that type
+        variants[f"sandwich {args.also_dtype}"] = dataclasses.replace(spec, weight_dtype=args.also_dtype,
+                                                                       wider_linears=())
+    if args.also_records is not None:
+        variants["sandwich records"] = dataclasses.replace(spec, records=args.also_records)
+    runners += [(name, tvm_runner(args, other, prompts, log, name=name)) for name, other in variants.items()]
     for system, row_name in LLAMACPP_ROWS.items():
         if system in systems:
             run = llamacpp_runner(args, cfg, prompts, threads, notes, log, spec.weight_dtype,
@@ -316,24 +316,18 @@ def bench_e2e(args, console: Console) -> dict:
             gbs[p] = float(np.median(probe.samples[first:]))
     # the simulator streams the weights in the dtype Sandwich ran, at its kernels' compute roof
 
-    def predict(dtype: str, on, refresh: bool = False, wider: tuple = (), records: Path | None = spec.records
-                ) -> list[dict]:
+    def predict(run: RunSpec, refresh: bool = False) -> list[dict]:
+        dtype, on = run.weight_dtype, run.plan
         pairs = ISAS[kernel_isa(host_isa(), dtype, cpu_flags())].k_pack
-        kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, records)
+        kernels = measured_decode_kernels(cfg, dtype, {len(d) for _, d in on.ranks}, run.records)
         return predicted(cfg, on, prompts, args.new_tokens, log, refresh=refresh, decode_gbs=gbs,
-                         gemm_speedup=float(pairs), weight_bytes=layer_weight_bytes(cfg, dtype, wider),
+                         gemm_speedup=float(pairs),
+                         weight_bytes=layer_weight_bytes(cfg, dtype, run.wider_linears),
                          head_bytes=DTYPE_BYTES[head_dtype(dtype)],
                          kv_bytes=kv_value_bytes(spec.kv_dtype, spec.config.head_dim), kernels=kernels)
 
-    preds = {"sandwich": predict(spec.weight_dtype, plan, refresh=not args.cached_profile,
-                                 wider=spec.wider_linears)}
-    if also is not None:
-        preds[also_name] = predict(spec.weight_dtype, also, wider=spec.wider_linears)
-    if dtype_name:
-        preds[dtype_name] = predict(args.also_dtype, plan)
-    if records_name:
-        preds[records_name] = predict(spec.weight_dtype, plan, wider=spec.wider_linears,
-                                      records=args.also_records)
+    preds = {"sandwich": predict(spec, refresh=not args.cached_profile)}
+    preds.update({name: predict(other) for name, other in variants.items()})
     del runners, turns
     gc.collect()  # free those weights before the stock build's (Llama-3.2-1B is 5 GB in fp32)
     if "stock" in systems:
@@ -358,7 +352,7 @@ def bench_e2e(args, console: Console) -> dict:
             if "allreduce_latency_us" in pr:  # the simulator's all-reduce terms, timed in this run
                 r["predicted_allreduce_us"] = pr["allreduce_latency_us"]
                 r["predicted_allreduce_gbs"] = pr["allreduce_gbs"]
-        if r["system"] in (also_name, dtype_name, records_name):
+        if r["system"] in variants:
             base = next(b for b in rows if b["system"] == "sandwich" and b["prompt"] == r["prompt"])
             r["ttft_ratio_vs_sandwich"] = paired_ratio(r, base, "ttft")
             r["tpot_ratio_vs_sandwich"] = paired_ratio(r, base, "tpot")
