@@ -9,6 +9,7 @@ import ast
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,10 +92,23 @@ PRODUCT = ["sandwich_tvm.serve", "sandwich_tvm.generate", "sandwich_tvm.compile"
            "sandwich_tvm.runtime.batch", "sandwich_tvm.server.app"]
 
 
+# One process started at a time: two threads starting children at once (CPython's vfork) once
+# failed with "OSError: [Errno 14] Bad address" from the child's exec.
+_SPAWN = threading.Lock()
+
+
 def _probe(module: str) -> subprocess.CompletedProcess:
     probe = (f"import importlib, sys; importlib.import_module({module!r}); "
              "print(sorted(m for m in sys.modules if m.startswith('sandwich_tvm.bench')))")
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    args = [sys.executable, "-c", probe]
+    with _SPAWN:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
