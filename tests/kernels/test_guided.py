@@ -15,7 +15,7 @@ from sandwich_tvm.kernels.schedule import GemmShape
 from sandwich_tvm.kernels.search import PLAY_OFF, Problem, space
 from sandwich_tvm.tvm_compat import host_isa
 
-pytestmark = pytest.mark.compile
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("small_rotation")]
 
 
 def _model() -> CostModel:

@@ -24,6 +24,8 @@ from sandwich_tvm.model.linear import KernelSet
 from sandwich_tvm.model.shapes import linear_shapes
 from sandwich_tvm.tvm_compat import host_isa, host_target, tvm
 
+pytestmark = pytest.mark.usefixtures("small_rotation")
+
 
 def _silu(x):
     return x / (1 + np.exp(-x))

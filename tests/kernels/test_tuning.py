@@ -8,6 +8,8 @@ from sandwich_tvm.kernels.database import load_record, record_path
 from sandwich_tvm.kernels.schedule import GemmShape
 from sandwich_tvm.kernels.tuner import tune_gemm
 
+pytestmark = pytest.mark.usefixtures("small_rotation")
+
 
 @pytest.mark.compile
 def test_tune_small_gemm_then_resume(tmp_path):
