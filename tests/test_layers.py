@@ -107,6 +107,7 @@ def _probe(module: str) -> subprocess.CompletedProcess:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.communicate()  # reaped, as subprocess.run does
         raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
