@@ -37,7 +37,7 @@ from ..kernels.microkernel import ISAS, kernel_isa
 from ..kernels.quant import head_dtype
 from ..model.config import LlamaConfig
 from ..model.rope import stock_problem
-from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes, layer_weight_bytes
+from ..spec import DTYPE_BYTES, RunSpec, kv_value_bytes, layer_weight_bytes, resolve_activations
 from ..topology.simulator import measured_decode_kernels
 from .baselines.torch_hf import hf_model, torch_dtype, torch_runner
 from .rounds import Runner, interleaved, merge_rounds, paired_ratio
@@ -76,6 +76,9 @@ def add_e2e_parser(sub) -> None:
                    help="also run Sandwich with this weight dtype on the main plan (e.g. float32 against "
                         "bf16), its requests interleaved with the main run's; rows 'sandwich DTYPE', with "
                         "ratios to 'sandwich'")
+    e.add_argument("--also-activations", choices=["int8", "float32"], default=None,
+                   help="also run Sandwich's quantized weights with these activations (int8 dot "
+                        "products, or the weights dequantized in registers), interleaved")
     e.add_argument("--also-records", type=Path, default=None, metavar="DIR",
                    help="also run Sandwich on the kernel records in DIR (e.g. a new tuning against the "
                         "shipped records), its requests interleaved with the main run's; rows 'sandwich "
@@ -257,7 +260,8 @@ def bench_e2e(args, console: Console) -> dict:
         raise SystemExit(f"--also-records {args.also_records}: no such directory of kernel records")
     prompts = [int(x) for x in args.prompts.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    also_given = [f"--{n.replace('_', '-')}" for n in ("also_plan", "also_dtype", "also_records")
+    also_given = [f"--{n.replace('_', '-')}" for n in ("also_plan", "also_dtype", "also_activations",
+                                                        "also_records")
                   if getattr(args, n) is not None]
     if also_given and "sandwich" not in systems:
         raise SystemExit(f"{', '.join(also_given)} runs against Sandwich's main run: add sandwich to "
@@ -296,6 +300,10 @@ def bench_e2e(args, console: Console) -> dict:
     if args.also_dtype:  # every Linear in that type
         variants[f"sandwich {args.also_dtype}"] = dataclasses.replace(spec, weight_dtype=args.also_dtype,
                                                                        wider_linears=())
+    if args.also_activations is not None:
+        int8 = resolve_activations(args.also_activations, spec.weight_dtype)
+        variants[f"sandwich {args.also_activations} activations"] = dataclasses.replace(
+            spec, int8_activations=int8)
     if args.also_records is not None:
         variants["sandwich records"] = dataclasses.replace(spec, records=args.also_records)
     runners += [(name, tvm_runner(args, other, prompts, log, name=name)) for name, other in variants.items()]
@@ -364,6 +372,7 @@ def bench_e2e(args, console: Console) -> dict:
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.name, "plan": plan.describe(),
             "threads": threads, "processes": plan.processes,
             "also_plan": also.describe() if also is not None else None, "also_dtype": args.also_dtype,
+            "also_activations": args.also_activations,
             "also_records": None if args.also_records is None else str(args.also_records),
             "dtype": spec.weight_dtype, "kv_dtype": spec.kv_dtype,
             "wider_linears": [list(w) for w in spec.wider_linears],  # (layer, Linear, dtype) held wider

@@ -211,7 +211,6 @@ def linear_source(shape: GemmShape, buckets: Sequence[Bucket], name: str = "line
 #   signed b) or Arm's ``sdot`` (signed by signed): per int32 lane i, acc[i] + the dot product
 #   of the 4 bytes of a[i] and the 4 of b[i].
 _DOT_TEMPLATE = """
-declare <{L} x {T}> @{intrinsic}(<{L} x {T}>, <{N} x {E}>, <{N} x {E}>)
 define linkonce_odr <{L} x {T}> @{name}(<{L} x {T}> %acc, <{L} x i32> %a, <{L} x i32> %b) alwaysinline {{
   %ab = bitcast <{L} x i32> %a to <{N} x {E}>
   %bb = bitcast <{L} x i32> %b to <{N} x {E}>
@@ -219,15 +218,52 @@ define linkonce_odr <{L} x {T}> @{name}(<{L} x {T}> %acc, <{L} x i32> %a, <{L} x
   ret <{L} x {T}> %r
 }}
 """
-DPBF16_LL = {isa: _DOT_TEMPLATE.format(name="sandwich_dpbf16ps", T="float", E="bfloat", L=lanes, N=2 * lanes,
-                                       intrinsic=intrinsic)
+
+
+def _dot_ll(intrinsic: str, names: tuple[str, ...], T: str, E: str, L: int, N: int) -> str:  # noqa: N803
+    """The instruction declared once, and one function per name calling it."""
+    fields = {"intrinsic": intrinsic, "T": T, "E": E, "L": L, "N": N}
+    declare = f"\ndeclare <{L} x {T}> @{intrinsic}(<{L} x {T}>, <{N} x {E}>, <{N} x {E}>)"
+    return declare + "".join(_DOT_TEMPLATE.format(name=name, **fields) for name in names)
+
+
+DPBF16_LL = {isa: _dot_ll(intrinsic, ("sandwich_dpbf16ps",), T="float", E="bfloat", L=lanes, N=2 * lanes)
              for isa, lanes, intrinsic in (("avx512bf16", 16, "llvm.x86.avx512bf16.dpbf16ps.512"),
                                            ("neonbf16", 4, "llvm.aarch64.neon.bfdot.v4f32.v8bf16"))}
-DOT4_LL = {isa: _DOT_TEMPLATE.format(name="sandwich_dot4", T="i32", E="i8", L=lanes, N=4 * lanes,
-                                     intrinsic=intrinsic)
+# ``sandwich_dot4`` multiplies the weight bytes as stored, ``sandwich_dot4u`` 4-bit values (0..15,
+# unsigned everywhere); the two are one instruction where the unit has a dot product.
+DOT4_LL = {isa: _dot_ll(intrinsic, ("sandwich_dot4", "sandwich_dot4u"), T="i32", E="i8", L=lanes, N=4 * lanes)
            for isa, lanes, intrinsic in (("avx512vnni", 16, "llvm.x86.avx512.vpdpbusd.512"),
                                          ("avxvnni", 8, "llvm.x86.avx512.vpdpbusd.256"),
                                          ("neondot", 4, "llvm.aarch64.neon.sdot.v4i32.v16i8"))}
+# AVX2 without VNNI (avx2dot) has no 4-byte dot product; ``vpmaddubsw`` multiplies unsigned by
+# signed bytes into saturating int16 pair sums and ``vpmaddwd`` by ones adds the pairs to int32, as
+# llama.cpp's AVX2 kernels do. Signed weights (q8_0) go through |w| and the activation's sign
+# flipped where w < 0 (``vpsignb``), so no pair sum passes 2 x 128 x 127 and none saturates;
+# 4-bit values (at most 2 x 15 x 127) need neither.
+_MADD_TEMPLATE = """
+define linkonce_odr <8 x i32> @{name}(<8 x i32> %acc, <8 x i32> %w, <8 x i32> %a) alwaysinline {{
+  %wb = bitcast <8 x i32> %w to <32 x i8>
+  %ab = bitcast <8 x i32> %a to <32 x i8>
+{body}  %p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %u, <32 x i8> %s)
+  %q = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p, <16 x i16> <{ones}>)
+  %r = add <8 x i32> %acc, %q
+  ret <8 x i32> %r
+}}
+"""
+_ONES16 = ", ".join(["i16 1"] * 16)
+DOT4_LL["avx2dot"] = """
+declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
+declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
+declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
+""" + _MADD_TEMPLATE.format(name="sandwich_dot4", ones=_ONES16, body="""\
+  %u = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %wb, i1 false)
+  %s = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %ab, <32 x i8> %wb)
+""") + _MADD_TEMPLATE.format(name="sandwich_dot4u", ones=_ONES16, body="""\
+  %u = bitcast <32 x i8> %wb to <32 x i8>
+  %s = bitcast <32 x i8> %ab to <32 x i8>
+""")
 DOT_LL = {**DPBF16_LL, **DOT4_LL}
 
 # Two fp32 vectors (k even, k odd of 16 columns) to 16 bf16 pairs, rounded to nearest even:
@@ -447,12 +483,12 @@ def _variant(shape: GemmShape, sch: GemmSchedule, v: int, epilogue: str = "none"
             cell = f"isum[ii, T.ramp({q} * {lanes}, 1, {lanes})]"
             word = f"Ww[{panel(q)}, {blk}, T.ramp({head} + j * {lanes}, 1, {lanes})]"
 
-            def step(w: str, quad: str) -> str:
+            def step(w: str, quad: str, fn: str = "sandwich_dot4u") -> str:
                 a = f"T.Broadcast({ap}[{it}, {blk} * 8 + {quad}, ii], {lanes})"
-                return f'{cell} = T.call_pure_extern("int32x{lanes}", "sandwich_dot4", {cell}, {w}, {a})'
+                return f'{cell} = T.call_pure_extern("int32x{lanes}", "{fn}", {cell}, {w}, {a})'
 
             if quant.bits == 8:
-                return [step(word, "j")]
+                return [step(word, "j", "sandwich_dot4")]
             mask = f"T.Broadcast(T.int32({0x0F0F0F0F}), {lanes})"
             return [step(f"{word} & {mask}", "j"),
                     step(f"T.shift_right({word}, T.Broadcast(T.int32(4), {lanes})) & {mask}", "j + 4")]

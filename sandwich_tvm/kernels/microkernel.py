@@ -28,8 +28,9 @@ int8 as the kernel packs A (llama.cpp's q8_0 activations), ``vpdpbusd`` multipli
 weight bytes by 4 signed activation bytes per int32 lane, and each block's int32 sums are scaled
 into the fp32 tile. A tile keeps int32 block sums beside its fp32 accumulators, so it holds half
 the rows of an fp32 one. ``avxvnni`` is the same kernel in 8 lanes on AVX2 CPUs with AVX-VNNI
-(the VEX-encoded ``{vex} vpdpbusd``), ``neondot`` on Arm's dot-product extension (``sdot``:
-signed by signed bytes, so q8_0's values stay signed, ``signed_dot``). ``amxint8`` multiplies
+(the VEX-encoded ``{vex} vpdpbusd``), ``avx2dot`` on AVX2 CPUs without it (``vpmaddubsw`` then
+``vpmaddwd``, llama.cpp's AVX2 dot product), ``neondot`` on Arm's dot-product extension (``sdot``:
+signed by signed bytes). Those two keep q8_0's values signed (``signed_dot``). ``amxint8`` multiplies
 16 x 32 int8 A tiles by 8 (k-quads) x 16 B tiles with ``tdpbsud`` (signed activations, unsigned
 weights: the ``avx512vnni`` layout, whose small m it also runs) one 32-k block at a time, and
 scales each block's 16 x 16 int32 tile into fp32 with AVX-512 (llama.cpp's AMX path does the
@@ -69,6 +70,7 @@ class Isa:
     int8_dot: bool = False  # quantized weights times int8 activations (vpdpbusd)
     signed_dot: bool = False  # the int8 dot multiplies signed weights (sdot), not unsigned
     quads: bool = False  # reads the int8 dot products' weight layout with 16-bit activations (amxdq)
+    emulated_dot: bool = False  # no dot instruction: two multiply-adds a quad step (avx2dot)
 
     @property
     def quantized_unit(self) -> bool:
@@ -106,6 +108,12 @@ ISAS: dict[str, Isa] = {
     "avxvnni": Isa("avxvnni", lanes=8, registers=16,
                    default_tiles=((1, 1, 2), (2, 2, 2), (4, 4, 1), (_LARGE, 6, 1)),
                    dtypes=tuple(QTYPES), needs=("avx_vnni",), int8_dot=True, peak_ratio=2.0),
+    # AVX2 CPUs without VNNI: vpmaddubsw + vpmaddwd for each quad step (codegen's avx2dot), q8_0's
+    # values signed (|w| and the activation's sign). The product and the ones take two registers,
+    # |w| one per weight vector.
+    "avx2dot": Isa("avx2dot", lanes=8, registers=16,
+                   default_tiles=((1, 1, 2), (2, 2, 1), (4, 4, 1), (_LARGE, 4, 1)),
+                   dtypes=tuple(QTYPES), int8_dot=True, signed_dot=True, emulated_dot=True),
     "neondot": Isa("neondot", lanes=4, registers=32,
                    default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
                    dtypes=tuple(QTYPES), needs=("asimddp",), int8_dot=True, signed_dot=True,
@@ -183,7 +191,8 @@ class MicroKernel:
             tm, tn = self.tiles
             return tm * tn + tm + tn
         if ISAS[self.isa].int8_dot:  # fp32 and int32 accumulators, B, d and offset, A
-            return 2 * self.mr * vectors + 3 * vectors + 1
+            emulation = vectors + 2 if ISAS[self.isa].emulated_dot else 0  # |B|, product, ones
+            return 2 * self.mr * vectors + 3 * vectors + 1 + emulation
         scales = vectors * QTYPES[self.dtype].header if self.dtype in QTYPES else 0  # d (and m) per column
         return self.mr * vectors + vectors + 1 + scales
 

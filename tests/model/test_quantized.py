@@ -132,6 +132,9 @@ def test_activation_modes():
     assert resolve_activations("auto", "q8_0", vnni) and not resolve_activations("auto", "q8_0", plain)
     assert not resolve_activations("float32", "q4_1", vnni) and resolve_activations("int8", "q4_0", vnni)
     assert not resolve_activations("auto", "bfloat16", vnni)
+    avx2 = frozenset({"avx2", "fma"})  # AVX2 alone: vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 kernels
+    assert kernel_isa("avx2", "q8_0", avx2) == "avx2dot" and resolve_activations("auto", "q4_1", avx2)
+    assert kernel_isa("avx2", "q8_0", avx2 | {"avx_vnni"}) == "avxvnni"
     with pytest.raises(SpecError, match="VNNI"):
         resolve_activations("int8", "q8_0", plain)
     with pytest.raises(SpecError, match="quantized weights"):
@@ -171,7 +174,7 @@ def test_auto_rounds_a_gguf_without_kernels_to_q8_0(tmp_path, kind):
            else "Q5_0 blocks run as q8_0 blocks (every value exactly")
     assert spec.weight_dtype == "q8_0" and how in spec.dtype_note
     assert resolve_run_spec(path, dtype="bfloat16").weight_dtype == "bfloat16"  # asked: as asked
-    params = export_module(cfg, KernelSet(2, 1, isa="avx2", dtype="q8_0"))[1]
+    params = export_module(cfg, KernelSet(2, 1, isa="avx2", dtype="q8_0", int8_activations=False))[1]
     arrays = load_params(path, cfg, params, "avx2", dtype="q8_0")
     name = "model.layers.1.mlp.down_proj.weight"
     values = np.asarray(read_checkpoint(path)[name])  # the file's blocks dequantized
