@@ -9,7 +9,6 @@ import ast
 import os
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,24 +91,15 @@ PRODUCT = ["sandwich_tvm.serve", "sandwich_tvm.generate", "sandwich_tvm.compile"
            "sandwich_tvm.runtime.batch", "sandwich_tvm.server.app"]
 
 
-# One process started at a time: two threads starting children at once (CPython's vfork) once
-# failed with "OSError: [Errno 14] Bad address" from the child's exec.
-_SPAWN = threading.Lock()
-
-
-def _probe(module: str) -> subprocess.CompletedProcess:
+def _probe(module: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``module`` imported in a fresh interpreter, run from a pool thread. ``env`` is explicit:
+    with none, the child's exec reads the process's ``environ`` array, which the main thread's
+    next test reallocates (``monkeypatch.setenv``) while CPython's vfork child still reads it
+    ("OSError: [Errno 14] Bad address", twice in CI)."""
     probe = (f"import importlib, sys; importlib.import_module({module!r}); "
              "print(sorted(m for m in sys.modules if m.startswith('sandwich_tvm.bench')))")
-    args = [sys.executable, "-c", probe]
-    with _SPAWN:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()  # reaped, as subprocess.run does
-        raise
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=env, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +107,9 @@ def probes(request):
     """The fresh interpreters of the selected modules, one per CPU at a time (each spends
     seconds importing TVM on one core); a test waits for its own."""
     modules = [p["module"] for p in selected(request, "test_the_product_loads_no_benchmark_module")]
+    env = dict(os.environ)  # copied here, in the main thread
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        yield {module: pool.submit(_probe, module) for module in modules}
+        yield {module: pool.submit(_probe, module, env) for module in modules}
 
 
 @pytest.mark.parametrize("module", PRODUCT)
