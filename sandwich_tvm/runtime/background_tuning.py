@@ -7,6 +7,9 @@ model after each GEMM lands, and the engine thread swaps to the new build betwee
 (SIGSTOP) while the engine has work and continued (SIGCONT) when it goes idle, so tuning takes
 only cores the server is not using; "always": it runs beside the server.
 
+The budget counts only the time the worker runs: after each stop the server writes ``stopped
+SECONDS`` on the worker's stdin, and the worker's ``RunningClock`` leaves those seconds out.
+
 The worker is ``python -m sandwich_tvm.runtime.background_tuning``: it reads the pickled run spec,
 budget and training choice on stdin and prints ``landed <gemm>`` and ``compiled <artifact dir>``
 lines. Its cost model and transfer learn from the records directory and, unless ``shipped`` is
@@ -16,6 +19,7 @@ shipped in the package.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -62,8 +66,31 @@ def unmeasured(rec, max_m: int) -> bool:
     return rec.search == "model" and not all(t.searched for t in rec.tuned if t.m <= max_m)
 
 
-def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = True) -> None:
-    """Tune ``spec``'s untuned GEMMs within ``budget_s``, rebuilding the model after each."""
+class RunningClock:
+    """``time.monotonic`` less the seconds this process spent stopped, as ``stopped SECONDS``
+    lines on ``stream`` (the worker's stdin) report them: a budget on it is spent only while
+    the worker runs. A line that arrives late shows a stop late, never twice."""
+
+    def __init__(self, stream=None) -> None:
+        self.stopped_s = 0.0
+        if stream is not None:
+            threading.Thread(target=self._read, args=(stream,), name="stops", daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for raw in stream:
+            word, _, secs = raw.decode(errors="replace").strip().partition(" ")
+            if word == "stopped":
+                with contextlib.suppress(ValueError):
+                    self.stopped_s += max(0.0, float(secs))
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.stopped_s
+
+
+def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = True,
+           clock: Callable[[], float] = time.monotonic) -> None:
+    """Tune ``spec``'s untuned GEMMs within ``budget_s`` seconds on ``clock``, rebuilding the
+    model after each."""
     from ..compiler.artifact import compile_model
     from ..kernels.costmodel import CostModel, training_roots, training_samples
     from ..kernels.guided import tune_gemm_guided
@@ -80,9 +107,9 @@ def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = Tr
         say(f"{err}")
         model = None
     preload_tensor_intrinsics()  # seconds, once: not out of the first GEMM's share
-    start = time.monotonic()
+    start = clock()
     for i, (name, shape, threads, max_m) in enumerate(todo):
-        left = budget_s - (time.monotonic() - start)
+        left = budget_s - (clock() - start)
         if left <= 0:
             break
         if model is None:
@@ -91,7 +118,7 @@ def worker(spec, budget_s: float, say: Callable[[str], None], shipped: bool = Tr
         else:
             rec = tune_gemm_guided(shape.n, shape.k, threads=threads, model=model, max_m=max_m,
                                    root=spec.records, dtype=shape.dtype, epilogue=shape.epilogue,
-                                   deadline=time.monotonic() + left / (len(todo) - i),
+                                   deadline=clock() + left / (len(todo) - i), clock=clock,
                                    transfer_roots=training_roots(spec.records, shipped))
         if not rec.tuned:
             continue
@@ -116,6 +143,7 @@ class BackgroundTuner:
         self.proc: subprocess.Popen | None = None
         self.swaps: list[tuple[float, str]] = []  # (time, artifact) of every build swapped in
         self._paused = False
+        self._stopped_at = 0.0
         self._lock = threading.Lock()
 
     def start(self) -> BackgroundTuner:
@@ -123,7 +151,7 @@ class BackgroundTuner:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False,
                                      start_new_session=True)  # its own group: stopped as one
         self.proc.stdin.write(pickle.dumps((self.spec, self.budget_s, self.shipped)))
-        self.proc.stdin.close()
+        self.proc.stdin.flush()  # kept open: each stop's length follows (``RunningClock``)
         if self.metrics is not None:
             self.metrics.tuning_running.set(1)
         if self.mode == "idle":
@@ -137,14 +165,31 @@ class BackgroundTuner:
         with self._lock:
             if self.proc is None or self.proc.poll() is not None or busy == self._paused:
                 return
+            if busy:
+                self._stopped_at = time.monotonic()
+            else:
+                self._report_stop(time.monotonic() - self._stopped_at)
             try:
                 os.killpg(self.proc.pid, signal.SIGSTOP if busy else signal.SIGCONT)
                 self._paused = busy
             except ProcessLookupError:
                 pass
 
+    def _report_stop(self, seconds: float) -> None:
+        """Tell the worker how long it was stopped (read once it runs again)."""
+        if self.proc.stdin is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write(f"stopped {seconds:.3f}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
     def stop(self) -> None:
         with self._lock:
+            if self.proc is not None and self.proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    self.proc.stdin.close()
             if self.proc is not None and self.proc.poll() is None:
                 try:
                     os.killpg(self.proc.pid, signal.SIGCONT)
@@ -201,7 +246,7 @@ def main() -> int:
     def say(msg: str) -> None:
         out.write(msg + "\n")
 
-    worker(spec, budget_s, say, shipped)
+    worker(spec, budget_s, say, shipped, clock=RunningClock(sys.stdin.buffer))
     return 0
 
 

@@ -4,6 +4,7 @@ tunes and rebuilds, the engine swaps the build in between steps, greedy outputs 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sandwich_tvm.runtime.async_engine import AsyncEngine
-from sandwich_tvm.runtime.background_tuning import BackgroundTuner, gemms_to_tune
+from sandwich_tvm.runtime.background_tuning import BackgroundTuner, RunningClock, gemms_to_tune
 from sandwich_tvm.runtime.batch import BatchEngine
 from sandwich_tvm.runtime.engine import Engine
 from sandwich_tvm.runtime.metrics import ServingMetrics
@@ -25,23 +26,43 @@ def _state(pid: int) -> str:
 
 
 def test_a_busy_engine_stops_the_tuning_worker_and_an_idle_one_continues_it():
+    """The worker (``cat`` here, echoing its stdin) is stopped and continued, and told on its
+    stdin how long the stop lasted, so its budget leaves that time out."""
     tuner = BackgroundTuner(None, None, mode="idle")
-    tuner.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    tuner.proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  start_new_session=True)
     try:
         tuner.busy(True)
         deadline = time.monotonic() + 5
         while _state(tuner.proc.pid) != "T":
             assert time.monotonic() < deadline, "the worker was not stopped"
             time.sleep(0.01)
+        time.sleep(0.3)
         tuner.busy(False)
         while _state(tuner.proc.pid) == "T":
             assert time.monotonic() < deadline + 5, "the worker was not continued"
             time.sleep(0.01)
+        word, secs = tuner.proc.stdout.readline().decode().split()
+        assert word == "stopped" and 0.3 <= float(secs) < 10
     finally:
         tuner.stop()
-    assert tuner.proc.returncode == -15
+    assert tuner.proc.returncode in (0, -15)  # cat may see its stdin close before the signal
     with pytest.raises(ValueError, match="mode"):
         BackgroundTuner(None, None, mode="sometimes")
+
+
+def test_the_running_clock_leaves_out_the_stops_it_is_told_of():
+    read, write = os.pipe()
+    clock = RunningClock(os.fdopen(read, "rb"))
+    with os.fdopen(write, "wb", buffering=0) as out:
+        out.write(b"stopped 5.5\nstopped nonsense\nsomething else\nstopped 2\n")
+        deadline = time.monotonic() + 5
+        while clock.stopped_s < 7.5:
+            assert time.monotonic() < deadline, clock.stopped_s
+            time.sleep(0.01)
+    assert clock.stopped_s == 7.5
+    assert abs(time.monotonic() - clock() - 7.5) < 0.1
+    assert abs(RunningClock()() - time.monotonic()) < 0.1  # no stream: the plain clock
 
 
 async def _ask(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
@@ -106,6 +127,7 @@ def test_the_worker_learns_from_the_shipped_records_unless_told_not_to(monkeypat
 
     def tune(n, k, **kw):
         seen["roots"] = tuple(kw["transfer_roots"])
+        seen["deadline"], seen["clock"] = kw["deadline"], kw["clock"]
         raise Seen  # nothing more to see: the worker stops here
 
     class Shape:
@@ -116,6 +138,7 @@ def test_the_worker_learns_from_the_shipped_records_unless_told_not_to(monkeypat
     spec = RunSpec.__new__(RunSpec)
     object.__setattr__(spec, "records", tmp_path)
     with pytest.raises(Seen):
-        bt.worker(spec, 60.0, lambda _m: None, shipped=shipped)
+        bt.worker(spec, 60.0, lambda _m: None, shipped=shipped, clock=lambda: 1000.0)
     assert seen["data"] is shipped
+    assert seen["deadline"] == 1060.0 and seen["clock"]() == 1000.0  # the budget is on its clock
     assert (SHIPPED_DIR in seen["roots"]) is shipped and tmp_path in seen["roots"]
