@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -251,4 +252,14 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ended with os._exit: the stop reader, a daemon thread blocked in reading stdin, holds
+    # stdin's lock, and the interpreter's shutdown aborts on it (status -6).
+    status = 1
+    try:
+        status = main()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

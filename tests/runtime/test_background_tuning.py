@@ -65,6 +65,26 @@ def test_the_running_clock_leaves_out_the_stops_it_is_told_of():
     assert abs(RunningClock()() - time.monotonic()) < 0.1  # no stream: the plain clock
 
 
+def test_the_worker_ends_cleanly_while_its_stdin_stays_open():
+    """The server keeps the worker's stdin open (it reports stops there); the worker's reader
+    of it must not make the interpreter's shutdown abort (status -6) when the worker ends."""
+    import pickle
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandwich_tvm.runtime.background_tuning"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(pickle.dumps((None, 1.0, True)))  # no spec: the worker fails at once
+    proc.stdin.flush()
+    try:
+        proc.wait(120)  # stdin open all along; the traceback fits in the pipe
+    finally:
+        proc.stdin.close()
+        proc.kill()
+    err = proc.stderr.read()
+    assert proc.returncode == 1, err.decode()
+    assert b"AttributeError" in err and b"Fatal Python error" not in err, err.decode()
+
+
 async def _ask(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
     params = SamplingParams(max_tokens=12, temperature=0.0)
     return [e.token for e in [e async for e in engine.generate(rid, prompt, params)] if e.token is not None]
