@@ -88,6 +88,15 @@ def test_default_tiles_fit_the_register_file_and_use_its_lanes(isa):
         assert mk.registers_used <= spec.registers
 
 
+@ALL_ISAS
+def test_the_default_gemv_reads_one_panel_at_a_time(isa):
+    """At m = 1 a block holds one panel of columns (a thread reads each panel whole, as the
+    shipped records chose); larger m keep blocks of up to 16 panels."""
+    first, *rest = default_buckets(GemmShape(4096, 2048), 2, None, isa)
+    assert first.m_max == 1 and first.schedule.slice.nc == first.schedule.mk.nr
+    assert all(b.schedule.slice.nc > b.schedule.mk.nr for b in rest)
+
+
 def test_bf16_kernels_use_bf16_records_only(tmp_path):
     """A bf16 record serves bf16 weights (on vdpbf16ps where the CPU has it), never fp32 ones."""
     cpu = CpuSignature("TestVendor", "test cpu", 6, 143, 8, "avx512", ("avx512_bf16", "avx512f"), 48, 2048,
