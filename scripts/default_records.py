@@ -39,7 +39,7 @@ def main() -> int:
     kernels = KernelSet(args.threads, args.threads, dtype=spec.weight_dtype,
                         int8_activations=spec.int8_activations)
     cpu = host_signature()
-    for name, shape in linear_shapes(spec.config, spec.weight_dtype).items():
+    for name, shape in linear_shapes(spec.config, spec.weight_dtype, wider=spec.wider_linears).items():
         rec = KernelRecord(shape, args.threads, cpu)
         low = 1
         for b in default_buckets(shape, args.threads, None, kernels.kernel_isa_for(shape.dtype)):

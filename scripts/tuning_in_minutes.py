@@ -3,13 +3,14 @@ the full search's records in one `bench gemm` run per GEMM.
 
 1. A records directory (the "world") is built from the shipped records: ``--holdout heldout``
    drops every record of the held-out model's (n, k) shapes, of every CPU and dtype, and adds
-   ``--extra DIR`` (e.g. measurements collected on other shapes); ``--holdout cpu`` drops this
-   CPU's records and measurements instead (a CPU signature with no records).
+   ``--extra DIR`` (e.g. measurements collected on other shapes); ``--holdout cpu`` drops every
+   record and measurement this CPU would read instead (its own folder and any older folder whose
+   partial signature agrees with it): a CPU signature with no records.
 2. `bench costmodel` ranks random schedules of the held-out GEMMs (Spearman), trained on the
    world alone (heldout mode only).
 3. `tune kernels --search model` tunes the model into the world (timed, the default budget).
-4. `bench gemm --against <shipped records>` times the guided kernels against the full search's,
-   the two taking turns, for every GEMM at m = 1..512 (the lm_head at m = 1).
+4. `bench gemm --against <the shipped records, or --against DIR>` times the guided kernels against
+   the full search's, the two taking turns, for every GEMM at m = 1..512 (the lm_head at m = 1).
 
 The summary JSON (``--out``) holds every step's result, the wall time of the tuning and the
 geomean of the paired GFLOPS ratios over every (GEMM, m). It is written after every step;
@@ -34,25 +35,24 @@ M_LIST = "1,2,4,8,16,32,64,128,256,512"
 
 
 def build_world(world: Path, model: str, mode: str, extra: Path | None) -> dict:
-    from sandwich_tvm.host import host_signature
+    from sandwich_tvm.host import CpuSignature, host_signature
     from sandwich_tvm.kernels.database import SHIPPED_DIR
     from sandwich_tvm.model.config import load_config
     from sandwich_tvm.model.shapes import linear_shapes
 
-    here = host_signature().slug
+    here = host_signature()
     held = {(s.n, s.k) for dt in ("float32", "bfloat16", "float16", "q8_0", "q4_0")
             for s in linear_shapes(load_config(model), dt).values()}
     shutil.rmtree(world, ignore_errors=True)
     copied = 0
     for f in sorted(SHIPPED_DIR.glob("*/t*/**/linear_*.json*")):
         rel = f.relative_to(SHIPPED_DIR)
-        if mode == "cpu" and rel.parts[0] == here:
+        with open(f) as fh:  # a record, or a measurement file's header line
+            d = json.loads(fh.readline() if f.suffix == ".jsonl" else fh.read())
+        if mode == "cpu" and not here.differences(CpuSignature.from_json(d["cpu"])):
             continue
-        if mode == "heldout":  # a record, or a measurement file's header line
-            with open(f) as fh:
-                d = json.loads(fh.readline() if f.suffix == ".jsonl" else fh.read())
-            if (d["n"], d["k"]) in held:
-                continue
+        if mode == "heldout" and (d["n"], d["k"]) in held:
+            continue
         dst = world / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(f, dst)
@@ -64,7 +64,7 @@ def build_world(world: Path, model: str, mode: str, extra: Path | None) -> dict:
             shutil.copy(f, dst)
             copied += 1
     return {"mode": mode, "files": copied, "held_out_shapes": sorted(held) if mode == "heldout" else [],
-            "without_cpu": here if mode == "cpu" else None}
+            "without_cpu": here.slug if mode == "cpu" else None}
 
 
 def run(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
@@ -82,6 +82,8 @@ def main() -> int:
     p.add_argument("--world", type=Path, default=Path("out/tuning-world"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--against", type=Path, default=None,
+                   help="the full search's records (default: the package's shipped records)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--resume", action="store_true", help="go on from --out's steps (same world)")
     args = p.parse_args()
@@ -90,7 +92,7 @@ def main() -> int:
     from sandwich_tvm.model.config import load_config
     from sandwich_tvm.model.shapes import linear_shapes
 
-    py, w = sys.executable, str(args.world)
+    py, w, full = sys.executable, str(args.world), str(args.against or SHIPPED_DIR)
     logs = args.out.with_suffix(".logs")
     logs.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,7 @@ def main() -> int:
         ms = "1" if name == "lm_head" else M_LIST
         res = run([py, "-m", "sandwich_tvm.bench", "gemm", "--n", str(shape.n), "--k", str(shape.k),
                    "--epilogue", shape.epilogue, "--dtype", shape.dtype, "--m", ms,
-                   "--threads", str(args.threads), "--schedules", w, "--against", str(SHIPPED_DIR),
+                   "--threads", str(args.threads), "--schedules", w, "--against", full,
                    "--rounds", str(args.rounds), "--json",
                    "--plot", str(logs / f"gemm_{name}.png")], logs / f"gemm_{name}.err")
         out["gemm"][name] = json.loads(res.stdout)
