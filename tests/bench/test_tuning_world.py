@@ -20,11 +20,12 @@ def _script():
     return mod
 
 
-def _write(root: Path, cpu: host.CpuSignature, name: str, measured: bool = False) -> Path:
+def _write(root: Path, cpu: host.CpuSignature, measured: bool = False) -> Path:
+    """One record (or measurement file) of a 64 x 32 fp32 GEMM tuned on ``cpu``."""
     folder = root / cpu.slug / "t2" / ("measured" if measured else "")
     folder.mkdir(parents=True, exist_ok=True)
     head = {"cpu": cpu.to_json(), "n": 64, "k": 32, "dtype": "float32"}
-    path = folder / (name + (".jsonl" if measured else ".json"))
+    path = folder / ("linear_n64_k32_float32" + (".jsonl" if measured else ".json"))
     path.write_text(json.dumps(head) + ("\n" if measured else ""))
     return path
 
@@ -34,11 +35,10 @@ def test_holding_the_cpu_out_drops_every_folder_it_would_read(tmp_path, monkeypa
     older = dataclasses.replace(here, model=None, stepping=None, features=None, l1d_kib=None, l2_kib=None)
     other = dataclasses.replace(here, family=26, isa="avx512", features=("avx2", "avx512f", "fma"))
     shipped = tmp_path / "shipped"
-    _write(shipped, here, "linear_n64_k32_float32")
-    _write(shipped, here, "linear_n64_k32_float32", measured=True)
-    _write(shipped, older, "linear_n64_k32_float32")  # a partial signature that agrees with this CPU
-    kept = [_write(shipped, other, "linear_n64_k32_float32"),
-            _write(shipped, other, "linear_n64_k32_float32", measured=True)]
+    _write(shipped, here)
+    _write(shipped, here, measured=True)
+    _write(shipped, older)  # a partial signature that agrees with this CPU
+    kept = [_write(shipped, other), _write(shipped, other, measured=True)]
     monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
     monkeypatch.setattr(host, "host_signature", lambda: here)
 
