@@ -248,11 +248,12 @@ _ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "ne
               "amxint8": {"avx512f", "avx2", "fma", "avx512_vnni", "amx_tile", "amx_int8"},
               "amxdq": {"avx512f", "avx2", "fma", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"},
               "avxvnni": {"avx2", "fma", "avx_vnni"}, "avx2dot": {"avx2", "fma"},
+              "avx512dot": {"avx512f", "avx2", "fma", "avx512bw"},
               "neondot": {"asimd", "asimddp"}}
 # vector ISA -> the bf16 units a CPU of it may have, best first
 BF16_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amx", "avx512bf16"), "neon": ("neonbf16",)}
 # vector ISA -> the int8 dot-product units a CPU of it may have (block-quantized weights)
-INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amxdq", "amxint8", "avx512vnni"),
+INT8_UNITS: dict[str, tuple[str, ...]] = {"avx512": ("amxdq", "amxint8", "avx512vnni", "avx512dot"),
                                           "avx2": ("avxvnni", "avx2dot"), "neon": ("neondot",)}
 TILE_ISAS = ("amx", "amxint8", "amxdq")  # need the kernel's permission for the tile state
 

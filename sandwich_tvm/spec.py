@@ -63,8 +63,8 @@ ACTIVATIONS = ("auto", "int8", "float32")
 
 def resolve_activations(choice: str, weight_dtype: str, flags: frozenset[str] | None = None) -> bool:
     """Whether quantized weights meet int8 activations (``--activations``): ``auto`` does where the
-    CPU has an int8 dot-product unit (AVX512-VNNI, AVX-VNNI, AVX2's vpmaddubsw, Arm dotprod; AMX),
-    as llama.cpp does; ``float32`` keeps the fp32 activations and dequantizes the weights in
+    CPU has an int8 dot-product unit (AVX512-VNNI, AVX-VNNI, AVX2's or AVX-512BW's vpmaddubsw, Arm
+    dotprod; AMX), as llama.cpp does; ``float32`` keeps the fp32 activations and dequantizes the weights in
     registers (the weights' exact values: what HF transformers computes on the dequantized GGUF)."""
     if choice not in ACTIVATIONS:
         raise SpecError(f"--activations {choice!r} is not one of {', '.join(ACTIVATIONS)}")

@@ -239,6 +239,7 @@ _ISA_TARGETS = {
               "mattr": ["+avx512vnni", "+avx512bf16", "+amx-tile", "+amx-bf16"]},
     "avxvnni": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3", "mattr": ["+avxvnni"]},
     "avx2dot": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v3"},
+    "avx512dot": {"mtriple": "x86_64-linux-gnu", "mcpu": "x86-64-v4"},
     "neondot": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+dotprod"]},
     "neon": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon"]},
     "neonbf16": {"mtriple": "aarch64-linux-gnu", "mcpu": "generic", "mattr": ["+neon", "+bf16"]},

@@ -24,12 +24,12 @@ TAIL_MS = [*range(1, 49), *range(76, 111), 127, 128, 200, 255, 256, 299, 300]
 
 # What a vector register looks like in each ISA's assembly.
 VECTOR_REGISTER = {"avx2": "%ymm", "avx512": "%zmm", "avx512bf16": "%zmm", "avx512vnni": "%zmm",
-                   "avxvnni": "%ymm", "avx2dot": "%ymm", "neon": ".4s", "neonbf16": ".4s", "neondot": ".4s",
-                   "amx": "%tmm",
+                   "avxvnni": "%ymm", "avx2dot": "%ymm", "avx512dot": "%zmm", "neon": ".4s",
+                   "neonbf16": ".4s", "neondot": ".4s", "amx": "%tmm",
                    "amxint8": "%tmm", "amxdq": "%tmm"}
 # The int8 dot-product instruction of each int8 ISA, as its assembly spells it.
 DOT_INSTRUCTION = {"avx512vnni": "vpdpbusd", "avxvnni": "{vex}\tvpdpbusd", "avx2dot": "vpmaddubsw",
-                   "neondot": "sdot",
+                   "avx512dot": "vpmaddubsw", "neondot": "sdot",
                    "amxint8": "tdpbsud", "amxdq": "tdpbf16ps"}
 
 

@@ -335,8 +335,9 @@ def add_crosscheck_parser(sub) -> None:
 def _arguments(p: argparse.ArgumentParser) -> None:
     verbs = p.add_subparsers(dest="verb", required=True)
     b = verbs.add_parser("build", help="build the kernels, weights and inputs into a bundle")
-    b.add_argument("--isas", default="amxdq,amxint8,avxvnni,avx512vnni",
-                   help="comma-separated micro-kernel ISAs (default amxdq,amxint8,avxvnni,avx512vnni)")
+    b.add_argument("--isas", default="amxdq,amxint8,avxvnni,avx512vnni,avx512dot",
+                   help="comma-separated micro-kernel ISAs (default amxdq,amxint8,avxvnni,avx512vnni,"
+                        "avx512dot)")
     b.add_argument("--dtypes", default="q8_0,q4_0,q4_1",
                    help="comma-separated weight types; each ISA builds those it computes "
                         "(default q8_0,q4_0,q4_1)")

@@ -239,31 +239,57 @@ DOT4_LL = {isa: _dot_ll(intrinsic, ("sandwich_dot4", "sandwich_dot4u"), T="i32",
 # AVX2 without VNNI (avx2dot) has no 4-byte dot product; ``vpmaddubsw`` multiplies unsigned by
 # signed bytes into saturating int16 pair sums and ``vpmaddwd`` by ones adds the pairs to int32, as
 # llama.cpp's AVX2 kernels do. Signed weights (q8_0) go through |w| and the activation's sign
-# flipped where w < 0 (``vpsignb``), so no pair sum passes 2 x 128 x 127 and none saturates;
-# 4-bit values (at most 2 x 15 x 127) need neither.
+# flipped where w < 0 (``vpsignb``; AVX-512, which has none, negates under a mask: avx512dot), so
+# no pair sum passes 2 x 128 x 127 and none saturates; 4-bit values (at most 2 x 15 x 127) need
+# neither.
 _MADD_TEMPLATE = """
-define linkonce_odr <8 x i32> @{name}(<8 x i32> %acc, <8 x i32> %w, <8 x i32> %a) alwaysinline {{
-  %wb = bitcast <8 x i32> %w to <32 x i8>
-  %ab = bitcast <8 x i32> %a to <32 x i8>
-{body}  %p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> %u, <32 x i8> %s)
-  %q = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> %p, <16 x i16> <{ones}>)
-  %r = add <8 x i32> %acc, %q
-  ret <8 x i32> %r
+define linkonce_odr <{L} x i32> @{name}(<{L} x i32> %acc, <{L} x i32> %w, <{L} x i32> %a) alwaysinline {{
+  %wb = bitcast <{L} x i32> %w to <{B} x i8>
+  %ab = bitcast <{L} x i32> %a to <{B} x i8>
+{body}  %p = call <{H} x i16> @{maddubs}(<{B} x i8> %u, <{B} x i8> %s)
+  %q = call <{L} x i32> @{maddwd}(<{H} x i16> %p, <{H} x i16> <{ones}>)
+  %r = add <{L} x i32> %acc, %q
+  ret <{L} x i32> %r
 }}
 """
-_ONES16 = ", ".join(["i16 1"] * 16)
-DOT4_LL["avx2dot"] = """
-declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
-declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
-declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
-declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
-""" + _MADD_TEMPLATE.format(name="sandwich_dot4", ones=_ONES16, body="""\
+_UNSIGNED_BODY = """\
+  %u = bitcast <{B} x i8> %wb to <{B} x i8>
+  %s = bitcast <{B} x i8> %ab to <{B} x i8>
+"""
+_SIGN_BODY = {  # |w| and the activation with w's sign
+    "avx2dot": """\
   %u = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %wb, i1 false)
   %s = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %ab, <32 x i8> %wb)
-""") + _MADD_TEMPLATE.format(name="sandwich_dot4u", ones=_ONES16, body="""\
-  %u = bitcast <32 x i8> %wb to <32 x i8>
-  %s = bitcast <32 x i8> %ab to <32 x i8>
-""")
+""",
+    "avx512dot": """\
+  %u = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %wb, i1 false)
+  %neg = icmp slt <64 x i8> %wb, zeroinitializer
+  %na = sub <64 x i8> zeroinitializer, %ab
+  %s = select <64 x i1> %neg, <64 x i8> %na, <64 x i8> %ab
+"""}
+_MADD_DECLARE = {
+    "avx2dot": ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", """
+declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
+declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)"""),
+    "avx512dot": ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", """
+declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)"""),
+}
+
+
+def _madd_ll(isa: str) -> str:
+    """``sandwich_dot4`` and ``sandwich_dot4u`` of an ISA without a dot product (avx2dot, avx512dot)."""
+    lanes = ISAS[isa].lanes
+    maddubs, maddwd, extra = _MADD_DECLARE[isa]
+    sizes = {"L": lanes, "B": 4 * lanes, "H": 2 * lanes}
+    fields = {**sizes, "maddubs": maddubs, "maddwd": maddwd, "ones": ", ".join(["i16 1"] * 2 * lanes)}
+    declare = (f"\ndeclare <{2 * lanes} x i16> @{maddubs}(<{4 * lanes} x i8>, <{4 * lanes} x i8>)"
+               f"\ndeclare <{lanes} x i32> @{maddwd}(<{2 * lanes} x i16>, <{2 * lanes} x i16>){extra}\n")
+    return declare + "".join(_MADD_TEMPLATE.format(name=name, body=body.format(**sizes), **fields)
+                             for name, body in (("sandwich_dot4", _SIGN_BODY[isa]),
+                                                ("sandwich_dot4u", _UNSIGNED_BODY)))
+
+
+DOT4_LL |= {isa: _madd_ll(isa) for isa in _MADD_DECLARE}
 DOT_LL = {**DPBF16_LL, **DOT4_LL}
 
 # Two fp32 vectors (k even, k odd of 16 columns) to 16 bf16 pairs, rounded to nearest even:

@@ -29,8 +29,9 @@ weight bytes by 4 signed activation bytes per int32 lane, and each block's int32
 into the fp32 tile. A tile keeps int32 block sums beside its fp32 accumulators, so it holds half
 the rows of an fp32 one. ``avxvnni`` is the same kernel in 8 lanes on AVX2 CPUs with AVX-VNNI
 (the VEX-encoded ``{vex} vpdpbusd``), ``avx2dot`` on AVX2 CPUs without it (``vpmaddubsw`` then
-``vpmaddwd``, llama.cpp's AVX2 dot product), ``neondot`` on Arm's dot-product extension (``sdot``:
-signed by signed bytes). Those two keep q8_0's values signed (``signed_dot``). ``amxint8`` multiplies
+``vpmaddwd``, llama.cpp's AVX2 dot product), ``avx512dot`` the same in 16 lanes on AVX-512 CPUs
+without VNNI (Skylake-SP), ``neondot`` on Arm's dot-product extension (``sdot``: signed by signed
+bytes). Those three keep q8_0's values signed (``signed_dot``). ``amxint8`` multiplies
 16 x 32 int8 A tiles by 8 (k-quads) x 16 B tiles with ``tdpbsud`` (signed activations, unsigned
 weights: the ``avx512vnni`` layout, whose small m it also runs) one 32-k block at a time, and
 scales each block's 16 x 16 int32 tile into fp32 with AVX-512 (llama.cpp's AMX path does the
@@ -114,6 +115,12 @@ ISAS: dict[str, Isa] = {
     "avx2dot": Isa("avx2dot", lanes=8, registers=16,
                    default_tiles=((1, 1, 2), (2, 2, 1), (4, 4, 1), (_LARGE, 4, 1)),
                    dtypes=tuple(QTYPES), int8_dot=True, signed_dot=True, emulated_dot=True),
+    # AVX-512 CPUs without VNNI (Skylake-SP): avx2dot's two multiply-adds in 16 lanes, the sign
+    # of q8_0's values moved onto the activations by a masked negation (AVX-512 has no vpsignb).
+    "avx512dot": Isa("avx512dot", lanes=16, registers=32,
+                     default_tiles=((1, 1, 4), (2, 2, 2), (4, 4, 2), (_LARGE, 4, 2)),
+                     dtypes=tuple(QTYPES), needs=("avx512bw",), int8_dot=True, signed_dot=True,
+                     emulated_dot=True),
     "neondot": Isa("neondot", lanes=4, registers=32,
                    default_tiles=((1, 1, 4), (2, 2, 4), (4, 4, 2), (_LARGE, 6, 2)),
                    dtypes=tuple(QTYPES), needs=("asimddp",), int8_dot=True, signed_dot=True,

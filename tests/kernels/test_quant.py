@@ -33,7 +33,7 @@ def _weight(n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 # values [k][lane]; 4-k words [quad][lane][4] (q8_0 offset, and signed for sdot)
-LAYOUT_ISAS = ["avx512", "avx512vnni", "avx2dot", "neondot"]
+LAYOUT_ISAS = ["avx512", "avx512vnni", "avx2dot", "avx512dot", "neondot"]
 
 
 @pytest.mark.parametrize("dtype", sorted(QTYPES))
@@ -174,18 +174,19 @@ def test_silu_mul_on_an_interleaved_quantized_gate_up(isa, dtype):
                                    err_msg=f"m={m}")
 
 
-def test_avx2dot_pair_sums_at_their_largest_do_not_saturate():
+@pytest.mark.parametrize("isa", [isa for isa, spec in sorted(ISAS.items()) if spec.emulated_dot])
+def test_emulated_dot_pair_sums_at_their_largest_do_not_saturate(isa):
     """``vpmaddubsw`` adds two byte products into a saturating int16. q8_0 values of +-127 against
     activations of +-127 signed alike, so every pair sum is the largest it can be (2 x 127 x 127),
     still give the exact product; stored unsigned (q + 128), they would saturate."""
-    require_runnable("avx2dot")
-    n, k = 24, 128
+    require_runnable(isa)
+    n, k = 3 * ISAS[isa].lanes, 128
     signs = np.where(np.random.default_rng(5).random((n, k)) < 0.5, -1.0, 1.0).astype(np.float32)
-    layout = WeightLayout("avx2dot", "q8_0")
+    layout = WeightLayout(isa, "q8_0")
     wp = layout.pack(signs)
     w = layout.unpack(wp, n, k)
     shape = GemmShape(n, k, "q8_0")
-    fn = _build(shape, default_buckets(shape, 2, None, "avx2dot"))
+    fn = _build(shape, default_buckets(shape, 2, None, isa))
     for m in (1, 2, 4, 7):
         a = 0.5 * signs[:m]
         y = tvm.runtime.empty((m, n), "float32", tvm.cpu())

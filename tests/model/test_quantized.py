@@ -135,6 +135,10 @@ def test_activation_modes():
     avx2 = frozenset({"avx2", "fma"})  # AVX2 alone: vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 kernels
     assert kernel_isa("avx2", "q8_0", avx2) == "avx2dot" and resolve_activations("auto", "q4_1", avx2)
     assert kernel_isa("avx2", "q8_0", avx2 | {"avx_vnni"}) == "avxvnni"
+    skylake = plain | {"avx512bw"}  # AVX-512 without VNNI: avx2dot's multiply-adds in 16 lanes
+    assert kernel_isa("avx512", "q4_0", skylake) == "avx512dot"
+    assert resolve_activations("auto", "q8_0", skylake)
+    assert kernel_isa("avx512", "q4_0", skylake | {"avx512_vnni"}) == "avx512vnni"
     with pytest.raises(SpecError, match="VNNI"):
         resolve_activations("int8", "q8_0", plain)
     with pytest.raises(SpecError, match="quantized weights"):
