@@ -62,7 +62,8 @@ def add_dtype_arg(parser: argparse.ArgumentParser, activations: bool = True) -> 
         return
     parser.add_argument("--activations", choices=ACTIVATIONS, default="auto",
                         help="what quantized weights multiply (default auto: int8, quantized per row and "
-                             "block of 32, on VNNI, Arm dotprod or AMX where the CPU has them, as "
+                             "block of 32, on VNNI, AVX2's or AVX-512BW's vpmaddubsw, Arm dotprod or AMX "
+                             "where the CPU has them, as "
                              "llama.cpp does; float32: the weights dequantized in registers, exactly "
                              "their values)")
 
