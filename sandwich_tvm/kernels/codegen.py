@@ -252,44 +252,39 @@ define linkonce_odr <{L} x i32> @{name}(<{L} x i32> %acc, <{L} x i32> %w, <{L} x
   ret <{L} x i32> %r
 }}
 """
-_UNSIGNED_BODY = """\
-  %u = bitcast <{B} x i8> %wb to <{B} x i8>
-  %s = bitcast <{B} x i8> %ab to <{B} x i8>
-"""
-_SIGN_BODY = {  # |w| and the activation with w's sign
-    "avx2dot": """\
-  %u = call <32 x i8> @llvm.abs.v32i8(<32 x i8> %wb, i1 false)
+# ISA: its two multiply-adds, then how the activation takes w's sign (``%s``) and what that declares
+_MADD = {
+    "avx2dot": ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", """\
   %s = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> %ab, <32 x i8> %wb)
-""",
-    "avx512dot": """\
-  %u = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %wb, i1 false)
+""", "declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)\n"),
+    "avx512dot": ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", """\
   %neg = icmp slt <64 x i8> %wb, zeroinitializer
   %na = sub <64 x i8> zeroinitializer, %ab
   %s = select <64 x i1> %neg, <64 x i8> %na, <64 x i8> %ab
-"""}
-_MADD_DECLARE = {
-    "avx2dot": ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", """
-declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
-declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)"""),
-    "avx512dot": ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", """
-declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)"""),
+""", ""),
 }
 
 
 def _madd_ll(isa: str) -> str:
-    """``sandwich_dot4`` and ``sandwich_dot4u`` of an ISA without a dot product (avx2dot, avx512dot)."""
+    """``sandwich_dot4`` (q8_0's signed values: |w| times the activation with w's sign) and
+    ``sandwich_dot4u`` (4-bit values as they are) of an ISA without a dot product."""
+    maddubs, maddwd, signed, sign_declare = _MADD[isa]
     lanes = ISAS[isa].lanes
-    maddubs, maddwd, extra = _MADD_DECLARE[isa]
-    sizes = {"L": lanes, "B": 4 * lanes, "H": 2 * lanes}
-    fields = {**sizes, "maddubs": maddubs, "maddwd": maddwd, "ones": ", ".join(["i16 1"] * 2 * lanes)}
-    declare = (f"\ndeclare <{2 * lanes} x i16> @{maddubs}(<{4 * lanes} x i8>, <{4 * lanes} x i8>)"
-               f"\ndeclare <{lanes} x i32> @{maddwd}(<{2 * lanes} x i16>, <{2 * lanes} x i16>){extra}\n")
-    return declare + "".join(_MADD_TEMPLATE.format(name=name, body=body.format(**sizes), **fields)
-                             for name, body in (("sandwich_dot4", _SIGN_BODY[isa]),
-                                                ("sandwich_dot4u", _UNSIGNED_BODY)))
+    b, h = 4 * lanes, 2 * lanes
+    fields = {"L": lanes, "B": b, "H": h, "maddubs": maddubs, "maddwd": maddwd,
+              "ones": ", ".join(["i16 1"] * h)}
+    declare = (f"\ndeclare <{h} x i16> @{maddubs}(<{b} x i8>, <{b} x i8>)"
+               f"\ndeclare <{lanes} x i32> @{maddwd}(<{h} x i16>, <{h} x i16>)"
+               f"\ndeclare <{b} x i8> @llvm.abs.v{b}i8(<{b} x i8>, i1)\n{sign_declare}")
+    absolute = f"  %u = call <{b} x i8> @llvm.abs.v{b}i8(<{b} x i8> %wb, i1 false)\n"
+    as_they_are = (f"  %u = bitcast <{b} x i8> %wb to <{b} x i8>\n"
+                   f"  %s = bitcast <{b} x i8> %ab to <{b} x i8>\n")
+    return declare + "".join(_MADD_TEMPLATE.format(name=name, body=body, **fields)
+                             for name, body in (("sandwich_dot4", absolute + signed),
+                                                ("sandwich_dot4u", as_they_are)))
 
 
-DOT4_LL |= {isa: _madd_ll(isa) for isa in _MADD_DECLARE}
+DOT4_LL |= {isa: _madd_ll(isa) for isa in _MADD}
 DOT_LL = {**DPBF16_LL, **DOT4_LL}
 
 # Two fp32 vectors (k even, k odd of 16 columns) to 16 bf16 pairs, rounded to nearest even:
